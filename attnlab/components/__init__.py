@@ -1,0 +1,1 @@
+"""Reusable Transformer parts; each takes explicit arguments, never a ModelConfig."""

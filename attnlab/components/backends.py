@@ -1,0 +1,130 @@
+"""Scaled dot-product attention, two ways: written out ("eager") and PyTorch's fused kernel ("sdpa").
+
+    Attention(Q, K, V) = softmax(Q K^T * scale + bias, masked) V        (Vaswani et al. 2017, eq. 1)
+
+Both take the same arguments and give the same numbers; only the eager path can return the
+probabilities (for pictures), and only the sdpa path reaches the flash / memory-efficient kernels,
+which never materialise the (T, S) score matrix. A float `bias` (ALiBi, T5) turns the boolean mask
+into an additive float mask, which keeps SDPA off its flash kernel.
+
+Shapes: B batch, H query heads, K kv heads, G = H // K, T queries, S keys, D head_dim.
+"""
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.components.masks import causal_mask
+
+Backend = Literal["sdpa", "eager"]
+
+
+def repeat_kv(x: Tensor, G: int) -> Tensor:
+    """Share each kv head with G query heads (GQA/MQA).
+
+        kv heads:    k0          k1
+        query heads: q0 q1 q2    q3 q4 q5     (G = 3)
+
+    Args:
+        x: (B, K, S, D).
+
+    Returns:
+        (B, K * G, S, D), head h reading kv head h // G.
+    """
+    if G == 1:
+        return x
+    B, K, S, D = x.shape
+    return x[:, :, None].expand(B, K, G, S, D).reshape(B, K * G, S, D)  # (B, H, S, D)
+
+
+def eager_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention written out step by step; softmax in fp32; fully masked rows give zeros.
+
+    Args:
+        q: (B, H, T, D) queries.  k, v: (B, K, S, D) keys and values, K divides H.
+        mask: bool, broadcastable to (B, H, T, S), True = may attend.
+        bias: float, broadcastable to (B, H, T, S), added to the scores.
+        is_causal: also apply a causal mask (queries are the last T of S positions).
+        scale: score scale; None -> 1 / sqrt(D).
+        dropout: dropout probability on the attention probabilities.
+        return_weights: also return the probabilities.
+
+    Returns:
+        out: (B, H, T, D); weights: (B, H, T, S) fp32 probabilities, or None.
+    """
+    H, T, D = q.shape[1], q.shape[2], q.shape[3]
+    S = k.shape[2]
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])  # (B, H, S, D)
+    scale = D**-0.5 if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, S), fp32
+    if bias is not None:
+        scores = scores + bias
+    if is_causal:
+        mask = _with_causal(mask, T, S, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (B, H, T, S); a fully masked row is all NaN here
+    if mask is not None:
+        # exp(-inf) everywhere gives 0/0: such a row attends to nothing, so it reads nothing.
+        probs = probs.masked_fill(~mask, 0.0)
+    attn = F.dropout(probs, p=dropout) if dropout > 0 else probs
+    out = (attn @ v.float()).to(q.dtype)  # (B, H, T, D)
+    return out, (probs if return_weights else None)
+
+
+def sdpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, None]:
+    """The same computation through `F.scaled_dot_product_attention` (flash / efficient / math).
+
+    Arguments and shapes as `eager_attention`; `return_weights` is not supported here.
+    """
+    if return_weights:
+        raise ValueError("the sdpa backend cannot return attention weights; use backend='eager'")
+    H, T, S = q.shape[1], q.shape[2], k.shape[2]
+    G = H // k.shape[1]
+    k, v = repeat_kv(k, G), repeat_kv(v, G)  # (B, H, S, D)
+    if mask is None and bias is None and (not is_causal or T == S):
+        # The fast path: no mask tensor at all lets SDPA pick its flash kernel.
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale
+        ), None
+    if is_causal:
+        mask = _with_causal(mask, T, S, q.device)
+    attn_mask = mask
+    if bias is not None:
+        attn_mask = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale)
+    if mask is not None:
+        # SDPA leaves NaN in rows that may attend to nothing; the eager path's convention is zeros.
+        out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # (B, H, T, D)
+    return out, None
+
+
+def _with_causal(mask: Tensor | None, T: int, S: int, device) -> Tensor:
+    """`mask` AND a causal (T, S) mask."""
+    causal = causal_mask(T, S, device=device)  # (T, S)
+    return causal if mask is None else mask & causal
+
+
+BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}

@@ -1,0 +1,88 @@
+"""Transformer blocks: a stack of residual sublayers, pre-norm or post-norm.
+
+    post-norm (Vaswani et al. 2017):   x = norm(x + dropout(sublayer(x)))
+    pre-norm  (GPT-2, Llama, T5):      x = x + dropout(sublayer(norm(x)))
+
+Post-norm is the original; pre-norm keeps an unnormalised residual path from input to output,
+which trains deep stacks without warm-up tricks (Xiong et al. 2020), and needs a final norm after
+the last block (the model adds it).
+
+    EncoderBlock:  self-attention -> FFN
+    DecoderBlock:  self-attention (causal) -> [cross-attention to memory] -> FFN
+
+Shapes: B batch, T length, S memory length, C d_model.
+"""
+
+from typing import Literal
+
+from torch import Tensor, nn
+
+from attnlab.components.attention import Attention
+from attnlab.components.positions.base import PositionScheme
+
+Placement = Literal["pre", "post"]
+
+
+class Residual(nn.Module):
+    """One residual sublayer with its norm and dropout, pre- or post-norm."""
+
+    def __init__(self, norm: nn.Module, placement: Placement, dropout: float):
+        super().__init__()
+        if placement not in ("pre", "post"):
+            raise ValueError(f"unknown norm placement {placement!r}; choose 'pre' or 'post'")
+        self.norm, self.pre, self.drop = norm, placement == "pre", nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        """x: (B, T, C); sublayer: a callable (B, T, C) -> (B, T, C)."""
+        if self.pre:
+            return x + self.drop(sublayer(self.norm(x)))
+        return self.norm(x + self.drop(sublayer(x)))
+
+
+class DecoderBlock(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward; each a residual sublayer.
+
+    Args:
+        self_attn: an Attention.  ffn: MLP or GatedMLP.
+        norms: one norm per sublayer (2, or 3 with cross-attention).
+        cross_attn: an Attention built with cross=True, or None (decoder-only models).
+        placement: "pre" or "post".  dropout: residual dropout.
+    """
+
+    def __init__(self, self_attn: Attention, ffn: nn.Module, norms: list[nn.Module],
+                 cross_attn: Attention | None = None, placement: Placement = "pre",
+                 dropout: float = 0.0):
+        super().__init__()
+        expected = 2 if cross_attn is None else 3
+        if len(norms) != expected:
+            raise ValueError(f"this block has {expected} sublayers but got {len(norms)} norms")
+        self.self_attn, self.cross_attn, self.ffn = self_attn, cross_attn, ffn
+        self.residuals = nn.ModuleList(Residual(n, placement, dropout) for n in norms)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        is_causal: bool = False,
+        positions: PositionScheme | None = None,
+        pos: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cache=None,
+    ) -> Tensor:
+        """x: (B, T, C), memory: (B, S, C) -> (B, T, C). Masks are bool, True = may attend."""
+        res = iter(self.residuals)
+        x = next(res)(x, lambda h: self.self_attn(
+            h, mask, is_causal=is_causal, positions=positions, q_pos=pos, cache=cache))
+        if self.cross_attn is not None:
+            x = next(res)(x, lambda h: self.cross_attn(h, memory_mask, memory=memory))
+        return next(res)(x, self.ffn)  # (B, T, C)
+
+
+class EncoderBlock(DecoderBlock):
+    """Self-attention then feed-forward (no cross-attention): BERT, the 2017 encoder, ViT."""
+
+    def __init__(self, self_attn: Attention, ffn: nn.Module, norms: list[nn.Module],
+                 placement: Placement = "pre", dropout: float = 0.0):
+        super().__init__(self_attn, ffn, norms, None, placement, dropout)

@@ -1,0 +1,45 @@
+"""Token embedding (with optional sqrt(d_model) scaling) and the output head it can be tied to.
+
+Vaswani et al. 2017 §3.4 multiply the embedding by sqrt(d_model) and share one matrix between the
+input embedding and the pre-softmax projection ("weight tying", Press & Wolf 2017).
+
+Shapes: B batch, T length, C d_model, V vocab_size.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class TokenEmbedding(nn.Embedding):
+    """Token ids -> vectors, checking ids against the vocabulary.
+
+    Args:
+        vocab_size: V.  d_model: C.  scale: multiply by sqrt(C) (2017 paper).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, scale: bool = False):
+        super().__init__(vocab_size, d_model)
+        self.multiplier = math.sqrt(d_model) if scale else 1.0
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids: (B, T) int64 in [0, V) -> (B, T, C)."""
+        check_token_ids(ids, self.num_embeddings)
+        x = super().forward(ids)  # (B, T, C)
+        return x * self.multiplier if self.multiplier != 1.0 else x
+
+
+def check_token_ids(ids: Tensor, vocab_size: int) -> None:
+    """ValueError naming the first id outside [0, vocab_size) (a host sync: boundaries only)."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ids.numel() and bool(bad.any()):
+        value = int(ids[bad][0])
+        raise ValueError(f"token id {value} is outside the vocabulary [0, {vocab_size})")
+
+
+def tie_weights(head: nn.Linear, embedding: nn.Embedding) -> None:
+    """Share one (V, C) matrix between the input embedding and the output head."""
+    head.weight = embedding.weight

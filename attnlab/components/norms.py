@@ -1,0 +1,64 @@
+"""Normalisation layers: LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019).
+
+Both compute their statistics in fp32 whatever the input dtype (a bf16 variance over thousands of
+features loses most of its digits), then return the input dtype.
+
+Shapes: (..., C) in, (..., C) out.
+"""
+
+import torch
+from torch import Tensor, nn
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, statistics over the last dimension.
+
+    Args:
+        dim: normalised width C.  eps: added to the variance.  bias: learn an additive bias.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)  # (..., 1)
+        var = (h - mean).pow(2).mean(-1, keepdim=True)  # (..., 1), biased as in the paper
+        h = (h - mean) * torch.rsqrt(var + self.eps)
+        h = h * self.weight.float()
+        if self.bias is not None:
+            h = h + self.bias.float()
+        return h.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight: LayerNorm without centring or bias.
+
+    Args:
+        dim: normalised width C.  eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., C)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def build_norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
+    """A norm by name ("layernorm" | "rmsnorm"); `bias` applies to LayerNorm only."""
+    if kind == "layernorm":
+        return LayerNorm(dim, eps, bias=bias)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps)
+    raise ValueError(f"unknown norm {kind!r}; choose from {list(NORMS)}")

@@ -1,0 +1,113 @@
+"""Plain-data helpers shared by every config dataclass: to/from dicts, checked Literals, overrides.
+
+Configs are frozen dataclasses; JSON files and `--section.field=value` flags only *override* their
+fields through `dataclasses.replace`, so every default is written once, in the dataclass.
+"""
+
+import dataclasses
+import types
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+C = TypeVar("C")
+
+
+def to_dict(cfg) -> dict:
+    """A dataclass (nested ones included) as plain JSON-ready data."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type[C], data: dict) -> C:
+    """Build `cls` from plain data, recursing into nested dataclass fields; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}: {data!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; valid fields: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = _dataclass_in(hints[key])
+        kwargs[key] = from_dict(sub, value) if sub and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def check_literals(cfg) -> None:
+    """Raise a ValueError for any field whose value is not among its Literal's choices."""
+    hints = get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        choices = _literal_choices(hints[f.name])
+        value = getattr(cfg, f.name)
+        if choices is not None and value not in choices:
+            raise ValueError(
+                f"{type(cfg).__name__}.{f.name}={value!r} is not one of {list(choices)}"
+            )
+
+
+def parse_value(annotation, text: str) -> Any:
+    """Convert a command-line string to a field's type (int, float, bool, str, None, Literal)."""
+    args = get_args(annotation) if _is_union(annotation) else (annotation,)
+    if text.lower() in ("none", "null") and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        if get_origin(arg) is Literal:
+            if text in [str(c) for c in get_args(arg)]:
+                return next(c for c in get_args(arg) if str(c) == text)
+            continue
+        if arg is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            continue
+        try:
+            return arg(text)
+        except (TypeError, ValueError):
+            continue
+    raise ValueError(f"cannot read {text!r} as {annotation}")
+
+
+def override(cfg: C, path: str, text: str) -> C:
+    """Return `cfg` with the (dotted) field `path` set from the string `text`."""
+    head, _, rest = path.partition(".")
+    hints = get_type_hints(type(cfg))
+    if head not in hints:
+        fields = sorted(hints)
+        raise ValueError(f"{type(cfg).__name__} has no field {head!r}; valid fields: {fields}")
+    if rest:
+        current = getattr(cfg, head)
+        if current is None:
+            sub = _dataclass_in(hints[head])
+            if sub is None:
+                raise ValueError(f"{head!r} is not a section, cannot set {path!r}")
+            raise ValueError(f"{path!r}: section {head!r} is None; set it in a config file first")
+        return dataclasses.replace(cfg, **{head: override(current, rest, text)})
+    return dataclasses.replace(cfg, **{head: parse_value(hints[head], text)})
+
+
+def _is_union(annotation) -> bool:
+    return get_origin(annotation) in (Union, types.UnionType)
+
+
+def _literal_choices(annotation) -> tuple | None:
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if _is_union(annotation):
+        lits = [a for a in get_args(annotation) if get_origin(a) is Literal]
+        if lits:
+            return get_args(lits[0]) + ((None,) if type(None) in get_args(annotation) else ())
+    return None
+
+
+def _dataclass_in(annotation) -> type | None:
+    """The dataclass type inside `X` or `X | None`, if any."""
+    candidates = get_args(annotation) if _is_union(annotation) else (annotation,)
+    for c in candidates:
+        if dataclasses.is_dataclass(c):
+            return c
+    return None
+
+
+__all__ = ["to_dict", "from_dict", "check_literals", "parse_value", "override"]

@@ -1,0 +1,126 @@
+"""The one place that turns a ModelConfig's names into modules.
+
+Components never see a ModelConfig: this module reads the config, looks each variant up in its
+component's small registry, and passes built submodules into blocks and models.
+"""
+
+from torch import nn
+
+from attnlab.components.attention import Attention
+from attnlab.components.blocks import DecoderBlock, EncoderBlock
+from attnlab.components.embedding import TokenEmbedding, tie_weights
+from attnlab.components.ffn import ACTIVATIONS, MLP, GatedMLP
+from attnlab.components.init import init_weights
+from attnlab.components.norms import build_norm
+from attnlab.components.positions import (
+    ALiBi,
+    LearnedPosition,
+    NoPosition,
+    PositionScheme,
+    RoPE,
+    SinusoidalPosition,
+    T5Bias,
+)
+from attnlab.models.config import ModelConfig
+from attnlab.models.decoder import DecoderLM
+from attnlab.models.encoder import Encoder, EncoderForClassification, EncoderForMLM, MLMHead
+from attnlab.models.encoder_decoder import EncoderDecoder
+
+
+def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
+    """The position scheme of one stack (T5's bias is causal in the decoder, bidirectional else)."""
+    a = cfg.attention
+    builders = {
+        "none": lambda: NoPosition(),
+        "sinusoidal": lambda: SinusoidalPosition(cfg.d_model, cfg.max_seq_len),
+        "learned": lambda: LearnedPosition(cfg.max_seq_len, cfg.d_model),
+        "rope": lambda: RoPE(cfg.head_dim, cfg.max_seq_len, cfg.rope.theta, cfg.rope.layout,
+                             cfg.rope.partial_rotary, cfg.rope.scaling),
+        "alibi": lambda: ALiBi(a.n_heads),
+        "t5_bias": lambda: T5Bias(a.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance,
+                                  bidirectional=not causal),
+    }
+    return builders[cfg.position]()
+
+
+def build_attention(cfg: ModelConfig, cross: bool = False) -> Attention:
+    a = cfg.attention
+    return Attention(
+        cfg.d_model, a.n_heads, a.n_kv_heads, a.head_dim, qkv_bias=a.qkv_bias,
+        out_bias=a.out_bias, qk_norm=a.qk_norm, dropout=cfg.dropout, scale=a.softmax_scale,
+        backend=a.backend, cross=cross, norm_eps=cfg.norm_eps,
+    )
+
+
+def build_ffn(cfg: ModelConfig) -> nn.Module:
+    if cfg.ffn == "mlp":
+        return MLP(cfg.d_model, cfg.ffn_width, cfg.activation, cfg.ffn_bias, cfg.dropout)
+    gate = "silu" if cfg.ffn == "swiglu" else cfg.activation
+    return GatedMLP(cfg.d_model, cfg.ffn_width, gate, cfg.ffn_bias, cfg.dropout)
+
+
+def build_norm_for(cfg: ModelConfig) -> nn.Module:
+    return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+
+
+def build_block(cfg: ModelConfig, causal: bool, cross: bool = False) -> nn.Module:
+    """An EncoderBlock (causal=False) or a DecoderBlock, with cross-attention if `cross`."""
+    norms = [build_norm_for(cfg) for _ in range(3 if cross else 2)]
+    if not causal:
+        return EncoderBlock(build_attention(cfg), build_ffn(cfg), norms, cfg.norm_placement,
+                            cfg.dropout)
+    cross_attn = build_attention(cfg, cross=True) if cross else None
+    return DecoderBlock(build_attention(cfg), build_ffn(cfg), norms, cross_attn,
+                        cfg.norm_placement, cfg.dropout)
+
+
+def _final_norm(cfg: ModelConfig) -> nn.Module:
+    return build_norm_for(cfg) if cfg.has_final_norm else nn.Identity()
+
+
+def build_encoder(cfg: ModelConfig, embed: TokenEmbedding) -> Encoder:
+    blocks = [build_block(cfg, causal=False) for _ in range(cfg.n_layers)]
+    types = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+    embed_norm = build_norm_for(cfg) if cfg.embed_norm else None
+    return Encoder(embed, build_positions(cfg, causal=False), blocks, _final_norm(cfg), types,
+                   embed_norm, cfg.dropout)
+
+
+def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross: bool) -> DecoderLM:
+    blocks = [build_block(cfg, causal=True, cross=cross) for _ in range(n_layers)]
+    head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    if cfg.tie_embeddings:
+        tie_weights(head, embed)
+    head_scale = cfg.d_model**-0.5 if cfg.head_rescale else 1.0
+    return DecoderLM(embed, build_positions(cfg, causal=True), blocks, _final_norm(cfg), head,
+                     cfg.dropout, cfg.attention.sliding_window, head_scale)
+
+
+def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
+    """Build the model a config describes, initialised with its init scheme.
+
+    Args:
+        cfg: the model config.
+        n_labels: for an encoder, build a sequence classifier with this many labels instead of
+            the masked-LM model.
+
+    Returns:
+        DecoderLM ("decoder"), EncoderForMLM / EncoderForClassification ("encoder"), or
+        EncoderDecoder ("encoder_decoder").
+    """
+    embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings)
+    if cfg.arch == "decoder":
+        model = build_decoder(cfg, embed, cfg.n_layers, cross=False)
+    elif cfg.arch == "encoder_decoder":
+        model = EncoderDecoder(build_encoder(cfg, embed),
+                               build_decoder(cfg, embed, cfg.decoder_layers, cross=True))
+    elif n_labels is not None:
+        model = EncoderForClassification(build_encoder(cfg, embed), cfg.d_model, n_labels,
+                                         cfg.dropout)
+    else:
+        head = MLMHead(cfg.d_model, cfg.vocab_size, build_norm_for(cfg), ACTIVATIONS[cfg.activation])
+        if cfg.tie_embeddings:
+            tie_weights(head.decoder, embed)
+        model = EncoderForMLM(build_encoder(cfg, embed), head)
+    init_weights(model, cfg.init, cfg.n_layers, cfg.init_std)
+    return model

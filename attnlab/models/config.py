@@ -1,0 +1,151 @@
+"""ModelConfig: one typed, validated description of every model attnlab builds.
+
+A config is plain data (frozen dataclasses of numbers and names). `models/build.py` is the only
+place that turns it into modules; presets live in `models/presets.py`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from attnlab.components.ffn import gated_d_ff
+from attnlab.components.positions.rope import RopeScaling
+from attnlab.configs import check_literals
+
+Arch = Literal["decoder", "encoder", "encoder_decoder"]
+Position = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5_bias"]
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Attention heads and options.
+
+    n_kv_heads: None -> n_heads (MHA); 1 -> MQA; a divisor of n_heads -> GQA.
+    head_dim: None -> d_model // n_heads.  softmax_scale: None -> 1/sqrt(head_dim) (T5: 1.0).
+    sliding_window: each token sees itself and the window - 1 tokens before it (Mistral).
+    """
+
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    softmax_scale: float | None = None
+    sliding_window: int | None = None
+    backend: Literal["sdpa", "eager"] = "sdpa"
+
+    def __post_init__(self):
+        check_literals(self)
+        if self.n_heads < 1:
+            raise ValueError(f"n_heads must be >= 1, got {self.n_heads}")
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        if kv < 1 or self.n_heads % kv:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings (used when position == "rope")."""
+
+    theta: float = 10000.0
+    layout: Literal["half", "interleaved"] = "half"
+    partial_rotary: float = 1.0
+    scaling: RopeScaling | None = None
+
+    def __post_init__(self):
+        check_literals(self)
+        if not 0.0 < self.partial_rotary <= 1.0:
+            raise ValueError(f"partial_rotary must be in (0, 1], got {self.partial_rotary}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every architecture attnlab builds: decoder-only, encoder-only, encoder-decoder.
+
+    Names follow the glossary: d_model, n_layers, vocab_size, max_seq_len, d_ff, norm_eps.
+    n_decoder_layers: encoder-decoder only, None -> n_layers.
+    d_ff: None -> 4 * d_model (mlp) or 8/3 * d_model rounded up to 64 (swiglu, geglu).
+    activation: of the mlp, and of the geglu gate ("gelu" or "gelu_tanh"); swiglu uses SiLU.
+    final_norm: None -> a final norm after the last block exactly when norm_placement == "pre".
+    head_rescale: multiply the final hidden state by d_model^-0.5 before a tied head (T5 v1.0).
+    embed_norm, type_vocab_size: BERT's embedding LayerNorm and segment embeddings.
+    """
+
+    arch: Arch
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    max_seq_len: int
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    n_decoder_layers: int | None = None
+    position: Position = "rope"
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    norm_placement: Literal["pre", "post"] = "pre"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    final_norm: bool | None = None
+    ffn: Literal["mlp", "swiglu", "geglu"] = "swiglu"
+    activation: Literal["relu", "gelu", "gelu_tanh", "silu"] = "gelu"
+    d_ff: int | None = None
+    ffn_bias: bool = False
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    scale_embeddings: bool = False
+    head_rescale: bool = False
+    embed_norm: bool = False
+    type_vocab_size: int = 0
+    init: Literal["gpt2", "xavier", "trunc_normal"] = "gpt2"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        check_literals(self)
+        for name in ("d_model", "n_layers", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        a = self.attention
+        if a.head_dim is None and self.d_model % a.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={a.n_heads}; "
+                "pick another n_heads or set attention.head_dim"
+            )
+        if self.position == "rope":
+            rotary_dim = int(self.head_dim * self.rope.partial_rotary)
+            if self.head_dim % 2 or rotary_dim % 2:
+                raise ValueError(
+                    f"RoPE rotates pairs of features: head_dim={self.head_dim} "
+                    f"(rotary part {rotary_dim}) must be even"
+                )
+        if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"geglu gates with gelu or gelu_tanh, not activation={self.activation!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        a = self.attention
+        return self.d_model // a.n_heads if a.head_dim is None else a.head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        a = self.attention
+        return a.n_heads if a.n_kv_heads is None else a.n_kv_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The resolved d_ff."""
+        if self.d_ff is not None:
+            return self.d_ff
+        return 4 * self.d_model if self.ffn == "mlp" else gated_d_ff(self.d_model)
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers

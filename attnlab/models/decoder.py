@@ -1,0 +1,94 @@
+"""Decoder: token embedding, blocks, final norm, LM head (GPT-2 and Llama from the same code).
+
+The same class is the decoder half of an encoder-decoder model: give its blocks cross-attention
+and pass `memory` (the encoder's output) to `forward`.
+
+Shapes: B batch, T new tokens, S keys (cached + new), M memory length, C d_model, V vocab_size.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.components.masks import causal_mask, padding_mask, sliding_window_mask
+from attnlab.components.positions.base import PositionScheme
+
+
+def self_attention_mask(
+    T: int, S: int, attention_mask: Tensor | None, window: int | None, device
+) -> tuple[Tensor | None, bool]:
+    """The causal self-attention mask of a decoder, and whether SDPA may use is_causal instead.
+
+    Args:
+        T: new query tokens.  S: key positions (cached + new); queries are the last T of them.
+        attention_mask: (B, S) True = real token, or None (no padding).
+        window: sliding window, or None.
+
+    Returns:
+        (mask, is_causal): mask bool (T, S) or (B, 1, T, S), or None with is_causal=True.
+    """
+    if attention_mask is None and window is None:
+        return None, True
+    mask = causal_mask(T, S, device) if window is None else sliding_window_mask(T, window, S, device)
+    if attention_mask is not None:
+        mask = mask & padding_mask(attention_mask)  # (B, 1, T, S)
+    return mask, False
+
+
+class DecoderLM(nn.Module):
+    """A stack of causal blocks that maps token ids to next-token logits.
+
+    Args:
+        embed: TokenEmbedding (V, C).  positions: the position scheme (shared by all blocks).
+        blocks: DecoderBlocks.  norm: final norm or Identity.  head: Linear(C, V), maybe tied.
+        dropout: on the embeddings.  window: sliding window of self-attention, or None.
+        head_scale: multiplies the final hidden state (T5 v1.0's tied head: d_model^-0.5).
+    """
+
+    def __init__(self, embed: nn.Embedding, positions: PositionScheme, blocks: list[nn.Module],
+                 norm: nn.Module, head: nn.Linear, dropout: float = 0.0,
+                 window: int | None = None, head_scale: float = 1.0):
+        super().__init__()
+        self.embed, self.positions = embed, positions
+        self.blocks = nn.ModuleList(blocks)
+        self.norm, self.head = norm, head
+        self.drop = nn.Dropout(dropout)
+        self.window, self.head_scale = window, head_scale
+
+    def forward(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        pos: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        caches: list | None = None,
+    ) -> Tensor:
+        """Next-token logits.
+
+        Args:
+            ids: (B, T) token ids.
+            attention_mask: (B, S) True = real token (S = T without a cache); None = no padding.
+            pos: (T,) or (B, T) absolute positions of `ids`; default 0..T-1.
+            memory: (B, M, C) encoder output, for blocks with cross-attention.
+            memory_mask: (B, M) True = real memory token.
+            caches: one KV cache per block, or None.
+
+        Returns:
+            (B, T, V) logits.
+        """
+        B, T = ids.shape
+        if pos is None:
+            pos = torch.arange(T, device=ids.device)
+        S = T if attention_mask is None else attention_mask.shape[-1]
+        mask, is_causal = self_attention_mask(T, S, attention_mask, self.window, ids.device)
+        cross_mask = None if memory_mask is None else padding_mask(memory_mask)  # (B, 1, 1, M)
+        x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask, is_causal=is_causal, positions=self.positions, pos=pos,
+                      memory=memory, memory_mask=cross_mask,
+                      cache=None if caches is None else caches[i])
+        x = self.norm(x)  # (B, T, C)
+        if self.head_scale != 1.0:
+            x = x * self.head_scale
+        return self.head(x)  # (B, T, V)

@@ -1,0 +1,97 @@
+"""Encoder: bidirectional blocks over token embeddings (BERT, the 2017 encoder, T5's encoder),
+with the heads BERT puts on top: masked-LM and sequence classification.
+
+Shapes: B batch, T length, C d_model, V vocab_size, N labels.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.components.masks import padding_mask
+from attnlab.components.positions.base import PositionScheme
+
+
+class Encoder(nn.Module):
+    """Token (+ segment) embeddings with positions, then bidirectional blocks.
+
+    Args:
+        embed: TokenEmbedding.  positions: the position scheme.  blocks: EncoderBlocks.
+        norm: final norm (pre-norm stacks) or Identity.
+        type_embed: segment embeddings (BERT) or None.  embed_norm: norm after embedding, or Identity.
+        dropout: on the embeddings.
+    """
+
+    def __init__(self, embed: nn.Embedding, positions: PositionScheme, blocks: list[nn.Module],
+                 norm: nn.Module, type_embed: nn.Embedding | None = None,
+                 embed_norm: nn.Module | None = None, dropout: float = 0.0):
+        super().__init__()
+        self.embed, self.positions, self.type_embed = embed, positions, type_embed
+        self.embed_norm = nn.Identity() if embed_norm is None else embed_norm
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> Tensor:
+        """ids: (B, T); attention_mask: (B, T) True = real token -> hidden states (B, T, C)."""
+        T = ids.shape[1]
+        pos = torch.arange(T, device=ids.device)
+        x = self.positions.embed(self.embed(ids), pos)  # (B, T, C)
+        if self.type_embed is not None:
+            types = torch.zeros_like(ids) if token_type_ids is None else token_type_ids
+            x = x + self.type_embed(types)
+        x = self.drop(self.embed_norm(x))
+        mask = None if attention_mask is None else padding_mask(attention_mask)  # (B, 1, 1, T)
+        for block in self.blocks:
+            x = block(x, mask, positions=self.positions, pos=pos)
+        return self.norm(x)  # (B, T, C)
+
+
+class MLMHead(nn.Module):
+    """BERT's masked-LM head: dense -> GELU -> norm -> decoder (tied to the embedding) + bias."""
+
+    def __init__(self, d_model: int, vocab_size: int, norm: nn.Module, activation):
+        super().__init__()
+        self.dense = nn.Linear(d_model, d_model)
+        self.act, self.norm = activation, norm
+        self.decoder = nn.Linear(d_model, vocab_size)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.decoder(self.norm(self.act(self.dense(h))))  # (B, T, C) -> (B, T, V)
+
+
+class EncoderForMLM(nn.Module):
+    """Encoder + masked-LM head: the BERT pre-training model (logits for every position)."""
+
+    def __init__(self, encoder: Encoder, head: MLMHead):
+        super().__init__()
+        self.encoder, self.head = encoder, head
+
+    def forward(self, ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> Tensor:
+        """ids: (B, T) -> logits (B, T, V)."""
+        return self.head(self.encoder(ids, attention_mask, token_type_ids))
+
+
+class EncoderForClassification(nn.Module):
+    """Encoder + BERT pooler (tanh dense on the first token) + a linear classifier.
+
+    Args:
+        encoder: an Encoder.  d_model: C.  n_labels: N.  dropout: before the classifier.
+    """
+
+    def __init__(self, encoder: Encoder, d_model: int, n_labels: int, dropout: float = 0.0):
+        super().__init__()
+        if n_labels < 1:
+            raise ValueError(f"n_labels must be >= 1, got {n_labels}")
+        self.encoder = encoder
+        self.pooler = nn.Linear(d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.classifier = nn.Linear(d_model, n_labels)
+
+    def forward(self, ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> Tensor:
+        """ids: (B, T) -> class logits (B, N)."""
+        h = self.encoder(ids, attention_mask, token_type_ids)  # (B, T, C)
+        pooled = torch.tanh(self.pooler(h[:, 0]))  # (B, C): the first ([CLS]) token
+        return self.classifier(self.drop(pooled))  # (B, N)
