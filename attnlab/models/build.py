@@ -14,6 +14,7 @@ from attnlab.components.init import init_weights
 from attnlab.components.norms import build_norm
 from attnlab.components.positions import (
     ALiBi,
+    DynamicNTKRoPE,
     LearnedPosition,
     NoPosition,
     PositionScheme,
@@ -34,13 +35,20 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         "none": lambda: NoPosition(),
         "sinusoidal": lambda: SinusoidalPosition(cfg.d_model, cfg.max_seq_len),
         "learned": lambda: LearnedPosition(cfg.max_seq_len, cfg.d_model),
-        "rope": lambda: RoPE(cfg.head_dim, cfg.max_seq_len, cfg.rope.theta, cfg.rope.layout,
-                             cfg.rope.partial_rotary, cfg.rope.scaling),
+        "rope": lambda: _rope_class(cfg)(cfg.head_dim, cfg.max_seq_len, cfg.rope.theta,
+                                         cfg.rope.layout, cfg.rope.partial_rotary,
+                                         cfg.rope.scaling),
         "alibi": lambda: ALiBi(a.n_heads),
         "t5_bias": lambda: T5Bias(a.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance,
                                   bidirectional=not causal),
     }
     return builders[cfg.position]()
+
+
+def _rope_class(cfg: ModelConfig) -> type[RoPE]:
+    """Dynamic NTK recomputes its frequencies per length, so it is its own class."""
+    scaling = cfg.rope.scaling
+    return DynamicNTKRoPE if scaling is not None and scaling.kind == "dynamic" else RoPE
 
 
 def build_attention(cfg: ModelConfig, cross: bool = False) -> Attention:

@@ -32,7 +32,9 @@ class PositionScheme(nn.Module):
         """
         return x
 
-    def rotate_qk(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+    def rotate_qk(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Rotate queries and keys by their positions.
 
         Args:
