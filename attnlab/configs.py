@@ -32,6 +32,32 @@ def from_dict(cls: type[C], data: dict) -> C:
     return cls(**kwargs)
 
 
+def merge(cfg: C, data: dict) -> C:
+    """Return `cfg` with the fields in `data` replaced, recursing into nested dataclasses."""
+    hints = get_type_hints(type(cfg))
+    changes = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ValueError(f"{type(cfg).__name__} has no field {key!r}; valid: {sorted(hints)}")
+        current, sub = getattr(cfg, key), _dataclass_in(hints[key])
+        if sub is not None and isinstance(value, dict):
+            value = merge(current, value) if current is not None else from_dict(sub, value)
+        changes[key] = value
+    return dataclasses.replace(cfg, **changes)
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    """Dotted paths and annotations of every non-dataclass field, recursing into sections."""
+    out = []
+    for name, annotation in get_type_hints(cls).items():
+        sub = _dataclass_in(annotation)
+        if sub is not None:
+            out += leaf_fields(sub, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, annotation))
+    return out
+
+
 def check_literals(cfg) -> None:
     """Raise a ValueError for any field whose value is not among its Literal's choices."""
     hints = get_type_hints(type(cfg))
@@ -69,21 +95,26 @@ def parse_value(annotation, text: str) -> Any:
     raise ValueError(f"cannot read {text!r} as {annotation}")
 
 
-def override(cfg: C, path: str, text: str) -> C:
+def override(cfg: C, path: str, text: str, _full: str | None = None) -> C:
     """Return `cfg` with the (dotted) field `path` set from the string `text`."""
+    full = path if _full is None else _full  # the whole dotted path, for error messages
     head, _, rest = path.partition(".")
     hints = get_type_hints(type(cfg))
     if head not in hints:
         fields = sorted(hints)
-        raise ValueError(f"{type(cfg).__name__} has no field {head!r}; valid fields: {fields}")
+        raise ValueError(
+            f"{full!r}: {type(cfg).__name__} has no field {head!r}; valid fields: {fields}"
+        )
     if rest:
         current = getattr(cfg, head)
-        if current is None:
-            sub = _dataclass_in(hints[head])
-            if sub is None:
-                raise ValueError(f"{head!r} is not a section, cannot set {path!r}")
-            raise ValueError(f"{path!r}: section {head!r} is None; set it in a config file first")
-        return dataclasses.replace(cfg, **{head: override(current, rest, text)})
+        section = full[: len(full) - len(rest) - 1]  # e.g. "rope.scaling"
+        if not dataclasses.is_dataclass(current):
+            if current is None and _dataclass_in(hints[head]) is not None:
+                raise ValueError(
+                    f"{full!r}: section {section!r} is None; set it in a config file first"
+                )
+            raise ValueError(f"{section!r} is not a section, cannot set {full!r}")
+        return dataclasses.replace(cfg, **{head: override(current, rest, text, full)})
     return dataclasses.replace(cfg, **{head: parse_value(hints[head], text)})
 
 
@@ -110,4 +141,12 @@ def _dataclass_in(annotation) -> type | None:
     return None
 
 
-__all__ = ["to_dict", "from_dict", "check_literals", "parse_value", "override"]
+__all__ = [
+    "to_dict",
+    "from_dict",
+    "merge",
+    "leaf_fields",
+    "check_literals",
+    "parse_value",
+    "override",
+]

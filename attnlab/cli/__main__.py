@@ -3,9 +3,9 @@
 import argparse
 import sys
 
-from attnlab.cli import inspect
+from attnlab.cli import inspect, train
 
-COMMANDS = {"inspect": inspect}
+COMMANDS = {"train": train, "inspect": inspect}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,18 @@ def load_model_config(spec: str) -> ModelConfig:
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="*", default=["gpt2", "llama2-7b"],
-                   help="preset names or config.json paths (default: gpt2 llama2-7b)")
-    p.add_argument("--context", type=int, default=None,
-                   help="context length for attention FLOPs (default: the model's max_seq_len)")
+    p.add_argument(
+        "model",
+        nargs="*",
+        default=["gpt2", "llama2-7b"],
+        help="preset names or config.json paths (default: gpt2 llama2-7b)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="context length for attention FLOPs (default: the model's max_seq_len)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

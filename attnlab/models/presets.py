@@ -154,6 +154,12 @@ def llama_tiny() -> ModelConfig:
     return _llama(64, 2, 4, 2, 192, 256, 128, 10000.0, 1e-5)
 
 
+def llama_char() -> ModelConfig:
+    """The default `attnlab train` model: a small Llama for character-level text on 2 CPU cores
+    (4 layers, d_model 128, 4 heads, 2 kv heads); vocab_size is set from the tokenizer."""
+    return _llama(128, 4, 4, 2, None, 256, 256, 10000.0, 1e-5)
+
+
 def llama3_tiny() -> ModelConfig:
     """llama_tiny with Llama-3 RoPE scaling (factor 8 over an original 32 positions)."""
     scaling = RopeScaling("llama3", factor=8.0, original_max_seq_len=32)
@@ -212,6 +218,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "mistral-7b": mistral_7b,
     "qwen2-0.5b": qwen2_0_5b,
     "llama-tiny": llama_tiny,
+    "llama-char": llama_char,
     "llama3-tiny": llama3_tiny,
     "t5-small": t5_small,
     "t5-base": t5_base,

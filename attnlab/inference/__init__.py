@@ -1,0 +1,1 @@
+"""Inference: KV cache, sampling, generation, quantization."""

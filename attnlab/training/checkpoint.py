@@ -1,0 +1,121 @@
+"""Checkpoints: one directory per save, written atomically, holding only tensors and plain data.
+
+    step_000500/
+      config.json          the run config: {"model": ..., "train": ..., "data": ...}
+      model.safetensors    weights (tied matrices stored once)
+      optimizer.pt         AdamW state: tensors, numbers and lists only
+      rng.pt               torch RNG state and the data generator's state (the data position)
+      trainer_state.json   step, best validation loss, ...
+
+A save goes to `step_000500.tmp/` first and is renamed into place only when complete, then the
+`latest` pointer is replaced (os.replace is atomic), so a run killed at any moment leaves the
+previous checkpoint loadable. Loading uses safetensors and `torch.load(weights_only=True)`: no
+pickled code from a checkpoint ever runs.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from attnlab.configs import to_dict
+
+LATEST = "latest"
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2))
+
+
+def save_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    run,
+    trainer_state: dict,
+    rng: dict | None = None,
+) -> Path:
+    """Write a complete checkpoint directory at `path` atomically (via `path.tmp`)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_json(tmp / "config.json", to_dict(run))
+    save_model(model, str(tmp / "model.safetensors"))
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if rng is not None:
+        torch.save(rng, tmp / "rng.pt")
+    _write_json(tmp / "trainer_state.json", trainer_state)
+    for f in tmp.iterdir():  # data on disk before the rename makes it visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        os.replace(path, old)
+        shutil.rmtree(old)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[dict, dict, dict | None]:
+    """Load weights (and optimizer state) into existing objects.
+
+    Returns:
+        (run config as a dict, trainer_state, rng dict or None).
+    """
+    path = Path(path)
+    if not (path / "model.safetensors").is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint (no model.safetensors)")
+    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit this model: "
+            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    rng_path = path / "rng.pt"
+    rng = torch.load(rng_path, weights_only=True) if rng_path.is_file() else None
+    run = json.loads((path / "config.json").read_text())
+    return run, json.loads((path / "trainer_state.json").read_text()), rng
+
+
+class CheckpointDir:
+    """The checkpoints of one run: `step_NNNNNN/` directories, a `latest` pointer, and `best/`.
+
+    Args:
+        root: the run's checkpoint directory.  keep_last: how many step checkpoints to keep.
+    """
+
+    def __init__(self, root: Path, keep_last: int = 2):
+        self.root, self.keep_last = Path(root), keep_last
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob("*.tmp"):  # a save that was interrupted
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        return self.root / pointer.read_text().strip()
+
+    def save(self, step: int, *args, **kwargs) -> Path:
+        path = save_checkpoint(self.root / f"step_{step:06d}", *args, **kwargs)
+        tmp = self.root / f"{LATEST}.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, self.root / LATEST)
+        for old in sorted(self.root.glob("step_*[0-9]"))[: -self.keep_last]:
+            shutil.rmtree(old)
+        return path
+
+    def save_best(self, *args, **kwargs) -> Path:
+        return save_checkpoint(self.root / "best", *args, **kwargs)

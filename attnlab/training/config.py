@@ -1,0 +1,89 @@
+"""Training configs: what data (DataConfig), how to train (TrainConfig), and the run that joins
+them with a ModelConfig. A run config is saved in every checkpoint's config.json."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from attnlab.configs import check_literals
+from attnlab.models.config import ModelConfig
+
+Task = Literal["clm", "mlm", "seq2seq"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from.
+
+    source: "stdlib" (the running Python's standard library .py files), a text file or a
+        directory of text files, or "synthetic:copy" / "synthetic:reverse" / "synthetic:sort".
+    tokenizer: "char", "bpe" (trained on the training text), or a path to a tokenizer.json.
+    max_chars: cap on the text read from a directory ("stdlib"), files taken in sorted order.
+    val_fraction: the last fraction of the token stream is the validation split.
+    synthetic_*: size and shape of the seq2seq tasks (symbols 0..n_symbols-1, lengths in range).
+    """
+
+    task: Task = "clm"
+    source: str = "stdlib"
+    tokenizer: str = "char"
+    bpe_vocab_size: int = 2048
+    max_chars: int = 4_000_000
+    val_fraction: float = 0.1
+    cache_dir: str = ".attnlab_cache"
+    mlm_probability: float = 0.15
+    synthetic_n_symbols: int = 10
+    synthetic_min_len: int = 4
+    synthetic_max_len: int = 12
+    synthetic_n_val: int = 1000
+
+    def __post_init__(self):
+        check_literals(self)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train. Global batch = batch_size * grad_accum (* ranks) sequences of `context`."""
+
+    steps: int = 2000
+    batch_size: int = 12
+    context: int = 64
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    schedule: Literal["cosine", "noam", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    label_smoothing: float = 0.0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep_last: int = 2
+    sample_tokens: int = 200
+    seed: int = 1337
+    device: str = "auto"
+    out_dir: str = "runs/default"
+    progress: bool = True
+
+    def __post_init__(self):
+        check_literals(self)
+        for name in ("steps", "batch_size", "context", "grad_accum", "eval_batches", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: model, training and data."""
+
+    model: ModelConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)

@@ -1,0 +1,215 @@
+"""Text -> token ids in a memory-mapped file, and the batches every objective trains on.
+
+Preparing is done once: the token stream is written next to a manifest (what it was made from,
+with which tokenizer) under a cache directory keyed by a hash of both, then memory-mapped on every
+later run. The last `val_fraction` of the stream is the validation split.
+
+Shapes: B batch, T context.
+"""
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnlab.training.config import DataConfig
+from attnlab.training.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokenizer
+
+STDLIB_SKIP = (
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+)
+
+
+@dataclass
+class TokenData:
+    """A tokenizer and its train/validation token streams (1-D uint16/uint32 arrays)."""
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+
+
+def corpus_files(source: str) -> list[Path]:
+    """The text files behind `source`: "stdlib", a file, or a directory (sorted, recursive)."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return [
+            p
+            for p in sorted(root.rglob("*.py"))
+            if not any(part in STDLIB_SKIP for part in p.relative_to(root).parts)
+        ]
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return [p for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith(".")]
+    raise ValueError(f"data source {source!r} is neither 'stdlib', a file nor a directory")
+
+
+def read_texts(files: list[Path], max_chars: int) -> list[str]:
+    """Read files in order until `max_chars` characters (undecodable bytes are replaced)."""
+    texts, total = [], 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        texts.append(text[: max_chars - total])
+        total += len(texts[-1])
+        if total >= max_chars:
+            break
+    return texts
+
+
+def _fingerprint(cfg: DataConfig, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(f"{cfg.tokenizer}|{cfg.bpe_vocab_size}|{cfg.max_chars}".encode())
+    if Path(cfg.tokenizer).is_file():
+        h.update(Path(cfg.tokenizer).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_tokenizer(cfg: DataConfig, texts: list[str]) -> Tokenizer:
+    if cfg.tokenizer == "char":
+        return train_char_tokenizer(texts)
+    if cfg.tokenizer == "bpe":
+        return train_bpe_tokenizer(texts, cfg.bpe_vocab_size)
+    return Tokenizer.from_file(cfg.tokenizer)
+
+
+def prepare_text_data(cfg: DataConfig) -> TokenData:
+    """Tokenise `cfg.source` once (cached by content hash) and memory-map the token stream."""
+    files = corpus_files(cfg.source)
+    if not files:
+        raise ValueError(f"data source {cfg.source!r} has no files")
+    cache = Path(cfg.cache_dir) / _fingerprint(cfg, files)
+    manifest_path = cache / "manifest.json"
+    if not manifest_path.is_file():
+        _write_cache(cfg, files, cache)
+    manifest = json.loads(manifest_path.read_text())
+    tokens = np.memmap(cache / "tokens.bin", dtype=manifest["dtype"], mode="r")
+    n_val = int(len(tokens) * cfg.val_fraction)
+    if len(tokens) < 2 or n_val < 1:
+        raise ValueError(
+            f"data source {cfg.source!r} gives only {len(tokens)} tokens: too few to "
+            f"split off a validation fraction of {cfg.val_fraction}"
+        )
+    return TokenData(
+        Tokenizer.from_file(cache / "tokenizer.json"), tokens[:-n_val], tokens[-n_val:]
+    )
+
+
+def _write_cache(cfg: DataConfig, files: list[Path], cache: Path) -> None:
+    """Tokenise into `cache`; the manifest is written last, so a crash leaves no half cache."""
+    texts = [t for t in read_texts(files, cfg.max_chars) if t]
+    if not texts:
+        raise ValueError(f"data source {cfg.source!r} is empty")
+    tokenizer = build_tokenizer(cfg, texts)
+    ids = np.concatenate([np.asarray(i, dtype=np.int64) for i in tokenizer.encode_batch(texts)])
+    dtype = "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f"tokens.bin.tmp{os.getpid()}"
+    ids.astype(dtype).tofile(tmp)
+    os.replace(tmp, cache / "tokens.bin")
+    tokenizer.save(cache / "tokenizer.json")
+    manifest = {
+        "source": cfg.source,
+        "files": len(texts),
+        "tokens": int(len(ids)),
+        "dtype": dtype,
+        "tokenizer": cfg.tokenizer,
+        "vocab_size": tokenizer.vocab_size,
+    }
+    tmp = cache / f"manifest.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, cache / "manifest.json")
+
+
+def lm_batch(
+    tokens: np.ndarray,
+    context: int,
+    batch_size: int,
+    gen: torch.Generator,
+    rank: int = 0,
+    world: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """Random windows: x = tokens[i : i+T], y = tokens[i+1 : i+T+1].
+
+    All ranks draw the same global batch of `batch_size * world` windows and keep their own slice,
+    so the data seen does not depend on how many processes share it.
+
+    Returns:
+        x, y: (B, T) int64.
+    """
+    if len(tokens) < context + 1:
+        raise ValueError(
+            f"a split of {len(tokens)} tokens is too short for context {context} "
+            f"(needs at least {context + 1})"
+        )
+    starts = torch.randint(len(tokens) - context, (batch_size * world,), generator=gen)
+    starts = starts[rank * batch_size : (rank + 1) * batch_size].tolist()
+    window = np.stack([tokens[s : s + context + 1] for s in starts]).astype(np.int64)  # (B, T+1)
+    window = torch.from_numpy(window)
+    return window[:, :-1], window[:, 1:]  # (B, T), (B, T)
+
+
+def mask_tokens(
+    ids: Tensor,
+    mask_id: int,
+    vocab_size: int,
+    special_ids: list[int],
+    gen: torch.Generator,
+    probability: float = 0.15,
+) -> tuple[Tensor, Tensor]:
+    """BERT masking (Devlin et al. 2019): choose `probability` of the non-special tokens; of
+    those 80% become <mask>, 10% a random token, 10% stay. Labels are -100 elsewhere.
+
+    Args:
+        ids: (B, T) token ids.
+
+    Returns:
+        inputs (B, T), labels (B, T).
+    """
+    special = torch.isin(ids, torch.tensor(special_ids, dtype=ids.dtype))
+    chosen = (torch.rand(ids.shape, generator=gen) < probability) & ~special
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    roll = torch.rand(ids.shape, generator=gen)
+    inputs = ids.clone()
+    inputs[chosen & (roll < 0.8)] = mask_id
+    random_ids = _random_regular_tokens(ids.shape, vocab_size, special_ids, gen)
+    replace = chosen & (roll >= 0.8) & (roll < 0.9)
+    inputs[replace] = random_ids[replace]
+    return inputs, labels
+
+
+def _random_regular_tokens(shape, vocab_size: int, special_ids: list[int], gen) -> Tensor:
+    regular = torch.tensor(sorted(set(range(vocab_size)) - set(special_ids)))
+    return regular[torch.randint(len(regular), shape, generator=gen)]
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad sequences to the longest.
+
+    Returns:
+        ids (B, T) int64, mask (B, T) bool (True = real token).
+    """
+    if not seqs:
+        raise ValueError("cannot pad an empty list of sequences")
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs])
+    return ids, torch.arange(T)[None, :] < lengths[:, None]

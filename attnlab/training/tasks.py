@@ -1,0 +1,198 @@
+"""What is trained: a task owns its data, draws batches, computes the loss and evaluates.
+
+    LMTask       causal LM on a token stream (decoder models)
+    MLMTask      masked LM on the same kind of stream (encoder models)
+    Seq2SeqTask  a synthetic copy / reverse / sort task (encoder-decoder models)
+
+The loop only calls `train_batch`, `loss`, `evaluate` and `sample`, so it never branches on the
+objective. Evaluation draws from its own seeded generator, so it never disturbs the training RNG.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.inference.generate import generate, greedy_seq2seq
+from attnlab.training.config import RunConfig
+from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
+from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
+from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
+from attnlab.training.tokenizer import Tokenizer
+
+EVAL_SEED = 1234
+
+
+class LMTask:
+    """Next-token prediction on random windows of a token stream."""
+
+    def __init__(self, data: TokenData, run: RunConfig):
+        self.data, self.tokenizer, self.run = data, data.tokenizer, run
+        self.context, self.batch_size = run.train.context, run.train.batch_size
+
+    def train_batch(self, gen: torch.Generator, rank: int = 0, world: int = 1) -> dict:
+        x, y = lm_batch(self.data.train, self.context, self.batch_size, gen, rank, world)
+        return {"x": x, "y": y}
+
+    def loss(self, model: nn.Module, batch: dict) -> Tensor:
+        return clm_loss(model(batch["x"]), batch["y"])
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, n_batches: int, device) -> dict:
+        gen = torch.Generator().manual_seed(EVAL_SEED)
+        losses = [
+            self.loss(model, _to(self._val_batch(gen), device)).item() for _ in range(n_batches)
+        ]
+        loss = sum(losses) / len(losses)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+    def _val_batch(self, gen) -> dict:
+        x, y = lm_batch(self.data.val, self.context, self.batch_size, gen)
+        return {"x": x, "y": y}
+
+    @torch.no_grad()
+    def sample(self, model: nn.Module, n_tokens: int, device, prompt: str = "\n") -> str:
+        ids = torch.tensor([self.tokenizer.encode(prompt) or [0]], device=device)
+        gen = torch.Generator(device=device).manual_seed(EVAL_SEED)
+        out = generate(
+            model,
+            ids,
+            n_tokens,
+            temperature=0.8,
+            top_k=50,
+            generator=gen,
+            max_seq_len=self.run.model.max_seq_len,
+        )
+        return self.tokenizer.decode(out[0].tolist())
+
+
+class MLMTask(LMTask):
+    """BERT-style masked LM on random windows of a token stream."""
+
+    def __init__(self, data: TokenData, run: RunConfig):
+        super().__init__(data, run)
+        tok = self.tokenizer
+        self.mask_id = tok.token_id("<mask>")
+        if self.mask_id is None:
+            raise ValueError("masked LM needs a <mask> token in the tokenizer")
+        self.special_ids = sorted(tok.special_ids.values())
+
+    def _mask(self, x: Tensor, gen) -> dict:
+        inputs, labels = mask_tokens(
+            x,
+            self.mask_id,
+            self.tokenizer.vocab_size,
+            self.special_ids,
+            gen,
+            self.run.data.mlm_probability,
+        )
+        return {"x": inputs, "labels": labels}
+
+    def train_batch(self, gen, rank: int = 0, world: int = 1) -> dict:
+        x, _ = lm_batch(self.data.train, self.context, self.batch_size, gen, rank, world)
+        return self._mask(x, gen)
+
+    def _val_batch(self, gen) -> dict:
+        x, _ = lm_batch(self.data.val, self.context, self.batch_size, gen)
+        return self._mask(x, gen)
+
+    def loss(self, model, batch) -> Tensor:
+        return mlm_loss(model(batch["x"]), batch["labels"])
+
+    @torch.no_grad()
+    def evaluate(self, model, n_batches: int, device) -> dict:
+        gen = torch.Generator().manual_seed(EVAL_SEED)
+        loss = correct = total = 0.0
+        for _ in range(n_batches):
+            batch = _to(self._val_batch(gen), device)
+            logits = model(batch["x"])  # (B, T, V)
+            loss += mlm_loss(logits, batch["labels"]).item()
+            picked = batch["labels"] != -100
+            correct += (logits.argmax(-1)[picked] == batch["labels"][picked]).sum().item()
+            total += picked.sum().item()
+        return {"val_loss": loss / n_batches, "val_mlm_accuracy": correct / max(total, 1)}
+
+    def sample(self, model, n_tokens: int, device, prompt: str = "") -> None:
+        return None
+
+
+class Seq2SeqTask:
+    """A synthetic seq2seq task; the source ends with <eos>, the target starts with <bos>."""
+
+    def __init__(self, run: RunConfig):
+        d = run.data
+        self.run, self.task = run, task_name(d.source)
+        self.tokenizer: Tokenizer = synthetic_tokenizer(d.synthetic_n_symbols)
+        tok = self.tokenizer
+        self.pad, self.bos, self.eos = (tok.token_id(t) for t in ("<pad>", "<bos>", "<eos>"))
+        val_gen = torch.Generator().manual_seed(EVAL_SEED + 1)
+        self.val_pairs = self._pairs(d.synthetic_n_val, val_gen)
+
+    def _pairs(self, n: int, gen) -> list[tuple[str, str]]:
+        d = self.run.data
+        return synthetic_pairs(
+            self.task, n, d.synthetic_n_symbols, d.synthetic_min_len, d.synthetic_max_len, gen
+        )
+
+    def _batch(self, pairs: list[tuple[str, str]]) -> dict:
+        tok = self.tokenizer
+        src, src_mask = pad_batch([tok.encode(s) + [self.eos] for s, _ in pairs], self.pad)
+        tgt_in, tgt_mask = pad_batch([[self.bos] + tok.encode(t) for _, t in pairs], self.pad)
+        labels, _ = pad_batch([tok.encode(t) + [self.eos] for _, t in pairs], self.pad)
+        return {
+            "src": src,
+            "src_mask": src_mask,
+            "tgt": tgt_in,
+            "tgt_mask": tgt_mask,
+            "labels": labels,
+        }
+
+    def train_batch(self, gen, rank: int = 0, world: int = 1) -> dict:
+        b = self.run.train.batch_size
+        pairs = self._pairs(b * world, gen)[rank * b : (rank + 1) * b]
+        return self._batch(pairs)
+
+    def loss(self, model, batch) -> Tensor:
+        logits = model(batch["src"], batch["tgt"], batch["src_mask"], batch["tgt_mask"])
+        return seq2seq_loss(logits, batch["labels"], self.pad, self.run.train.label_smoothing)
+
+    @torch.no_grad()
+    def evaluate(self, model, n_batches: int, device) -> dict:
+        b = self.run.train.batch_size * 8
+        loss, hits = 0.0, 0
+        chunks = [self.val_pairs[i : i + b] for i in range(0, len(self.val_pairs), b)]
+        for chunk in chunks:
+            batch = _to(self._batch(chunk), device)
+            loss += self.loss(model, batch).item() * len(chunk)
+            hits += sum(a == t for a, (_, t) in zip(self.translate(model, batch), chunk))
+        n = len(self.val_pairs)
+        return {"val_loss": loss / n, "val_exact_match": hits / n}
+
+    def translate(self, model, batch: dict) -> list[str]:
+        max_new = self.run.data.synthetic_max_len + 1
+        out = greedy_seq2seq(model, batch["src"], batch["src_mask"], self.bos, self.eos, max_new)
+        texts = []
+        for row in out[:, 1:].tolist():
+            row = row[: row.index(self.eos)] if self.eos in row else row
+            texts.append(self.tokenizer.decode(row))
+        return texts
+
+    @torch.no_grad()
+    def sample(self, model, n_tokens: int, device, prompt: str = "") -> str:
+        src, tgt = self.val_pairs[0]
+        got = self.translate(model, _to(self._batch([(src, tgt)]), device))[0]
+        return f"{src} -> {got} (expected {tgt})"
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def build_task(run: RunConfig):
+    """The task a run config describes; text data is prepared (and cached) here."""
+    if run.data.task == "seq2seq":
+        if not run.data.source.startswith("synthetic:"):
+            raise ValueError(f"seq2seq trains on synthetic tasks; got source {run.data.source!r}")
+        return Seq2SeqTask(run)
+    data = prepare_text_data(run.data)
+    return (MLMTask if run.data.task == "mlm" else LMTask)(data, run)
