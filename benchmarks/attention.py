@@ -1,0 +1,244 @@
+"""Attention benchmarks on CPU: eager vs sdpa (speed and peak memory), and Attention's overhead.
+
+    .venv/bin/python benchmarks/attention.py            # full table, a few minutes on 2 cores
+    .venv/bin/python benchmarks/attention.py --quick    # T=256 only, few repeats (~20 s)
+
+1. `eager_attention` vs `sdpa_attention` from attnlab.components.backends, on already-projected
+   causal q, k, v of shape (B, H, T, D), fp32: forward + backward at T = 256, 1024, 2048 and
+   forward only at T = 4096. Time is the median of interleaved repeats in this process; peak
+   memory is measured in a fresh subprocess per (backend, T, mode), see benchmarks/_timing.py.
+2. The `Attention` module (sdpa backend, causal, no_grad) against the same math done with bare
+   `F.linear` x 4 + `F.scaled_dot_product_attention`, to price the module's Python plumbing.
+
+Shared machines are noisy: read the ratios, each measured within one run, not the milliseconds.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from _timing import (
+    cpu_name,
+    interleaved,
+    median_ms,
+    peak_method,
+    peak_rss_mib,
+    use_all_cores,
+)
+from torch import Tensor
+
+from attnlab.components.attention import Attention
+from attnlab.components.backends import BACKENDS
+
+B, H, D = 1, 8, 64  # backend comparison: one sequence, 8 heads of 64
+BACKEND_NAMES = ("eager", "sdpa")
+WARMUP_T = 64  # a tiny step first, so one-time costs (thread pools, kernel code) stay out
+# (T, mode, timing repeats): fewer repeats where one eager step takes seconds on 2 cores.
+FULL_CASES = [(256, "fwd+bwd", 20), (1024, "fwd+bwd", 10), (2048, "fwd+bwd", 7), (4096, "fwd", 5)]
+QUICK_CASES = [(256, "fwd+bwd", 5)]
+MODULE = dict(B=4, T=512, d_model=512, n_heads=8)  # the module-overhead shape
+MODULE_REPEATS, QUICK_MODULE_REPEATS = 30, 10
+# Hand the big frees back to the OS at once (glibc would otherwise raise its mmap threshold
+# to up to 32 MiB after the first frees and keep freed tensors resident), so RSS tracks
+# what is really live.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+TARGET_T, TARGET_SPEEDUP, TARGET_MEMORY, TARGET_OVERHEAD_PCT = 2048, 2.0, 4.0, 10.0
+
+
+def make_inputs(T: int, mode: str, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Random q, k, v (B, H, T, D), and the output gradient for "fwd+bwd" (else None)."""
+    gen = torch.Generator().manual_seed(seed)
+    grad = mode == "fwd+bwd"
+    q, k, v = (torch.randn(B, H, T, D, generator=gen, requires_grad=grad) for _ in range(3))
+    dout = torch.randn(B, H, T, D, generator=gen) if grad else None
+    return q, k, v, dout
+
+
+def attention_step(backend: str, q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None) -> tuple:
+    """One causal attention call; with `dout`, its backward too.
+
+    Returns:
+        (out,) for forward only, (out, dq, dk, dv) with a backward.
+    """
+    attend = BACKENDS[backend]
+    if dout is None:
+        with torch.no_grad():
+            return (attend(q, k, v, is_causal=True)[0],)
+    q.grad = k.grad = v.grad = None  # fresh gradients each step, nothing accumulates
+    out = attend(q, k, v, is_causal=True)[0]  # (B, H, T, D)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def run_case(backend: str, T: int, mode: str) -> None:
+    """Subprocess entry: print one step's peak memory above the inputs, as JSON."""
+    use_all_cores()
+    attention_step(backend, *make_inputs(WARMUP_T, mode))
+    inputs = make_inputs(T, mode)
+    mib, method = peak_rss_mib(lambda: attention_step(backend, *inputs))
+    print(json.dumps({"peak_mib": mib, "method": method}))
+
+
+def measure_peak(backend: str, T: int, mode: str) -> float:
+    """Peak MiB of one step, measured in a fresh Python process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", backend, str(T), mode]
+    env = dict(os.environ, **MALLOC_ENV)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("inf")
+
+
+def time_case(T: int, mode: str, repeats: int) -> tuple[dict[str, float], float]:
+    """Median ms per backend (interleaved), and the largest difference between their results."""
+    inputs = make_inputs(T, mode)
+    results = [attention_step(name, *inputs) for name in BACKEND_NAMES]
+    diff = max((a - b).abs().max().item() for a, b in zip(*results, strict=True))
+    del results
+    steps = {name: partial(attention_step, name, *inputs) for name in BACKEND_NAMES}
+    times = interleaved(steps, repeats)
+    return {name: median_ms(t) for name, t in times.items()}, diff
+
+
+def compare_backends(cases: list[tuple[int, str, int]]) -> dict[tuple[int, str], dict]:
+    """Section 1: print one row per case as it finishes; return the rows keyed by (T, mode)."""
+    print(f"1. eager vs sdpa: causal attention on projected q, k, v (B={B}, H={H}, T, D={D}), fp32")
+    print("   fwd = forward under no_grad; fwd+bwd = forward + backward to q, k, v (grads reset)")
+    print("   time: median of `reps` rounds, eager and sdpa alternating (ABAB), after 2 warm-ups")
+    print("   peak: resident-memory high-water mark above the level after the inputs exist,")
+    print(f"         one step in a fresh subprocess after a T={WARMUP_T} warm-up step;")
+    print(f"         {peak_method()};")
+    print("         MALLOC_MMAP_THRESHOLD_=65536, so freed tensors leave RSS at once")
+    print("   speed x = eager ms / sdpa ms; memory x = eager MiB / sdpa MiB; max|diff| = outputs")
+    print("   (and gradients) of the two backends compared elementwise")
+    print()
+    head = f"{'T':>5}  {'mode':<7} {'reps':>4} {'eager ms':>9} {'sdpa ms':>8} {'speed x':>8}"
+    print(head + f" {'eager MiB':>10} {'sdpa MiB':>9} {'memory x':>9} {'max|diff|':>10}")
+    rows = {}
+    for T, mode, repeats in cases:
+        ms, diff = time_case(T, mode, repeats)
+        mib = {name: measure_peak(name, T, mode) for name in BACKEND_NAMES}
+        row = dict(
+            eager_ms=ms["eager"],
+            sdpa_ms=ms["sdpa"],
+            speedup=ratio(ms["eager"], ms["sdpa"]),
+            eager_mib=mib["eager"],
+            sdpa_mib=mib["sdpa"],
+            memory=ratio(mib["eager"], mib["sdpa"]),
+        )
+        rows[(T, mode)] = row
+        print(
+            f"{T:>5}  {mode:<7} {repeats:>4} {row['eager_ms']:>9.1f} {row['sdpa_ms']:>8.1f}"
+            f" {row['speedup']:>8.2f} {row['eager_mib']:>10.1f} {row['sdpa_mib']:>9.1f}"
+            f" {row['memory']:>9.1f} {diff:>10.1e}",
+            flush=True,
+        )
+    print()
+    return rows
+
+
+def module_overhead(repeats: int) -> float:
+    """Section 2: print Attention vs the same bare ops; return the overhead in percent."""
+    Bm, T, C, Hm = MODULE["B"], MODULE["T"], MODULE["d_model"], MODULE["n_heads"]
+    Dm = C // Hm
+    attn = Attention(d_model=C, n_heads=Hm, backend="sdpa").eval()
+    x = torch.randn(Bm, T, C)
+    Wq, Wk, Wv, Wo = (p.weight for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+
+    def project(W: Tensor) -> Tensor:
+        return F.linear(x, W).view(Bm, T, Hm, Dm).transpose(1, 2)  # (B, H, T, D)
+
+    def bare() -> Tensor:
+        q, k, v = project(Wq), project(Wk), project(Wv)  # (B, H, T, D) each
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return F.linear(out.transpose(1, 2).reshape(Bm, T, C), Wo)  # (B, T, C)
+
+    with torch.no_grad():
+        q, k, v = project(Wq), project(Wk), project(Wv)  # the same (strided) layout bare() feeds
+        diff = (attn(x, is_causal=True) - bare()).abs().max().item()
+        steps = {
+            "module": lambda: attn(x, is_causal=True),
+            "bare": bare,
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        }
+        times = interleaved(steps, repeats, warmup=3)
+    ms = {name: median_ms(t) for name, t in times.items()}
+    overhead = (ms["module"] / ms["bare"] - 1) * 100
+    pairs = zip(times["module"], times["bare"], strict=True)
+    paired = (statistics.median(m / b for m, b in pairs) - 1) * 100
+
+    print(f"2. Attention module overhead: Attention(d_model={C}, n_heads={Hm}), sdpa backend,")
+    print(f"   causal, forward under no_grad, x of shape (B={Bm}, T={T}, C={C}), fp32")
+    print("   bare = F.linear x 3 -> view/transpose -> F.scaled_dot_product_attention(is_causal)")
+    print("          -> transpose/reshape -> F.linear, with the module's own weights")
+    print(f"   median of {repeats} rounds, module / bare / sdpa-only alternating, after 3 warm-ups")
+    print(f"   max|module - bare| = {diff:.1e}")
+    print()
+    print(f"   Attention module   {ms['module']:8.2f} ms")
+    print(f"   bare ops           {ms['bare']:8.2f} ms")
+    print(f"   sdpa only          {ms['sdpa']:8.2f} ms   (already-projected q, k, v; context)")
+    print(f"   overhead           {overhead:+8.2f} %    = (module / bare - 1) * 100, from medians")
+    print(f"                      {paired:+8.2f} %    median of per-round ratios, for comparison")
+    print()
+    return overhead
+
+
+def print_targets(rows: dict[tuple[int, str], dict], overhead: float) -> None:
+    print("Targets")
+    row = rows.get((TARGET_T, "fwd+bwd"))
+    checks = [
+        (f"T={TARGET_T} fwd+bwd: sdpa speed-up (eager/sdpa)", "speedup", TARGET_SPEEDUP, "x"),
+        (f"T={TARGET_T} fwd+bwd: peak memory (eager/sdpa)", "memory", TARGET_MEMORY, "x"),
+    ]
+    for label, key, target, unit in checks:
+        if row is None:
+            print(f"   {label:<46} {'not measured (--quick)':>12}   >= {target:g}{unit}")
+            continue
+        verdict = "PASS" if row[key] >= target else "MISS"
+        print(f"   {label:<46} {row[key]:>11.2f}{unit}   >= {target:g}{unit}   {verdict}")
+    verdict = "PASS" if overhead <= TARGET_OVERHEAD_PCT else "MISS"
+    label = "Attention module overhead over bare ops"
+    print(f"   {label:<46} {overhead:>11.2f}%   <= {TARGET_OVERHEAD_PCT:g}%   {verdict}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T=256 only, few repeats (smoke test)")
+    parser.add_argument(
+        "--case",
+        nargs=3,
+        metavar=("BACKEND", "T", "MODE"),
+        help="internal: measure one step's peak memory, e.g. --case eager 2048 fwd+bwd",
+    )
+    args = parser.parse_args()
+    if args.case:
+        backend, T, mode = args.case
+        if backend not in BACKENDS or mode not in ("fwd", "fwd+bwd"):
+            parser.error(f"--case wants BACKEND in {list(BACKENDS)} and MODE in fwd, fwd+bwd")
+        run_case(backend, int(T), mode)
+        return
+
+    threads = use_all_cores()
+    print(f"attnlab attention benchmarks: torch {torch.__version__}, {threads} threads", end="")
+    print(f", {cpu_name()}, {platform.system()} {platform.release()}")
+    print("Shared machines are noisy: compare the RATIOS, each measured within this one run.")
+    print()
+    rows = compare_backends(QUICK_CASES if args.quick else FULL_CASES)
+    overhead = module_overhead(QUICK_MODULE_REPEATS if args.quick else MODULE_REPEATS)
+    print_targets(rows, overhead)
+
+
+if __name__ == "__main__":
+    main()
