@@ -5,7 +5,8 @@
 
 SwiGLU is the gated form with SiLU, GeGLU with GELU. A gated FFN has three matrices instead of
 two, so its default width is 8/3 * d_model (same parameters as a 4 * d_model MLP), rounded up to a
-multiple of 64 for matmul-friendly shapes.
+multiple of 64 for matmul-friendly shapes (Llama-2-7B rounds to 256 instead: 11008; its preset
+sets d_ff explicitly).
 
 Shapes: (B, T, C) in and out, F = d_ff hidden.
 """

@@ -87,7 +87,8 @@ def permutation_mask(order: Tensor) -> Tensor:
         order: (T,) a permutation of range(T); order[r] is the position predicted r-th.
 
     Returns:
-        (T, T) bool (the content stream's "query" mask: strictly earlier in the factorisation order).
+        (T, T) bool: XLNet's query-stream mask (strictly earlier in the factorisation order);
+        the content stream also sees itself: `permutation_mask(order) | torch.eye(T, dtype=bool)`.
     """
     T = order.numel()
     if sorted(order.tolist()) != list(range(T)):
