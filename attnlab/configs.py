@@ -17,7 +17,7 @@ def to_dict(cfg) -> dict:
 
 
 def from_dict(cls: type[C], data: dict) -> C:
-    """Build `cls` from plain data, recursing into nested dataclass fields; unknown keys are errors."""
+    """Build `cls` from plain data, recursing into nested dataclasses; unknown keys are errors."""
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}: {data!r}")
     hints = get_type_hints(cls)
@@ -25,10 +25,16 @@ def from_dict(cls: type[C], data: dict) -> C:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} fields {unknown}; valid fields: {sorted(names)}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and _required(f)]
+    if missing:
+        raise ValueError(f"{cls.__name__} needs fields {missing}, missing from {sorted(data)}")
     kwargs = {}
     for key, value in data.items():
         sub = _dataclass_in(hints[key])
-        kwargs[key] = from_dict(sub, value) if sub and isinstance(value, dict) else value
+        if sub and isinstance(value, dict):
+            kwargs[key] = from_dict(sub, value)
+        else:
+            kwargs[key] = _read_text(cls, key, hints[key], value)
     return cls(**kwargs)
 
 
@@ -42,6 +48,8 @@ def merge(cfg: C, data: dict) -> C:
         current, sub = getattr(cfg, key), _dataclass_in(hints[key])
         if sub is not None and isinstance(value, dict):
             value = merge(current, value) if current is not None else from_dict(sub, value)
+        else:
+            value = _read_text(type(cfg), key, hints[key], value)
         changes[key] = value
     return dataclasses.replace(cfg, **changes)
 
@@ -116,6 +124,23 @@ def override(cfg: C, path: str, text: str, _full: str | None = None) -> C:
             raise ValueError(f"{section!r} is not a section, cannot set {full!r}")
         return dataclasses.replace(cfg, **{head: override(current, rest, text, full)})
     return dataclasses.replace(cfg, **{head: parse_value(hints[head], text)})
+
+
+def _read_text(cls: type, key: str, annotation, value):
+    """A string given for a non-string field, read as that field's type. YAML needs this: it
+    reads `lr: 3e-4` as the string "3e-4" (YAML 1.1 floats need a dot, as in 3.0e-4)."""
+    args = get_args(annotation) if _is_union(annotation) else (annotation,)
+    takes_text = any(a is str or get_origin(a) is Literal for a in args)  # Literals: check_literals
+    if not isinstance(value, str) or takes_text:
+        return value
+    try:
+        return parse_value(annotation, value)
+    except ValueError:
+        raise ValueError(f"{cls.__name__}.{key}: cannot read {value!r} as {annotation}") from None
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 def _is_union(annotation) -> bool:

@@ -11,13 +11,16 @@ from attnlab.models.presets import PRESETS, get_preset
 
 
 def load_model_config(spec: str) -> ModelConfig:
-    """A preset name, or a path to a config.json (a ModelConfig, or a checkpoint's {"model": ...})."""
+    """A preset name, or a config.json path: a ModelConfig, or a checkpoint's {"model": ...}."""
     path = Path(spec)
-    if spec in PRESETS or not path.suffix:
+    if spec in PRESETS or (not path.suffix and not path.is_file()):
         return get_preset(spec)
     if not path.is_file():
         raise ValueError(f"no such config file {spec!r} (and not a preset: {sorted(PRESETS)})")
     data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ValueError(f"{spec!r} must hold a JSON object (a ModelConfig), got a {kind}")
     return from_dict(ModelConfig, data.get("model", data))
 
 

@@ -116,6 +116,9 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
         DecoderLM ("decoder"), EncoderForMLM / EncoderForClassification ("encoder"), or
         EncoderDecoder ("encoder_decoder").
     """
+    if n_labels is not None and cfg.arch != "encoder":
+        raise ValueError(f"n_labels={n_labels} builds a classifier, which needs arch='encoder', "
+                         f"not arch={cfg.arch!r}")
     embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings)
     if cfg.arch == "decoder":
         model = build_decoder(cfg, embed, cfg.n_layers, cross=False)
@@ -126,7 +129,8 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
         model = EncoderForClassification(build_encoder(cfg, embed), cfg.d_model, n_labels,
                                          cfg.dropout)
     else:
-        head = MLMHead(cfg.d_model, cfg.vocab_size, build_norm_for(cfg), ACTIVATIONS[cfg.activation])
+        act = ACTIVATIONS[cfg.activation]
+        head = MLMHead(cfg.d_model, cfg.vocab_size, build_norm_for(cfg), act)
         if cfg.tie_embeddings:
             tie_weights(head.decoder, embed)
         model = EncoderForMLM(build_encoder(cfg, embed), head)
