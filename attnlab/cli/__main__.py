@@ -1,21 +1,31 @@
 """`attnlab <command>`: thin wrappers over library functions."""
 
 import argparse
+import importlib
 import sys
 
-from attnlab.cli import inspect, train
-
-COMMANDS = {"train": train, "inspect": inspect}
+# Each subcommand is a module of attnlab.cli with add_parser(parser) and run(args); imported only
+# when chosen, so one command's dependencies never slow down (or break) another.
+COMMANDS = {
+    "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
+    "inspect": "Count a model's parameters, FLOPs per token and KV-cache bytes (no memory used).",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
-        module.add_parser(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, summary in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        if name == chosen:
+            module = importlib.import_module(f"attnlab.cli.{name}")
+            module.add_parser(p)
     args = parser.parse_args(argv)
+    module = importlib.import_module(f"attnlab.cli.{args.command}")
     try:
-        return COMMANDS[args.command].run(args) or 0
+        return module.run(args) or 0
     except ValueError as e:
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2

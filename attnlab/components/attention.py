@@ -92,6 +92,7 @@ class Attention(nn.Module):
         q_pos: Tensor | None = None,
         k_pos: Tensor | None = None,
         cache=None,
+        slots: Tensor | None = None,
     ) -> Tensor:
         """Attend from `x` to itself (or to `memory` for cross attention).
 
@@ -102,30 +103,34 @@ class Attention(nn.Module):
             memory: (B, S, C_kv) encoder output; required for cross attention.
             positions: the model's position scheme (its rotate_qk and score_bias hooks).
             q_pos: (T,) or (B, T) positions of the queries; default 0..T-1.
-            k_pos: (S,) or (B, S) positions of the keys; default q_pos (or 0..S-1 with a cache).
-            cache: a KV cache with `update(k, v, k_pos) -> (k_all, v_all, k_pos_all)`, or None.
+            k_pos: (S,) or (B, S) positions of every cache slot (with a self-attention cache);
+                without a cache the keys are the queries, so k_pos = q_pos.
+            cache: self-attention: a KVCache written at `slots`; cross-attention: a CrossKV
+                that keeps the memory's keys and values after the first call.
+            slots: (T,) cache slots of the new tokens.
 
         Returns:
             (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.
         """
         B, T, _ = x.shape
-        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        H, D = self.n_heads, self.head_dim
         positions = _NO_POSITION if positions is None else positions
-        if self.cross and memory is None:
-            raise ValueError("cross attention needs the encoder memory (memory=None was given)")
-        source = memory if self.cross else x  # (B, S, C_kv)
-        S = source.shape[1]
         q = self.q_norm(self.q_proj(x).view(B, T, H, D).transpose(1, 2))  # (B, H, T, D)
-        k = self.k_norm(self.k_proj(source).view(B, S, K, D).transpose(1, 2))  # (B, K, S, D)
-        v = self.v_proj(source).view(B, S, K, D).transpose(1, 2)  # (B, K, S, D)
-        if q_pos is None:
-            q_pos = torch.arange(T, device=x.device)
-        if not self.cross:
-            k_pos = q_pos
-            q, k = positions.rotate_qk(q, k, q_pos, k_pos)
-        if cache is not None:
-            k, v, k_pos = cache.update(k, v, k_pos)  # (B, K, S_total, D)
-        bias = None if self.cross else positions.score_bias(q_pos, k_pos)  # (H, T, S) or None
+        q_pos = torch.arange(T, device=x.device) if q_pos is None else q_pos
+        bias = None
+        if self.cross:
+            if cache is None:
+                k, v = self.project_kv(memory)  # (B, K, M, D)
+            else:
+                k, v = cache.get(lambda: self.project_kv(memory))  # computed once per source
+        else:
+            k, v = self.project_kv(x)  # (B, K, T, D)
+            q, k = positions.rotate_qk(q, k, q_pos, q_pos)
+            if cache is None:
+                k_pos = q_pos
+            else:
+                k, v = cache.update(k, v, slots)  # (B, K, S_max, D)
+            bias = positions.score_bias(q_pos, k_pos)  # (H, T, S), (B, H, T, S) or None
         if mask is not None:
             check_mask(mask, B, H, T, k.shape[2])
         args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
@@ -136,3 +141,13 @@ class Attention(nn.Module):
             self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)
+
+    def project_kv(self, source: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Keys and values of `source` (B, S, C_kv) -> each (B, K, S, D)."""
+        if source is None:
+            raise ValueError("cross attention needs the encoder memory (memory=None was given)")
+        B, S, _ = source.shape
+        K, D = self.n_kv_heads, self.head_dim
+        k = self.k_norm(self.k_proj(source).view(B, S, K, D).transpose(1, 2))  # (B, K, S, D)
+        v = self.v_proj(source).view(B, S, K, D).transpose(1, 2)  # (B, K, S, D)
+        return k, v

@@ -67,16 +67,24 @@ class DecoderBlock(nn.Module):
         is_causal: bool = False,
         positions: PositionScheme | None = None,
         pos: Tensor | None = None,
+        k_pos: Tensor | None = None,
         memory: Tensor | None = None,
         memory_mask: Tensor | None = None,
         cache=None,
+        cross_cache=None,
+        slots: Tensor | None = None,
     ) -> Tensor:
-        """x: (B, T, C), memory: (B, S, C) -> (B, T, C). Masks are bool, True = may attend."""
+        """x: (B, T, C), memory: (B, S, C) -> (B, T, C). Masks are bool, True = may attend.
+
+        pos, k_pos, cache, slots: see `Attention.forward`; cross_cache: the cross-attention's.
+        """
         res = iter(self.residuals)
         x = next(res)(x, lambda h: self.self_attn(
-            h, mask, is_causal=is_causal, positions=positions, q_pos=pos, cache=cache))
+            h, mask, is_causal=is_causal, positions=positions, q_pos=pos, k_pos=k_pos,
+            cache=cache, slots=slots))
         if self.cross_attn is not None:
-            x = next(res)(x, lambda h: self.cross_attn(h, memory_mask, memory=memory))
+            x = next(res)(x, lambda h: self.cross_attn(
+                h, memory_mask, memory=memory, cache=cross_cache))
         return next(res)(x, self.ffn)  # (B, T, C)
 
 

@@ -1,71 +1,169 @@
-"""Token-by-token generation for decoder-only and encoder-decoder models.
+"""Generation for decoder-only and encoder-decoder models: prefill once, then one decode step per
+token against the KV cache; sampling, stop tokens and strings, left-padded batches, streaming.
 
-Shapes: B batch, T prompt length, N new tokens, V vocab_size.
+    prompts ─left pad─> ids (B, T0) ─prefill─> logits ─sample─> token ─decode_step─> logits ─> ...
+
+Shapes: B batch, T0 longest prompt, N new tokens, S_max = T0 + N cache slots, V vocab_size.
 """
+
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from attnlab.components.embedding import check_token_ids
+from attnlab.inference.kv_cache import ModelCache
+from attnlab.inference.sampling import SamplingConfig, sample
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> tuple[Tensor, Tensor]:
+    """Left-pad prompts so every row's last token is in the last column.
+
+    Returns:
+        ids (B, T0) int64, mask (B, T0) bool (True = real token).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (got an empty prompt)")
+    T0 = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T0), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), T0), dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, T0 - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, T0 - len(p):] = True
+    return ids, mask
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The DecoderLM inside a decoder-only or encoder-decoder model."""
+    return getattr(model, "decoder", model)
+
+
+def prefill(model: nn.Module, ids: Tensor, cache: ModelCache, memory: Tensor | None = None,
+            memory_mask: Tensor | None = None) -> Tensor:
+    """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V)."""
+    slots = torch.arange(ids.shape[1], device=ids.device)
+    return decoder_of(model)(ids, memory=memory, memory_mask=memory_mask, cache=cache, slots=slots)
+
+
+def decode_step(model: nn.Module, token: Tensor, slot: Tensor, cache: ModelCache,
+                memory_mask: Tensor | None = None) -> Tensor:
+    """One new token per row at cache slot `slot` (shape (1,)). token (B, 1) -> logits (B, V).
+
+    Static shapes (the cache is preallocated, `slot` is a tensor), so this can be compiled.
+    """
+    return decoder_of(model)(token, memory_mask=memory_mask, cache=cache, slots=slot)[:, -1]
+
+
+def stream_tokens(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    stop_tokens: Sequence[int] = (),
+    seed: int | None = None,
+    source: Tensor | None = None,
+    source_mask: Tensor | None = None,
+    step_fn: Callable | None = None,
+) -> Iterator[Tensor]:
+    """Yield each step's new tokens (B,) as soon as they are chosen.
+
+    Rows that produced a stop token are finished: they keep yielding that stop token, and the
+    loop ends when every row is finished or after `max_new_tokens`.
+
+    Args:
+        prompts: token ids per row (decoder-only), or the decoder start per row (encoder-decoder).
+        source, source_mask: (B, M) encoder input and its mask, for encoder-decoder models.
+        step_fn: replaces `decode_step` (e.g. a torch.compile'd one), same signature.
+    """
+    decoder = decoder_of(model)
+    vocab = decoder.head.out_features
+    for p in prompts:
+        check_token_ids(torch.as_tensor(list(p)), vocab)
+    device = decoder.head.weight.device
+    ids, mask = left_pad(prompts, device=device)
+    B, T0 = ids.shape
+    limit = decoder.positions.max_positions
+    if limit is not None and T0 + max_new_tokens > limit:
+        raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's {limit} learned positions")
+    memory = None if source is None else model.encode(source, source_mask)  # (B, M, C)
+    key_valid = torch.cat([mask, mask.new_ones(B, max_new_tokens)], dim=1)  # (B, S_max)
+    cache = ModelCache.for_decoder(decoder, key_valid, cross=memory is not None)
+    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    logits = prefill(model, ids, cache, memory, source_mask)[:, -1]  # (B, V)
+    # Padding must not count as "already generated" for the repetition penalty.
+    history = torch.where(mask, ids, ids[:, -1:])  # (B, T0)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
+    step = step_fn or decode_step
+    with torch.no_grad():
+        for i in range(max_new_tokens):
+            token = sample(logits, sampling, history, gen)  # (B,)
+            if len(stops):
+                token = torch.where(done, history[:, -1], token)
+                done = done | torch.isin(token, stops)
+            history = torch.cat([history, token[:, None]], dim=1)
+            yield token
+            if (len(stops) and bool(done.all())) or i == max_new_tokens - 1:
+                return
+            slot = torch.tensor([T0 + i], device=device)
+            logits = step(model, token[:, None], slot, cache, source_mask)
 
 
 @torch.no_grad()
 def generate(
     model: nn.Module,
-    ids: Tensor,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-    max_seq_len: int | None = None,
-) -> Tensor:
-    """Sample continuations of a decoder-only model, recomputing the whole prefix each step.
+    sampling: SamplingConfig = SamplingConfig(),
+    stop_tokens: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
+    seed: int | None = None,
+    max_total_len: int | None = None,
+    source: Tensor | None = None,
+    source_mask: Tensor | None = None,
+    on_token: Callable[[Tensor], None] | None = None,
+) -> list[list[int]]:
+    """Generate up to `max_new_tokens` per prompt and return only the new tokens of each row.
 
     Args:
-        ids: (B, T) prompt.  temperature: 0 -> greedy.  top_k: keep the k most likely tokens.
-        max_seq_len: crop the context to its last `max_seq_len` tokens (learned positions).
-
-    Returns:
-        (B, T + N) the prompt followed by the new tokens.
+        stop_tokens: a row ends at (and keeps) the first of these.
+        stop_strings: with `decode` (ids -> text), a row ends once its text contains one; the
+            tokens are cut where the text first contains it (strings may span tokens).
+        max_total_len: also stop when prompt + new tokens reach this length.
+        on_token: called with each step's (B,) tokens as they come (streaming).
     """
-    for _ in range(max_new_tokens):
-        context = ids if max_seq_len is None else ids[:, -max_seq_len:]
-        logits = model(context)[:, -1].float()  # (B, V)
-        ids = torch.cat([ids, _choose(logits, temperature, top_k, generator)], dim=1)
-    return ids
-
-
-@torch.no_grad()
-def greedy_seq2seq(
-    model: nn.Module,
-    src: Tensor,
-    src_mask: Tensor | None,
-    bos_id: int,
-    eos_id: int,
-    max_new_tokens: int,
-) -> Tensor:
-    """Greedy decoding of an EncoderDecoder: encode once, then extend the target token by token.
-
-    Returns:
-        (B, 1 + N) target ids starting with bos_id; rows that emitted eos_id keep emitting it.
-    """
-    memory = model.encode(src, src_mask)  # (B, M, C)
-    tgt = torch.full((src.shape[0], 1), bos_id, dtype=torch.long, device=src.device)
-    done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-    for _ in range(max_new_tokens):
-        next_id = model.decode(tgt, memory, src_mask)[:, -1].argmax(-1)  # (B,)
-        next_id = next_id.masked_fill(done, eos_id)
-        tgt = torch.cat([tgt, next_id[:, None]], dim=1)
-        done |= next_id == eos_id
-        if bool(done.all()):
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if stop_strings and decode is None:
+        raise ValueError("stop_strings need a `decode` function (token ids -> text)")
+    if max_total_len is not None:
+        max_new_tokens = min(max_new_tokens, max_total_len - max(len(p) for p in prompts))
+        if max_new_tokens < 1:
+            raise ValueError(f"max_total_len={max_total_len} leaves no room after the prompt")
+    rows: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    for token in stream_tokens(model, prompts, max_new_tokens, sampling, stop_tokens, seed,
+                               source, source_mask):
+        if on_token is not None:
+            on_token(token)
+        for b, t in enumerate(token.tolist()):
+            if finished[b]:
+                continue
+            rows[b].append(t)
+            finished[b] = t in stop_tokens or _cut_at_stop_string(rows[b], stop_strings, decode)
+        if all(finished):
             break
-    return tgt
+    return rows
 
 
-def _choose(logits: Tensor, temperature: float, top_k: int | None, generator) -> Tensor:
-    """(B, V) logits -> (B, 1) token ids."""
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+def _cut_at_stop_string(row: list[int], stop_strings: Sequence[str], decode) -> bool:
+    """If the row's text contains a stop string, drop the tokens after the one completing it."""
+    if not stop_strings:
+        return False
+    if not any(s in decode(row) for s in stop_strings):
+        return False
+    while len(row) > 1 and any(s in decode(row[:-1]) for s in stop_strings):
+        row.pop()  # the string was already complete without the last token
+    return True

@@ -34,6 +34,26 @@ def self_attention_mask(
     return mask, False
 
 
+def cached_attention_mask(slots: Tensor, key_valid: Tensor, window: int | None) -> Tensor:
+    """The self-attention mask against a preallocated cache.
+
+    Query at slot s sees slots <= s (unwritten later slots stay hidden), within the window, that
+    hold real tokens.
+
+    Args:
+        slots: (T,) slots of the new tokens.  key_valid: (B, S_max) False for padding.
+
+    Returns:
+        (B, 1, T, S_max) bool.
+    """
+    q = slots[:, None]  # (T, 1)
+    k = torch.arange(key_valid.shape[1], device=slots.device)[None, :]  # (1, S_max)
+    mask = k <= q  # (T, S_max)
+    if window is not None:
+        mask = mask & (k > q - window)
+    return mask & key_valid[:, None, None, :]  # (B, 1, T, S_max)
+
+
 class DecoderLM(nn.Module):
     """A stack of causal blocks that maps token ids to next-token logits.
 
@@ -62,32 +82,41 @@ class DecoderLM(nn.Module):
         pos: Tensor | None = None,
         memory: Tensor | None = None,
         memory_mask: Tensor | None = None,
-        caches: list | None = None,
+        cache=None,
+        slots: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits.
 
         Args:
             ids: (B, T) token ids.
-            attention_mask: (B, S) True = real token (S = T without a cache); None = no padding.
-            pos: (T,) or (B, T) absolute positions of `ids`; default 0..T-1.
+            attention_mask: (B, T) True = real token; None = no padding. (With a cache, padding
+                is the cache's `key_valid`.)
+            pos: (T,) or (B, T) absolute positions of `ids`; default 0..T-1 (with a cache: the
+                cache's positions of `slots`).
             memory: (B, M, C) encoder output, for blocks with cross-attention.
             memory_mask: (B, M) True = real memory token.
-            caches: one KV cache per block, or None.
+            cache: a ModelCache (inference/kv_cache.py), or None.
+            slots: (T,) cache slots of `ids`, with a cache.
 
         Returns:
             (B, T, V) logits.
         """
         B, T = ids.shape
-        if pos is None:
-            pos = torch.arange(T, device=ids.device)
-        S = T if attention_mask is None else attention_mask.shape[-1]
-        mask, is_causal = self_attention_mask(T, S, attention_mask, self.window, ids.device)
+        k_pos = None
+        if cache is None:
+            pos = torch.arange(T, device=ids.device) if pos is None else pos
+            mask, is_causal = self_attention_mask(T, T, attention_mask, self.window, ids.device)
+        else:
+            pos, k_pos = cache.pos[:, slots], cache.pos  # (B, T), (B, S_max)
+            mask, is_causal = cached_attention_mask(slots, cache.key_valid, self.window), False
         cross_mask = None if memory_mask is None else padding_mask(memory_mask)  # (B, 1, 1, M)
         x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, mask, is_causal=is_causal, positions=self.positions, pos=pos,
-                      memory=memory, memory_mask=cross_mask,
-                      cache=None if caches is None else caches[i])
+                      k_pos=k_pos, memory=memory, memory_mask=cross_mask,
+                      cache=None if cache is None else cache.layers[i],
+                      cross_cache=None if cache is None or cache.cross is None else cache.cross[i],
+                      slots=slots)
         x = self.norm(x)  # (B, T, C)
         if self.head_scale != 1.0:
             x = x * self.head_scale

@@ -24,9 +24,10 @@ class EncoderDecoder(nn.Module):
         return self.encoder(src, src_mask)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None,
-               tgt_mask: Tensor | None = None, **kwargs) -> Tensor:
-        """tgt: (B, T) ids, memory: (B, M, C) -> logits (B, T, V)."""
-        return self.decoder(tgt, tgt_mask, memory=memory, memory_mask=src_mask, **kwargs)
+               tgt_mask: Tensor | None = None) -> Tensor:
+        """tgt: (B, T) ids, memory: (B, M, C) -> logits (B, T, V). (Cached decoding calls
+        `self.decoder` with a cache directly: see inference/generate.py.)"""
+        return self.decoder(tgt, tgt_mask, memory=memory, memory_mask=src_mask)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None) -> Tensor:

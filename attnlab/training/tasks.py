@@ -13,7 +13,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnlab.inference.generate import generate, greedy_seq2seq
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
 from attnlab.training.config import RunConfig
 from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
 from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
@@ -21,6 +22,8 @@ from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, tas
 from attnlab.training.tokenizer import Tokenizer
 
 EVAL_SEED = 1234
+SAMPLE_SETTINGS = SamplingConfig(temperature=0.8, top_k=50)
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 class LMTask:
@@ -52,18 +55,11 @@ class LMTask:
 
     @torch.no_grad()
     def sample(self, model: nn.Module, n_tokens: int, device, prompt: str = "\n") -> str:
-        ids = torch.tensor([self.tokenizer.encode(prompt) or [0]], device=device)
-        gen = torch.Generator(device=device).manual_seed(EVAL_SEED)
-        out = generate(
-            model,
-            ids,
-            n_tokens,
-            temperature=0.8,
-            top_k=50,
-            generator=gen,
-            max_seq_len=self.run.model.max_seq_len,
-        )
-        return self.tokenizer.decode(out[0].tolist())
+        ids = self.tokenizer.encode(prompt) or [0]
+        limit = model.positions.max_positions  # a learned table ends: sample what fits
+        n_tokens = n_tokens if limit is None else min(n_tokens, limit - len(ids))
+        out = generate(model, [ids], n_tokens, SAMPLE_SETTINGS, seed=EVAL_SEED)
+        return self.tokenizer.decode(ids + out[0])
 
 
 class MLMTask(LMTask):
@@ -170,12 +166,10 @@ class Seq2SeqTask:
 
     def translate(self, model, batch: dict) -> list[str]:
         max_new = self.run.data.synthetic_max_len + 1
-        out = greedy_seq2seq(model, batch["src"], batch["src_mask"], self.bos, self.eos, max_new)
-        texts = []
-        for row in out[:, 1:].tolist():
-            row = row[: row.index(self.eos)] if self.eos in row else row
-            texts.append(self.tokenizer.decode(row))
-        return texts
+        starts = [[self.bos]] * batch["src"].shape[0]
+        rows = generate(model, starts, max_new, GREEDY, stop_tokens=[self.eos],
+                        source=batch["src"], source_mask=batch["src_mask"])
+        return [self.tokenizer.decode([t for t in row if t != self.eos]) for row in rows]
 
     @torch.no_grad()
     def sample(self, model, n_tokens: int, device, prompt: str = "") -> str:

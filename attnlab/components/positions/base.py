@@ -20,6 +20,9 @@ from torch import Tensor, nn
 class PositionScheme(nn.Module):
     """Base class: a scheme with no position information (every hook is the identity)."""
 
+    # The largest number of positions the scheme can represent (a table's size), or None.
+    max_positions: int | None = None
+
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """Add absolute position information to token embeddings.
 

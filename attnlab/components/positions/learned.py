@@ -27,7 +27,7 @@ class LearnedPosition(PositionScheme):
                 f"max_seq_len and d_model must be positive, got max_seq_len={max_seq_len}, "
                 f"d_model={d_model}"
             )
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = self.max_positions = max_seq_len
         self.table = nn.Embedding(max_seq_len, d_model)  # weight: (max_seq_len, C)
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:

@@ -57,6 +57,7 @@ class SinusoidalPosition(PositionScheme):
                 f"max_seq_len={max_seq_len}"
             )
         self.d_model, self.max_seq_len, self.base = d_model, max_seq_len, base
+        self.max_positions = max_seq_len
         # A buffer so it follows .to(device); non-persistent because it is a pure function of
         # (max_seq_len, d_model, base): checkpoints stay smaller and never hold a stale copy.
         self.register_buffer(

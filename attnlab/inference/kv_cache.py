@@ -1,0 +1,103 @@
+"""KV caches: keys and values of past tokens, kept so each new token costs one column, not a
+recomputation of the whole prefix.
+
+    slots:   0   1   2   3   4   5   6   7        (S_max preallocated; written at `slots`)
+    row 0:  pad pad  a   b   c   d   .   .        left padding: position = slot - 2
+    row 1:   w   x   y   z   u   v   .   .        position = slot
+
+Buffers are allocated once, shaped (B, K, S_max, D) (K kv heads: GQA/MQA caches only K), and
+written in place with `index_copy_`, so the decode step has static shapes and can be compiled.
+Attention always reads the whole buffer; the mask hides padding and not-yet-written slots.
+
+Cross-attention (encoder-decoder) keys and values depend only on the source, so `CrossKV`
+computes them on the first call and hands them back on every later one.
+
+Shapes: B batch, K kv heads, S_max slots, T new tokens, M memory length, D head_dim.
+"""
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    """One self-attention layer's preallocated key/value buffers.
+
+    Args:
+        B: batch.  K: kv heads.  S_max: slots.  D: head_dim.  dtype, device: of the buffers.
+    """
+
+    def __init__(self, B: int, K: int, S_max: int, D: int, dtype=torch.float32, device=None):
+        super().__init__()
+        shape = (B, K, S_max, D)
+        # Non-persistent: a cache is scratch space, never part of a checkpoint.
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new keys/values at `slots` and return the whole buffers.
+
+        Args:
+            k, v: (B, K, T, D) for the T new tokens.  slots: (T,) int64 slot indices.
+
+        Returns:
+            (B, K, S_max, D) keys and values.
+        """
+        self.k.index_copy_(2, slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class CrossKV(nn.Module):
+    """Cross-attention keys/values, computed once per source and reused for every new token."""
+
+    def __init__(self):
+        super().__init__()
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def get(self, compute) -> tuple[Tensor, Tensor]:
+        """compute: a callable returning (k, v), each (B, K, M, D); called only the first time."""
+        if self.k is None:
+            self.k, self.v = compute()
+        return self.k, self.v
+
+
+class ModelCache(nn.Module):
+    """All layers' caches for one generation, plus what every layer needs to read them.
+
+    Args:
+        layers: one KVCache per decoder block.
+        cross: one CrossKV per block (encoder-decoder models), or None.
+        key_valid: (B, S_max) bool, False for left padding. Slots not yet written are hidden by
+            causality (a query at slot s sees slots <= s), so they can be marked True up front.
+    """
+
+    def __init__(self, layers: list[KVCache], cross: list[CrossKV] | None, key_valid: Tensor):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.cross = nn.ModuleList(cross) if cross is not None else None
+        self.register_buffer("key_valid", key_valid, persistent=False)  # (B, S_max)
+        # Each row counts positions from its first real token: left padding does not shift them.
+        pos = (key_valid.long().cumsum(-1) - 1).clamp(min=0)  # (B, S_max)
+        self.register_buffer("pos", pos, persistent=False)
+
+    @classmethod
+    def for_decoder(cls, decoder: nn.Module, key_valid: Tensor, cross: bool = False,
+                    dtype: torch.dtype | None = None) -> "ModelCache":
+        """Preallocate caches shaped for `decoder`'s blocks (kv heads and head_dim per layer)."""
+        B, S_max = key_valid.shape
+        weight = decoder.head.weight
+        dtype = weight.dtype if dtype is None else dtype
+        layers = [KVCache(B, blk.self_attn.n_kv_heads, S_max, blk.self_attn.head_dim, dtype,
+                          weight.device) for blk in decoder.blocks]
+        crosses = [CrossKV() for _ in decoder.blocks] if cross else None
+        return cls(layers, crosses, key_valid)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` (beam search): every buffer is gathered along the batch dimension."""
+        for layer in self.layers:
+            layer.k, layer.v = layer.k[index], layer.v[index]
+        for c in self.cross or []:
+            if c.k is not None:
+                c.k, c.v = c.k[index], c.v[index]
+        self.key_valid, self.pos = self.key_valid[index], self.pos[index]
