@@ -4,6 +4,7 @@ Components never see a ModelConfig: this module reads the config, looks each var
 component's small registry, and passes built submodules into blocks and models.
 """
 
+import torch
 from torch import nn
 
 from attnlab.components.attention import Attention
@@ -42,7 +43,10 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         "t5_bias": lambda: T5Bias(a.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance,
                                   bidirectional=not causal),
     }
-    return builders[cfg.position]()
+    # Position tables are computed, not learned: build them on the CPU even inside a meta-device
+    # build, so a model whose weights are assigned later has nothing left to recompute.
+    with torch.device("cpu"):
+        return builders[cfg.position]()
 
 
 def _rope_class(cfg: ModelConfig) -> type[RoPE]:

@@ -6,6 +6,7 @@
       optimizer.pt         AdamW state: tensors, numbers and lists only
       rng.pt               torch RNG state and the data generator's state (the data position)
       trainer_state.json   step, best validation loss, ...
+      tokenizer.json       the tokenizer (HF fast-tokenizer format)
 
 A save goes to `step_000500.tmp/` first and is renamed into place only when complete, then the
 `latest` pointer is replaced (os.replace is atomic), so a run killed at any moment leaves the
@@ -38,8 +39,12 @@ def save_checkpoint(
     run,
     trainer_state: dict,
     rng: dict | None = None,
+    tokenizer=None,
 ) -> Path:
-    """Write a complete checkpoint directory at `path` atomically (via `path.tmp`)."""
+    """Write a complete checkpoint directory at `path` atomically (via `path.tmp`).
+
+    `tokenizer` (with a .save(path)) is stored as tokenizer.json, so a checkpoint generates text
+    on its own."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -51,6 +56,8 @@ def save_checkpoint(
     if rng is not None:
         torch.save(rng, tmp / "rng.pt")
     _write_json(tmp / "trainer_state.json", trainer_state)
+    if tokenizer is not None:
+        tokenizer.save(tmp / "tokenizer.json")
     for f in tmp.iterdir():  # data on disk before the rename makes it visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -119,3 +126,25 @@ class CheckpointDir:
 
     def save_best(self, *args, **kwargs) -> Path:
         return save_checkpoint(self.root / "best", *args, **kwargs)
+
+
+def load_pretrained(path: str | Path, device: str = "cpu"):
+    """A checkpoint directory -> (model in eval mode, tokenizer or None, run config dict).
+
+    The model is built on the meta device and its weights assigned from model.safetensors.
+    """
+    from attnlab.configs import from_dict
+    from attnlab.models.build import build_model
+    from attnlab.models.config import ModelConfig
+    from attnlab.models.weights import load_safetensors
+    from attnlab.training.tokenizer import Tokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint (needs config.json and model.safetensors)")
+    run = json.loads((path / "config.json").read_text())
+    with torch.device("meta"):
+        model = build_model(from_dict(ModelConfig, run["model"]))
+    load_safetensors(model, path / "model.safetensors", device)
+    tokenizer = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
+    return model.to(device).eval(), tokenizer, run

@@ -1,0 +1,57 @@
+"""Putting weights into a model built on the meta device, ties included.
+
+Build on "meta" (shapes only, no memory), read the tensors (safetensors, memory-mapped), then
+`load_state_dict(assign=True)` adopts them without a copy. Assigning replaces Parameters one
+name at a time, which would silently untie shared ones (embedding = LM head, the encoder and
+decoder embedding of T5), so the groups of names that share a tensor are recorded first and
+re-linked after. A safetensors file stores a shared tensor once, under one of its names.
+"""
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+
+def shared_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor, grouped (only groups of two or more)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
+    """Assign `state_dict` to `model` (possibly on meta); every parameter must be given once.
+
+    Raises:
+        ValueError listing missing and unexpected names, or a name with its two shapes.
+    """
+    groups = shared_groups(model)
+    state_dict = dict(state_dict)
+    for names in groups:  # a tied tensor may be stored under any one of its names
+        present = [n for n in names if n in state_dict]
+        for n in names:
+            if present and n not in state_dict:
+                state_dict[n] = state_dict[present[0]]
+    expected = model.state_dict()  # parameters (tied ones under every name) and saved buffers
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    for name, tensor in state_dict.items():
+        if tuple(expected[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"shape mismatch for {name!r}: the model has "
+                             f"{tuple(expected[name].shape)}, the weights {tuple(tensor.shape)}")
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for n in names[1:]:
+            owner, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    return model
+
+
+def load_safetensors(model: nn.Module, path: str | Path, device: str = "cpu") -> nn.Module:
+    """Load a model.safetensors file into `model` (see load_weights)."""
+    return load_weights(model, load_file(str(path), device=device))
