@@ -34,7 +34,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run_config_from_args(args: argparse.Namespace):
     """The RunConfig the flags describe, and the task it trains (data prepared and cached)."""
     file = read_config_file(args.config) if args.config else {}
-    preset = args.preset or file.pop("preset", None) or DEFAULT_PRESET
+    file_preset = file.pop("preset", None)  # popped even when --preset wins over it
+    preset = args.preset or file_preset or DEFAULT_PRESET
     configs = {"model": get_preset(preset), "train": TrainConfig(), "data": DataConfig()}
     configs = merge_sections(configs, file)
     configs, given = apply_config_flags(configs, args)
@@ -53,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = {k: v for k, v in state.last_eval.items() if k != "sample"}
     print(f"\ntrained {state.step} steps; " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     print(f"checkpoints and metrics in {run_cfg.train.out_dir}")
-    sample = task.sample(
-        model.eval(), run_cfg.train.sample_tokens, resolve_device(run_cfg.train.device)
-    )
+    n_tokens, device = run_cfg.train.sample_tokens, resolve_device(run_cfg.train.device)
+    sample = task.sample(model.eval(), n_tokens, device) if n_tokens else None
     if sample is not None:
         print(f"\n--- sample ---\n{sample}")
     return 0

@@ -106,6 +106,13 @@ class CheckpointDir:
     def __init__(self, root: Path, keep_last: int = 2):
         self.root, self.keep_last = Path(root), keep_last
         self.root.mkdir(parents=True, exist_ok=True)
+        # A save killed between its two renames leaves `X.old` (complete) and no `X`: put it back.
+        for old in self.root.glob("*.old"):
+            target = old.with_name(old.name.removesuffix(".old"))
+            if target.exists():
+                shutil.rmtree(old)
+            else:
+                os.replace(old, target)
         for leftover in self.root.glob("*.tmp"):  # a save that was interrupted
             shutil.rmtree(leftover, ignore_errors=True)
 
@@ -141,7 +148,9 @@ def load_pretrained(path: str | Path, device: str = "cpu"):
 
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise ValueError(f"{str(path)!r} is not a checkpoint (needs config.json and model.safetensors)")
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint (needs config.json and model.safetensors)"
+        )
     run = json.loads((path / "config.json").read_text())
     with torch.device("meta"):
         model = build_model(from_dict(ModelConfig, run["model"]))

@@ -43,7 +43,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train. Global batch = batch_size * grad_accum (* ranks) sequences of `context`."""
+    """How to train. Global batch = batch_size * grad_accum (* ranks) sequences of `context`.
+
+    grad_clip: the largest global gradient norm; 0 turns clipping off.
+    sample_tokens: length of the text sample drawn at each evaluation; 0 draws none.
+    """
 
     steps: int = 2000
     batch_size: int = 12
@@ -73,9 +77,23 @@ class TrainConfig:
 
     def __post_init__(self):
         check_literals(self)
-        for name in ("steps", "batch_size", "context", "grad_accum", "eval_batches", "keep_last"):
+        at_least_one = (
+            "steps",
+            "batch_size",
+            "context",
+            "grad_accum",
+            "eval_batches",
+            "keep_last",
+            "eval_every",
+            "log_every",
+            "ckpt_every",
+        )
+        for name in at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "grad_clip", "weight_decay", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}")
 

@@ -53,12 +53,17 @@ def check_run(run: RunConfig, task) -> None:
     m, t, d = run.model, run.train, run.data
     if TASK_ARCH[d.task] != m.arch:
         raise ValueError(
-            f"task {d.task!r} trains a {TASK_ARCH[d.task]} model, but model.arch is {m.arch!r}"
+            f"task {d.task!r} needs model.arch={TASK_ARCH[d.task]!r}, but model.arch is {m.arch!r}"
         )
     if d.task != "seq2seq" and t.context > m.max_seq_len:
         raise ValueError(
             f"train.context={t.context} is longer than the model's positions "
             f"(model.max_seq_len={m.max_seq_len})"
+        )
+    if d.task == "seq2seq" and d.synthetic_max_len + 1 > m.max_seq_len:  # + <bos> or <eos>
+        raise ValueError(
+            f"data.synthetic_max_len={d.synthetic_max_len} makes sequences of up to "
+            f"{d.synthetic_max_len + 1} tokens, longer than model.max_seq_len={m.max_seq_len}"
         )
     if task.tokenizer.vocab_size > m.vocab_size:
         raise ValueError(
@@ -67,6 +72,15 @@ def check_run(run: RunConfig, task) -> None:
         )
     if t.precision == "fp16" and resolve_device(t.device).type != "cuda":
         raise ValueError("precision='fp16' needs CUDA (a grad scaler); use 'bf16' on CPU")
+    data = getattr(task, "data", None)  # the token streams of LM / MLM tasks
+    if data is not None:  # checked now, not at the first evaluation after all the steps
+        for split, tokens in (("train", data.train), ("validation", data.val)):
+            if len(tokens) < t.context + 1:
+                raise ValueError(
+                    f"the {split} split has {len(tokens)} tokens, too short for context "
+                    f"{t.context} (needs at least {t.context + 1}); use more text or a "
+                    "shorter train.context"
+                )
 
 
 def _autocast(precision: str, device: torch.device):
@@ -108,9 +122,9 @@ def train(
         rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state()}
         trainer = {"step": state.step, "best_val": state.best_val, "last_eval": state.last_eval}
         if best:
-            ckpts.save_best(model, optimizer, run, trainer, rng)
+            ckpts.save_best(model, optimizer, run, trainer, rng, task.tokenizer)
         else:
-            ckpts.save(state.step, model, optimizer, run, trainer, rng)
+            ckpts.save(state.step, model, optimizer, run, trainer, rng, task.tokenizer)
 
     bar = tqdm(
         range(state.step, cfg.steps),
@@ -135,11 +149,12 @@ def train(
         if not math.isfinite(loss_value):
             last = ckpts.latest()
             raise TrainingDiverged(
-                f"loss is {loss_value} at step {step}; stopping. The last good "
+                f"loss is {loss_value} at step {step + 1}; stopping. The last good "
                 f"checkpoint is {str(last) if last else 'none (none saved yet)'}"
             )
         scaler.unscale_(optimizer)
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -172,7 +187,7 @@ def train(
 def _evaluate(model, task, cfg, device, state: TrainState, save) -> dict:
     model.eval()
     metrics = task.evaluate(model, cfg.eval_batches, device)
-    sample = task.sample(model, cfg.sample_tokens, device)
+    sample = task.sample(model, cfg.sample_tokens, device) if cfg.sample_tokens else None
     model.train()
     state.last_eval = metrics
     if metrics["val_loss"] < state.best_val:
@@ -200,7 +215,8 @@ def _resume(ckpts: CheckpointDir, model, optimizer, data_gen, run: RunConfig) ->
 
 
 def check_same_model(saved: dict, current: dict, where) -> None:
-    """ValueError listing every model field that differs from the checkpoint's."""
+    """ValueError listing every model field (dotted, e.g. attention.n_kv_heads) that differs."""
+    saved, current = _flatten(saved), _flatten(current)
     diff = {
         k: (saved.get(k), current.get(k))
         for k in saved.keys() | current.keys()
@@ -213,6 +229,17 @@ def check_same_model(saved: dict, current: dict, where) -> None:
         raise ValueError(
             f"checkpoint {str(where)!r} was written for another model config ({lines})"
         )
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    """{"attention": {"n_heads": 4}} -> {"attention.n_heads": 4}; tuples compare as JSON lists."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def _append(path: Path, record: dict) -> None:

@@ -29,7 +29,7 @@ def constant_lr(step: int, lr: float, warmup: int) -> float:
 
 
 def lr_at(step: int, cfg: TrainConfig, d_model: int) -> float:
-    """The learning rate of `step` (0-based) under `cfg.schedule`; noam uses cfg.lr as its factor."""
+    """The learning rate of `step` (0-based) under `cfg.schedule` (noam: cfg.lr is its factor)."""
     if cfg.schedule == "cosine":
         return cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
     if cfg.schedule == "noam":
