@@ -8,6 +8,7 @@ import sys
 # when chosen, so one command's dependencies never slow down (or break) another.
 COMMANDS = {
     "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
+    "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
     "inspect": "Count a model's parameters, FLOPs per token and KV-cache bytes (no memory used).",
 }
 

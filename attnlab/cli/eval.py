@@ -1,0 +1,32 @@
+"""Evaluate a checkpoint: loss and perplexity (LM), masked-token accuracy (MLM), exact match (seq2seq)."""
+
+import argparse
+
+from attnlab.configs import from_dict
+from attnlab.training.checkpoint import load_pretrained
+from attnlab.training.config import RunConfig
+from attnlab.training.loop import resolve_device
+from attnlab.training.tasks import build_task
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (e.g. runs/x/checkpoints/best)")
+    p.add_argument("--batches", type=int, default=None,
+                   help="validation batches (default: the run's train.eval_batches)")
+    p.add_argument("--device", default="auto")
+
+
+def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "auto") -> dict:
+    """Load a checkpoint, rebuild its task from the saved run config and evaluate on validation."""
+    device = resolve_device(device)
+    model, _, saved = load_pretrained(path, str(device))
+    run = from_dict(RunConfig, saved)
+    task = build_task(run)
+    return task.evaluate(model, batches or run.train.eval_batches, device)
+
+
+def run(args: argparse.Namespace) -> int:
+    metrics = evaluate_checkpoint(args.ckpt, args.batches, args.device)
+    for key, value in metrics.items():
+        print(f"{key:20s} {value:.4f}")
+    return 0
