@@ -1,7 +1,14 @@
-"""Train a model (default: a small Llama on the Python standard library's source), then sample."""
+"""Train a model (default: a small Llama on the Python standard library's source), then sample.
+
+On several processes: `torchrun --nproc_per_node N -m attnlab train --train.distributed ddp ...`,
+or `attnlab train --nproc N ...`, which re-launches itself that way (DDP unless told otherwise).
+"""
 
 import argparse
+import os
 from dataclasses import replace
+
+import torch
 
 from attnlab.cli.options import (
     add_config_flags,
@@ -12,8 +19,9 @@ from attnlab.cli.options import (
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
 from attnlab.models.presets import get_preset
+from attnlab.training import distributed
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
-from attnlab.training.loop import resolve_device, train
+from attnlab.training.loop import train
 from attnlab.training.tasks import build_task
 
 DEFAULT_PRESET = "llama-char"
@@ -28,6 +36,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", default=None, help="YAML/JSON file: preset and section overrides")
     p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train on N processes of this machine: re-launch through torchrun (--standalone)",
+    )
     add_config_flags(p, SECTIONS)
 
 
@@ -47,15 +62,41 @@ def run_config_from_args(args: argparse.Namespace):
     return run, task
 
 
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """`torchrun` arguments that re-run this command in `args.nproc` processes (one machine)."""
+    argv = ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "attnlab", args.command]
+    for name, value in vars(args).items():
+        if name in ("command", "nproc") or value is None or value is False:
+            continue
+        argv.append(f"--{name}" if value is True else f"--{name}={value}")
+    if getattr(args, "train.distributed") is None:
+        argv.append("--train.distributed=ddp")
+    return argv
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun
+
+        try:
+            torchrun(torchrun_argv(args))
+        except ChildFailedError:  # torchrun has printed which rank failed and why
+            return 1
+        return 0
     run_cfg, task = run_config_from_args(args)
+    torch.manual_seed(run_cfg.train.seed)  # the same initial weights on every run and every rank
     model = build_model(run_cfg.model)
     state = train(model, task, run_cfg, resume=args.resume)
+    distributed.stop()  # leave torchrun's process group (nothing to do for one process)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return 0
     metrics = {k: v for k, v in state.last_eval.items() if k != "sample"}
     print(f"\ntrained {state.step} steps; " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     print(f"checkpoints and metrics in {run_cfg.train.out_dir}")
-    n_tokens, device = run_cfg.train.sample_tokens, resolve_device(run_cfg.train.device)
-    sample = task.sample(model.eval(), n_tokens, device) if n_tokens else None
+    sample = state.last_eval.get("sample")  # from the final evaluation: the same model and seed
     if sample is not None:
         print(f"\n--- sample ---\n{sample}")
     return 0

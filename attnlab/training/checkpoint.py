@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
 from attnlab.configs import to_dict
@@ -34,8 +34,8 @@ def _write_json(path: Path, data) -> None:
 
 def save_checkpoint(
     path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    model: nn.Module | dict,
+    optimizer: torch.optim.Optimizer | dict | None,
     run,
     trainer_state: dict,
     rng: dict | None = None,
@@ -43,16 +43,21 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint directory at `path` atomically (via `path.tmp`).
 
-    `tokenizer` (with a .save(path)) is stored as tokenizer.json, so a checkpoint generates text
-    on its own."""
+    `model` and `optimizer` may also be full state dicts (gathered from FSDP shards; a tied
+    matrix under one name only). `tokenizer` (with a .save(path)) is stored as tokenizer.json,
+    so a checkpoint generates text on its own."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _write_json(tmp / "config.json", to_dict(run))
-    save_model(model, str(tmp / "model.safetensors"))
+    if isinstance(model, nn.Module):
+        save_model(model, str(tmp / "model.safetensors"))  # stores a tied matrix once
+    else:
+        save_file({k: v.contiguous() for k, v in model.items()}, str(tmp / "model.safetensors"))
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+        torch.save(state, tmp / "optimizer.pt")
     if rng is not None:
         torch.save(rng, tmp / "rng.pt")
     _write_json(tmp / "trainer_state.json", trainer_state)
@@ -69,6 +74,54 @@ def save_checkpoint(
     return path
 
 
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint's files as plain data, read without a model.
+
+    Returns:
+        {"run": config dict, "trainer": trainer_state, "rng": dict or None,
+         "weights": {name: tensor}, "optimizer": optimizer state dict or None}.
+    """
+    path = Path(path)
+    if not (path / "model.safetensors").is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint (no model.safetensors)")
+    optimizer, rng = path / "optimizer.pt", path / "rng.pt"
+    return {
+        "run": json.loads((path / "config.json").read_text()),
+        "trainer": json.loads((path / "trainer_state.json").read_text()),
+        "rng": torch.load(rng, weights_only=True) if rng.is_file() else None,
+        "weights": load_file(path / "model.safetensors"),
+        "optimizer": torch.load(optimizer, weights_only=True) if optimizer.is_file() else None,
+    }
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names that share one parameter (a tied embedding and LM head), in model order."""
+    groups: dict[int, list[str]] = {}  # keyed by id(): tensors compare elementwise
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def with_tied_names(weights: dict, model: nn.Module) -> dict:
+    """`weights` with a tied matrix under all of its names (it is stored under any one)."""
+    weights = dict(weights)
+    for names in tied_names(model):
+        stored = [n for n in names if n in weights]
+        if stored:
+            weights.update({n: weights[stored[0]] for n in names if n not in weights})
+    return weights
+
+
+def load_weights(model: nn.Module, weights: dict, where: str = "the checkpoint") -> None:
+    """Copy `weights` into `model`, ValueError naming any missing or unexpected names."""
+    missing, unexpected = model.load_state_dict(with_tied_names(weights, model), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where} does not fit this model: "
+            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
+
+
 def load_checkpoint(
     path: Path,
     model: nn.Module,
@@ -79,21 +132,11 @@ def load_checkpoint(
     Returns:
         (run config as a dict, trainer_state, rng dict or None).
     """
-    path = Path(path)
-    if not (path / "model.safetensors").is_file():
-        raise ValueError(f"{str(path)!r} is not a checkpoint (no model.safetensors)")
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {str(path)!r} does not fit this model: "
-            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
-        )
+    files = read_checkpoint(path)
+    load_weights(model, files["weights"], f"checkpoint {str(path)!r}")
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    rng_path = path / "rng.pt"
-    rng = torch.load(rng_path, weights_only=True) if rng_path.is_file() else None
-    run = json.loads((path / "config.json").read_text())
-    return run, json.loads((path / "trainer_state.json").read_text()), rng
+        optimizer.load_state_dict(files["optimizer"])
+    return files["run"], files["trainer"], files["rng"]
 
 
 class CheckpointDir:

@@ -7,7 +7,7 @@ from typing import Literal
 from attnlab.configs import check_literals
 from attnlab.models.config import ModelConfig
 
-Task = Literal["clm", "mlm", "seq2seq"]
+Task = Literal["clm", "mlm", "seq2seq", "vqa", "vla"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class DataConfig:
     max_chars: cap on the text read from a directory ("stdlib"), files taken in sorted order.
     val_fraction: the last fraction of the token stream is the validation split.
     synthetic_*: size and shape of the seq2seq tasks (symbols 0..n_symbols-1, lengths in range).
+        synthetic_n_val is also the number of held-out scenes of the "vqa" / "vla" tasks.
+    scene_grid, scene_cell: the "vqa" / "vla" scenes (training/embodied.py) are grids of
+        scene_grid x scene_grid cells of scene_cell pixels.
     """
 
     task: Task = "clm"
@@ -34,6 +37,8 @@ class DataConfig:
     synthetic_min_len: int = 4
     synthetic_max_len: int = 12
     synthetic_n_val: int = 1000
+    scene_grid: int = 4
+    scene_cell: int = 8
 
     def __post_init__(self):
         check_literals(self)
@@ -43,9 +48,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train. Global batch = batch_size * grad_accum (* ranks) sequences of `context`.
+    """How to train. Global batch = batch_size * grad_accum * ranks sequences of `context`.
 
+    batch_size: sequences per micro-batch on each rank (process).
     grad_clip: the largest global gradient norm; 0 turns clipping off.
+    distributed: "ddp" or "fsdp" when launched by torchrun (one process per GPU or CPU worker;
+        see training/distributed.py); "none" for a single process.
     sample_tokens: length of the text sample drawn at each evaluation; 0 draws none.
     """
 
@@ -72,6 +80,7 @@ class TrainConfig:
     sample_tokens: int = 200
     seed: int = 1337
     device: str = "auto"
+    distributed: Literal["none", "ddp", "fsdp"] = "none"
     out_dir: str = "runs/default"
     progress: bool = True
 

@@ -123,7 +123,9 @@ def _write_cache(cfg: DataConfig, files: list[Path], cache: Path) -> None:
     tmp = cache / f"tokens.bin.tmp{os.getpid()}"
     ids.astype(dtype).tofile(tmp)
     os.replace(tmp, cache / "tokens.bin")
-    tokenizer.save(cache / "tokenizer.json")
+    tmp = cache / f"tokenizer.json.tmp{os.getpid()}"  # ranks of a job may prepare at once
+    tokenizer.save(tmp)
+    os.replace(tmp, cache / "tokenizer.json")
     manifest = {
         "source": cfg.source,
         "files": len(texts),

@@ -5,6 +5,11 @@ micro-batches (each loss divided by grad_accum, so the sum is the mean over the 
 clip the global gradient norm, step AdamW. Every `eval_every` steps: validation metrics, a text
 sample, and the best checkpoint; every `ckpt_every` steps: a checkpoint that `resume=True`
 continues from exactly (same weights, optimizer state, RNG and data position -> same losses).
+
+Under torchrun (train.distributed "ddp" or "fsdp", see distributed.py) the same loop runs on
+every rank: each rank takes its slice of the global batch, gradients are averaged across ranks
+on the last micro-batch only, the logged loss is the mean over ranks, and rank 0 alone logs and
+writes files while the others wait for it.
 """
 
 import json
@@ -19,13 +24,14 @@ from torch import nn
 from tqdm import tqdm
 
 from attnlab.configs import to_dict
-from attnlab.training.checkpoint import CheckpointDir, load_checkpoint
+from attnlab.training import distributed
+from attnlab.training.checkpoint import CheckpointDir, read_checkpoint
+from attnlab.training.checks import check_run, check_same_model
 from attnlab.training.config import RunConfig
+from attnlab.training.distributed import Ranks, clip_grad_norm_, resolve_device
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 from attnlab.viz.loss import load_metrics, plot_loss
-
-TASK_ARCH = {"clm": "decoder", "mlm": "encoder", "seq2seq": "encoder_decoder"}
 
 
 class TrainingDiverged(RuntimeError):
@@ -40,47 +46,6 @@ class TrainState:
     best_val: float = math.inf
     last_eval: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)  # train loss of every step taken in this process
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def check_run(run: RunConfig, task) -> None:
-    """Errors that would otherwise surface deep inside a forward pass, each naming the values."""
-    m, t, d = run.model, run.train, run.data
-    if TASK_ARCH[d.task] != m.arch:
-        raise ValueError(
-            f"task {d.task!r} needs model.arch={TASK_ARCH[d.task]!r}, but model.arch is {m.arch!r}"
-        )
-    if d.task != "seq2seq" and t.context > m.max_seq_len:
-        raise ValueError(
-            f"train.context={t.context} is longer than the model's positions "
-            f"(model.max_seq_len={m.max_seq_len})"
-        )
-    if d.task == "seq2seq" and d.synthetic_max_len + 1 > m.max_seq_len:  # + <bos> or <eos>
-        raise ValueError(
-            f"data.synthetic_max_len={d.synthetic_max_len} makes sequences of up to "
-            f"{d.synthetic_max_len + 1} tokens, longer than model.max_seq_len={m.max_seq_len}"
-        )
-    if task.tokenizer.vocab_size > m.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {task.tokenizer.vocab_size} tokens but the model's "
-            f"vocab_size is {m.vocab_size}"
-        )
-    if t.precision == "fp16" and resolve_device(t.device).type != "cuda":
-        raise ValueError("precision='fp16' needs CUDA (a grad scaler); use 'bf16' on CPU")
-    data = getattr(task, "data", None)  # the token streams of LM / MLM tasks
-    if data is not None:  # checked now, not at the first evaluation after all the steps
-        for split, tokens in (("train", data.train), ("validation", data.val)):
-            if len(tokens) < t.context + 1:
-                raise ValueError(
-                    f"the {split} split has {len(tokens)} tokens, too short for context "
-                    f"{t.context} (needs at least {t.context + 1}); use more text or a "
-                    "shorter train.context"
-                )
 
 
 def _autocast(precision: str, device: torch.device):
@@ -99,38 +64,39 @@ def train(
         model: built from run.model.  task: LMTask | MLMTask | Seq2SeqTask.
         run: the run config (saved in every checkpoint).
         resume: continue from the latest checkpoint in run.train.out_dir.
-        callbacks: callables f(state, record) called after every logged step.
+        callbacks: callables f(state, record) called after every logged step (on rank 0).
     """
     cfg = run.train
     check_run(run, task)
-    device = resolve_device(cfg.device)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    model.to(device).train()
+    ranks = distributed.start(cfg.distributed, cfg.device)  # one process: rank 0 of 1
+    device, out = ranks.device, Path(cfg.out_dir)
+    torch.manual_seed(cfg.seed + ranks.rank)  # dropout masks differ across ranks
+    model = ranks.wrap(model.to(device).train())  # DDP, FSDP2 or the model itself
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    ckpts, state = CheckpointDir(out / "checkpoints", cfg.keep_last), TrainState()
-    if resume:
-        state = _resume(ckpts, model, optimizer, data_gen, run)
-    _truncate_metrics(out / "metrics.jsonl", state.step)
+    data_gen = torch.Generator().manual_seed(cfg.seed)  # the same on every rank: one global batch
+    ckpts = CheckpointDir(out / "checkpoints", cfg.keep_last) if ranks.main else None
+    state = _resume(ckpts, model, optimizer, data_gen, run, ranks) if resume else TrainState()
+    if ranks.main:
+        _truncate_metrics(out / "metrics.jsonl", state.step)
     forward = torch.compile(model) if cfg.compile else model
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.context
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
 
-    def save(best: bool = False) -> None:
-        rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state()}
+    def save(best: bool = False) -> None:  # called on every rank: FSDP gathers the shards
+        weights, optim_state = ranks.checkpoint_state(model, optimizer)
+        rng = ranks.rng_state(data_gen)
         trainer = {"step": state.step, "best_val": state.best_val, "last_eval": state.last_eval}
-        if best:
-            ckpts.save_best(model, optimizer, run, trainer, rng, task.tokenizer)
-        else:
-            ckpts.save(state.step, model, optimizer, run, trainer, rng, task.tokenizer)
+        if best and ranks.main:
+            ckpts.save_best(weights, optim_state, run, trainer, rng, task.tokenizer)
+        elif ranks.main:
+            ckpts.save(state.step, weights, optim_state, run, trainer, rng, task.tokenizer)
+        ranks.barrier()  # the others wait until the checkpoint is complete
 
     bar = tqdm(
         range(state.step, cfg.steps),
         initial=state.step,
         total=cfg.steps,
-        disable=not cfg.progress,
+        disable=not (cfg.progress and ranks.main),
         dynamic_ncols=True,
     )
     for step in bar:
@@ -139,22 +105,24 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
-        for _ in range(cfg.grad_accum):
-            batch = {k: v.to(device) for k, v in task.train_batch(data_gen).items()}
-            with _autocast(cfg.precision, device):
-                loss = task.loss(forward, batch) / cfg.grad_accum
-            scaler.scale(loss).backward()
+        for i in range(cfg.grad_accum):
+            batch = task.train_batch(data_gen, ranks.rank, ranks.world)  # this rank's slice
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with ranks.gradient_sync(model, sync=i == cfg.grad_accum - 1):
+                with _autocast(cfg.precision, device):
+                    loss = task.loss(forward, batch) / cfg.grad_accum
+                scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        loss_value = loss_sum.item()
-        if not math.isfinite(loss_value):
-            last = ckpts.latest()
+        loss_value = ranks.mean(loss_sum).item()  # the global batch's loss, the same on all ranks
+        if not math.isfinite(loss_value):  # so every rank stops here
+            last = ranks.broadcast(ckpts.latest() if ranks.main else None)
             raise TrainingDiverged(
                 f"loss is {loss_value} at step {step + 1}; stopping. The last good "
                 f"checkpoint is {str(last) if last else 'none (none saved yet)'}"
             )
         scaler.unscale_(optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -169,8 +137,8 @@ def train(
             "tokens_per_s": tokens_per_step / dt,
         }
         if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
-            record.update(_evaluate(model, task, cfg, device, state, save))
-        if state.step % cfg.log_every == 0 or "val_loss" in record:
+            record.update(_evaluate(model, task, cfg, ranks, state, save))
+        if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
             _append(out / "metrics.jsonl", record)
             bar.set_postfix(
                 loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"
@@ -179,67 +147,43 @@ def train(
                 callback(state, record)
         if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
             save()
-    if (out / "metrics.jsonl").is_file():
+    if ranks.main and (out / "metrics.jsonl").is_file():
         plot_loss(load_metrics(out / "metrics.jsonl"), out / "loss.png", title=str(out))
     return state
 
 
-def _evaluate(model, task, cfg, device, state: TrainState, save) -> dict:
-    model.eval()
-    metrics = task.evaluate(model, cfg.eval_batches, device)
-    sample = task.sample(model, cfg.sample_tokens, device) if cfg.sample_tokens else None
-    model.train()
+def _evaluate(model, task, cfg, ranks: Ranks, state: TrainState, save) -> dict:
+    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them."""
+    with ranks.evaluating(model) as net:
+        metrics = task.evaluate(net, cfg.eval_batches, ranks.device)
+        n = cfg.sample_tokens
+        sample = task.sample(net, n, ranks.device) if n else None
     state.last_eval = metrics
     if metrics["val_loss"] < state.best_val:
         state.best_val = metrics["val_loss"]
         save(best=True)
     if sample is not None:
         metrics["sample"] = sample
-        if cfg.progress:
+        if cfg.progress and ranks.main:
             tqdm.write(f"--- step {state.step} sample ---\n{sample}\n---")
     return metrics
 
 
-def _resume(ckpts: CheckpointDir, model, optimizer, data_gen, run: RunConfig) -> TrainState:
-    path = ckpts.latest()
+def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> TrainState:
+    """Rank 0 reads the latest checkpoint; every rank loads it (weights and optimizer broadcast
+    from rank 0, so the number of ranks may differ from the run that wrote it)."""
+    path = ranks.broadcast(ckpts.latest() if ranks.main else None)
     if path is None:
-        raise ValueError(f"--resume: no checkpoint in {str(ckpts.root)!r}")
-    saved = json.loads((path / "config.json").read_text())
+        where = Path(run.train.out_dir) / "checkpoints"
+        raise ValueError(f"--resume: no checkpoint in {str(where)!r}")
+    files = read_checkpoint(path) if ranks.main else {}
+    saved, trainer, rng = ranks.broadcast([files.get(k) for k in ("run", "trainer", "rng")])
     check_same_model(saved["model"], to_dict(run.model), path)
-    _, trainer, rng = load_checkpoint(path, model, optimizer)
-    torch.set_rng_state(rng["torch"])
-    data_gen.set_state(rng["data"])
+    ranks.load_checkpoint_state(model, optimizer, files.get("weights"), files.get("optimizer"))
+    ranks.set_rng_state(rng, data_gen, run.train.seed)
     return TrainState(
         step=trainer["step"], best_val=trainer["best_val"], last_eval=trainer["last_eval"]
     )
-
-
-def check_same_model(saved: dict, current: dict, where) -> None:
-    """ValueError listing every model field (dotted, e.g. attention.n_kv_heads) that differs."""
-    saved, current = _flatten(saved), _flatten(current)
-    diff = {
-        k: (saved.get(k), current.get(k))
-        for k in saved.keys() | current.keys()
-        if saved.get(k) != current.get(k)
-    }
-    if diff:
-        lines = ", ".join(
-            f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in sorted(diff.items())
-        )
-        raise ValueError(
-            f"checkpoint {str(where)!r} was written for another model config ({lines})"
-        )
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    """{"attention": {"n_heads": 4}} -> {"attention.n_heads": 4}; tuples compare as JSON lists."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = list(value) if isinstance(value, tuple) else value
-    return out
 
 
 def _append(path: Path, record: dict) -> None:
@@ -255,4 +199,5 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
-__all__ = ["train", "TrainState", "TrainingDiverged"]
+# resolve_device lives in distributed.py; re-exported for older imports (cli/eval.py).
+__all__ = ["train", "TrainState", "TrainingDiverged", "resolve_device"]

@@ -3,6 +3,7 @@
     LMTask       causal LM on a token stream (decoder models)
     MLMTask      masked LM on the same kind of stream (encoder models)
     Seq2SeqTask  a synthetic copy / reverse / sort task (encoder-decoder models)
+    SceneTask    VQA / VLA on generated scenes (vision-language models; training/embodied.py)
 
 The loop only calls `train_batch`, `loss`, `evaluate` and `sample`, so it never branches on the
 objective. Evaluation draws from its own seeded generator, so it never disturbs the training RNG.
@@ -17,6 +18,7 @@ from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.training.config import RunConfig
 from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
+from attnlab.training.embodied import SceneTask
 from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
 from attnlab.training.tokenizer import Tokenizer
@@ -85,8 +87,12 @@ class MLMTask(LMTask):
         return {"x": inputs, "labels": labels}
 
     def train_batch(self, gen, rank: int = 0, world: int = 1) -> dict:
-        x, _ = lm_batch(self.data.train, self.context, self.batch_size, gen, rank, world)
-        return self._mask(x, gen)
+        # Mask the whole global batch, then slice: the masks (and the generator's state) are
+        # then the same for any number of ranks.
+        b = self.batch_size
+        x, _ = lm_batch(self.data.train, self.context, b * world, gen)  # (b * world, T)
+        batch = self._mask(x, gen)
+        return {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}  # (b, T)
 
     def _val_batch(self, gen) -> dict:
         x, _ = lm_batch(self.data.val, self.context, self.batch_size, gen)
@@ -184,6 +190,8 @@ def _to(batch: dict, device) -> dict:
 
 def build_task(run: RunConfig):
     """The task a run config describes; text data is prepared (and cached) here."""
+    if run.data.task in ("vqa", "vla"):
+        return SceneTask(run)
     if run.data.task == "seq2seq":
         if not run.data.source.startswith("synthetic:"):
             raise ValueError(f"seq2seq trains on synthetic tasks; got source {run.data.source!r}")
