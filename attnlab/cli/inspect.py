@@ -6,7 +6,13 @@ from pathlib import Path
 
 from attnlab.configs import from_dict
 from attnlab.models.config import ModelConfig
-from attnlab.models.inspect import format_stats, inspect_config
+from attnlab.models.inspect import (
+    flops_split,
+    format_costs,
+    format_stats,
+    inspect_config,
+    kv_cache_table,
+)
 from attnlab.models.presets import PRESETS, get_preset
 
 
@@ -35,14 +41,37 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--context",
         type=int,
         default=None,
-        help="context length for attention FLOPs (default: the model's max_seq_len)",
+        help="context length for attention FLOPs and the KV cache (default: the model's "
+        "max_seq_len)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=1, help="batch size the KV-cache table is sized for"
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also draw the KV cache (MHA/GQA/MQA) and the FLOPs split as bar charts (PNG)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    drawn = []
     for i, spec in enumerate(args.model):
         cfg = load_model_config(spec)
+        context = cfg.max_seq_len if args.context is None else args.context
         if i:
             print()
-        print(format_stats(spec, cfg, inspect_config(cfg, args.context)))
+        print(format_stats(spec, cfg, inspect_config(cfg, context)))
+        print(format_costs(cfg, args.batch, context))
+        if args.plot:
+            kv = [] if cfg.arch == "encoder" else kv_cache_table(cfg, args.batch, context)
+            drawn.append((spec, kv, flops_split(cfg, context), context))
+    if args.plot:
+        from attnlab.viz.costs import plot_costs  # matplotlib only when drawing
+
+        plot_costs(drawn, args.batch, out=args.plot)
+        print(f"\nwrote {args.plot}")
     return 0

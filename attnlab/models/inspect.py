@@ -9,7 +9,7 @@ per token, every Linear costs 2 * in * out, and attention over a context of T ke
 is not discounted). Embedding look-ups are free; norms, softmax and activations are left out.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -102,3 +102,124 @@ def format_stats(name: str, cfg: ModelConfig, s: ModelStats) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# --- KV-cache variants and the FLOPs split (what `attnlab inspect` tables and --plot draw) ---
+@dataclass(frozen=True)
+class KVVariant:
+    """The KV cache of one variant of a config at batch x context (bytes for each dtype)."""
+
+    name: str  # "MHA", "GQA" or "MQA"
+    n_kv_heads: int
+    cache_bytes: dict[str, int]
+    total_params: int
+    is_config: bool  # the config's own n_kv_heads
+
+
+def _gqa_heads(n_heads: int, n_kv_heads: int) -> int | None:
+    """The config's K when it is GQA; else the divisor of H nearest H / 4 (Llama 3: 32 / 8)."""
+    if 1 < n_kv_heads < n_heads:
+        return n_kv_heads
+    divisors = [k for k in range(2, n_heads) if n_heads % k == 0]
+    return min(divisors, key=lambda k: (abs(k - n_heads / 4), k)) if divisors else None
+
+
+def kv_variants(cfg: ModelConfig) -> dict[str, ModelConfig]:
+    """The same config with n_kv_heads = H (MHA), a GQA K, and 1 (MQA); GQA is left out when
+    H has no divisor strictly between 1 and H."""
+    H = cfg.attention.n_heads
+    heads = {"MHA": H, "GQA": _gqa_heads(H, cfg.n_kv_heads), "MQA": 1}
+    return {
+        name: replace(cfg, attention=replace(cfg.attention, n_kv_heads=k))
+        for name, k in heads.items()
+        if k is not None and not (name == "MQA" and H == 1)
+    }
+
+
+def kv_cache_table(cfg: ModelConfig, batch: int, context: int) -> list[KVVariant]:
+    """KV-cache bytes of batch x context tokens for the MHA / GQA / MQA variants of `cfg`."""
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch and context must be >= 1, got batch={batch}, context={context}")
+    rows = []
+    for name, variant in kv_variants(cfg).items():
+        with torch.device("meta"):
+            params = count_parameters(build_model(variant))
+        per_token = {d: kv_cache_bytes_per_token(variant, d) for d in DTYPE_BYTES}
+        rows.append(
+            KVVariant(
+                name,
+                variant.n_kv_heads,
+                {d: b * batch * context for d, b in per_token.items()},
+                params,
+                variant.n_kv_heads == cfg.n_kv_heads,
+            )
+        )
+    return rows
+
+
+def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
+    """Forward FLOPs per token split by where they go; the parts sum to `flops_per_token`.
+
+    Returns:
+        {"attention projections": q/k/v/o Linears, "attention scores": Q K^T and P V
+        (4 H D context per attention layer), "ffn": the feed-forward Linears,
+        "head and other": everything else (LM head, pooler, MLM head)}.
+    """
+    from attnlab.components.attention import Attention
+    from attnlab.components.ffn import MLP, GatedMLP
+
+    context = cfg.max_seq_len if context is None else context
+    with torch.device("meta"):
+        model = build_model(cfg)
+
+    def linear_flops(modules) -> int:
+        return sum(
+            2 * m.in_features * m.out_features
+            for p in modules
+            for m in p.modules()
+            if isinstance(m, nn.Linear)
+        )
+
+    attn = linear_flops(m for m in model.modules() if isinstance(m, Attention))
+    ffn = linear_flops(m for m in model.modules() if isinstance(m, MLP | GatedMLP))
+    total = flops_per_token(model, cfg, context)
+    scores = total - linear_flops([model])
+    return {
+        "attention projections": attn,
+        "attention scores": scores,
+        "ffn": ffn,
+        "head and other": total - attn - scores - ffn,
+    }
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def format_costs(cfg: ModelConfig, batch: int, context: int) -> str:
+    """KV cache of MHA / GQA / MQA at batch x context, and the FLOPs split, as two small tables."""
+    lines = []
+    if cfg.arch == "encoder":
+        lines.append("KV cache: none (an encoder keeps no cache)")
+    else:
+        note = " (self-attention; cross K/V add as much per source token)"
+        lines.append(
+            f"KV cache @ batch {batch} x context {context}"
+            + (note if cfg.arch == "encoder_decoder" else "")
+        )
+        lines.append(f"  {'variant':<8} {'kv heads':>8} {'bf16':>12} {'fp32':>12} {'params':>16}")
+        for r in kv_cache_table(cfg, batch, context):
+            mark = "  <- this config" if r.is_config else ""
+            lines.append(
+                f"  {r.name:<8} {r.n_kv_heads:>8} {_human_bytes(r.cache_bytes['bf16']):>12} "
+                f"{_human_bytes(r.cache_bytes['fp32']):>12} {r.total_params:>16,}{mark}"
+            )
+    split = flops_split(cfg, context)
+    total = sum(split.values())
+    lines.append(f"forward FLOPs/token @ {context}, split")
+    for part, flops in split.items():
+        lines.append(f"  {part:<22} {flops:>18,} {100 * flops / total:>6.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Measured analyses of attention (numerical rank, ...): functions that return numbers."""

@@ -1,0 +1,38 @@
+"""Measured analyses: `attnlab analyze rank` (numerical rank of attention matrices).
+
+A thin wrapper over attnlab/analysis/rank.py; flags come from its RankAnalysis dataclass.
+"""
+
+import argparse
+
+from attnlab.analysis.rank import RankAnalysis, rank_analysis
+from attnlab.cli.viz import add_dataclass_flags, options_from_args
+
+ANALYSES = {
+    "rank": (
+        RankAnalysis,
+        "numerical rank (SVD) of attention matrices, one head vs several, "
+        "on random and on trained weights",
+    ),
+}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join(ANALYSES) + "}")
+    for name, (cls, summary) in ANALYSES.items():
+        add_dataclass_flags(sub.add_parser(name, help=summary, description=summary), cls)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options_from_args(RankAnalysis, args)
+    rows, report = rank_analysis(opts)
+    print(report)
+    if opts.plot:
+        from attnlab.analysis.rank import random_spectra
+        from attnlab.viz.rank import plot_rank
+
+        d_k = min(opts.d_k)
+        spectra = random_spectra(list(opts.n), d_k, opts.seed, opts.causal)
+        plot_rank(rows, spectra, d_k, out=opts.plot)
+        print(f"\nwrote {opts.plot}")
+    return 0
