@@ -151,3 +151,9 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(source).view(B, S, K, D).transpose(1, 2))  # (B, K, S, D)
         v = self.v_proj(source).view(B, S, K, D).transpose(1, 2)  # (B, K, S, D)
         return k, v
+
+    def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
+        """A `KVCache` for this layer's self-attention: (B, K, S_max, D) keys and values."""
+        from attnlab.inference.kv_cache import KVCache  # inference builds on components
+
+        return KVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)

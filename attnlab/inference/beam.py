@@ -1,16 +1,24 @@
 """Beam search (for decoder-only and encoder-decoder models) with a length penalty and EOS handling.
 
 Keep the `num_beams` most likely partial sequences. Each step scores every (beam, token)
-extension by its total log-probability and walks the best 2 * num_beams of them: an extension
-ending in EOS becomes a finished hypothesis (scored sum_logprob / length ** length_penalty),
+extension by its total log-probability and walks the best (1 + n_eos) * num_beams of them (enough
+that num_beams of them do not end in EOS): an extension ending in EOS becomes a finished
+hypothesis (scored sum_logprob / length ** length_penalty) if it ranks among the best num_beams,
 the others fill the next beams. It stops when `num_beams` hypotheses are finished and (unless
-`early_stopping`) no running beam can still beat the worst of them.
+`early_stopping`) no running beam can still beat the worst of them. If it stops at
+`max_new_tokens` instead, the running beams compete with the finished hypotheses as they are.
+
+These are HF transformers' rules (generation/utils.py `_beam_search`), so the same settings give
+the same ids, including its estimate of "can still beat": the best running score normalised
+by the current length, or with early_stopping="never" and length_penalty > 0 by the longest
+possible length (max_new_tokens), which never stops before a running beam could win.
 
 Shapes: W = num_beams, V vocab_size.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +45,7 @@ def beam_search(
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
     length_penalty: float = 1.0,
-    early_stopping: bool = False,
+    early_stopping: bool | Literal["never"] = False,
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
 ) -> Hypothesis:
@@ -47,13 +55,18 @@ def beam_search(
         prompt: token ids (decoder-only), or the decoder start tokens (encoder-decoder).
         num_beams: W >= 1 (1 is greedy).  eos_ids: tokens that finish a hypothesis.
         length_penalty: exponent of the length in the score (> 0 favours longer outputs).
-        early_stopping: stop as soon as W hypotheses are finished.
+        early_stopping: True: stop as soon as W hypotheses are finished; False: also once no
+            running beam can beat them at its current length; "never": ... at max_new_tokens.
         source, source_mask: (1, M) encoder input and mask, for encoder-decoder models.
     """
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
     if len(prompt) == 0:
         raise ValueError("beam search needs a non-empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     decoder = decoder_of(model)
     device = decoder.head.weight.device
     ids = torch.tensor([list(prompt)], device=device)  # (1, T0)
@@ -74,7 +87,8 @@ def beam_search(
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1) + scores[:, None]  # (W, V)
         V = logp.shape[-1]
-        top, flat = torch.topk(logp.flatten(), 2 * W)
+        # Up to W of each EOS id can be among the candidates; past them there are W others.
+        top, flat = torch.topk(logp.flatten(), min((1 + len(eos)) * W, logp.numel()))
         next_beams, parents, tokens, next_scores = [], [], [], []
         for rank, (s, f) in enumerate(zip(top.tolist(), flat.tolist())):
             parent, token = divmod(f, V)
@@ -91,24 +105,34 @@ def beam_search(
                 break
         beams = next_beams
         scores = torch.tensor(next_scores, device=device)
-        if _done(finished, W, scores, step + 1, length_penalty, early_stopping):
-            break
-        if step == max_new_tokens - 1:
+        # HF's guess of a running beam's best final length ("never": the longest possible).
+        longest = early_stopping == "never" and length_penalty > 0
+        length = max_new_tokens if longest else step + 1
+        done = _done(finished, W, scores, length, length_penalty, early_stopping)
+        if done or step == max_new_tokens - 1:
             break
         cache.reorder(torch.tensor(parents, device=device))
         token = torch.tensor(tokens, device=device)[:, None]  # (W, 1)
         logits = decode_step(model, token, torch.tensor([T0 + step], device=device), cache, mask)
-    if len(finished) < W:  # unfinished beams compete as they are
-        finished += [Hypothesis(b, _normalised(s, len(b), length_penalty))
-                     for b, s in zip(beams, scores.tolist())]
+    if not done:  # out of tokens: unfinished beams compete as they are
+        finished += [
+            Hypothesis(b, _normalised(s, len(b), length_penalty))
+            for b, s in zip(beams, scores.tolist())
+        ]
     return max(finished, key=lambda h: h.score)
 
 
-def _done(finished: list[Hypothesis], W: int, scores: Tensor, length: int,
-          length_penalty: float, early_stopping: bool) -> bool:
+def _done(
+    finished: list[Hypothesis],
+    W: int,
+    scores: Tensor,
+    length: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+) -> bool:
     if len(finished) < W:
         return False
-    if early_stopping:
+    if early_stopping is True:
         return True
     worst = sorted(h.score for h in finished)[-W]  # the W-th best finished score
     best_running = _normalised(float(scores.max()), length, length_penalty)

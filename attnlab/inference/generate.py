@@ -15,8 +15,12 @@ from attnlab.components.embedding import check_token_ids
 from attnlab.inference.kv_cache import ModelCache
 from attnlab.inference.sampling import SamplingConfig, sample
 
+DEFAULT_SAMPLING = SamplingConfig()  # frozen, so one shared default instance is safe
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> tuple[Tensor, Tensor]:
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None
+) -> tuple[Tensor, Tensor]:
     """Left-pad prompts so every row's last token is in the last column.
 
     Returns:
@@ -28,8 +32,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> 
     ids = torch.full((len(prompts), T0), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(prompts), T0), dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
-        ids[i, T0 - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, T0 - len(p):] = True
+        ids[i, T0 - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, T0 - len(p) :] = True
     return ids, mask
 
 
@@ -38,15 +42,25 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return getattr(model, "decoder", model)
 
 
-def prefill(model: nn.Module, ids: Tensor, cache: ModelCache, memory: Tensor | None = None,
-            memory_mask: Tensor | None = None) -> Tensor:
+def prefill(
+    model: nn.Module,
+    ids: Tensor,
+    cache: ModelCache,
+    memory: Tensor | None = None,
+    memory_mask: Tensor | None = None,
+) -> Tensor:
     """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V)."""
     slots = torch.arange(ids.shape[1], device=ids.device)
     return decoder_of(model)(ids, memory=memory, memory_mask=memory_mask, cache=cache, slots=slots)
 
 
-def decode_step(model: nn.Module, token: Tensor, slot: Tensor, cache: ModelCache,
-                memory_mask: Tensor | None = None) -> Tensor:
+def decode_step(
+    model: nn.Module,
+    token: Tensor,
+    slot: Tensor,
+    cache: ModelCache,
+    memory_mask: Tensor | None = None,
+) -> Tensor:
     """One new token per row at cache slot `slot` (shape (1,)). token (B, 1) -> logits (B, V).
 
     Static shapes (the cache is preallocated, `slot` is a tensor), so this can be compiled.
@@ -54,11 +68,14 @@ def decode_step(model: nn.Module, token: Tensor, slot: Tensor, cache: ModelCache
     return decoder_of(model)(token, memory_mask=memory_mask, cache=cache, slots=slot)[:, -1]
 
 
+# As a decorator, no_grad wraps each resumption of the generator: a `with torch.no_grad()` inside
+# it would leave gradients off in the caller's code between yields, and miss the prefill.
+@torch.no_grad()
 def stream_tokens(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = DEFAULT_SAMPLING,
     stop_tokens: Sequence[int] = (),
     seed: int | None = None,
     source: Tensor | None = None,
@@ -76,16 +93,16 @@ def stream_tokens(
         step_fn: replaces `decode_step` (e.g. a torch.compile'd one), same signature.
     """
     decoder = decoder_of(model)
-    vocab = decoder.head.out_features
-    for p in prompts:
-        check_token_ids(torch.as_tensor(list(p)), vocab)
     device = decoder.head.weight.device
-    ids, mask = left_pad(prompts, device=device)
+    ids, mask = left_pad(prompts, device=device)  # (B, T0); rejects empty prompts first
+    check_token_ids(ids, decoder.head.out_features)  # padding is id 0, always valid
     B, T0 = ids.shape
     limit = decoder.positions.max_positions
     if limit is not None and T0 + max_new_tokens > limit:
-        raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's {limit} learned positions")
+        raise ValueError(
+            f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's {limit} positions (the size of its position table)"
+        )
     memory = None if source is None else model.encode(source, source_mask)  # (B, M, C)
     key_valid = torch.cat([mask, mask.new_ones(B, max_new_tokens)], dim=1)  # (B, S_max)
     cache = ModelCache.for_decoder(decoder, key_valid, cross=memory is not None)
@@ -96,18 +113,17 @@ def stream_tokens(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
     step = step_fn or decode_step
-    with torch.no_grad():
-        for i in range(max_new_tokens):
-            token = sample(logits, sampling, history, gen)  # (B,)
-            if len(stops):
-                token = torch.where(done, history[:, -1], token)
-                done = done | torch.isin(token, stops)
-            history = torch.cat([history, token[:, None]], dim=1)
-            yield token
-            if (len(stops) and bool(done.all())) or i == max_new_tokens - 1:
-                return
-            slot = torch.tensor([T0 + i], device=device)
-            logits = step(model, token[:, None], slot, cache, source_mask)
+    for i in range(max_new_tokens):
+        token = sample(logits, sampling, history, gen)  # (B,)
+        if len(stops):
+            token = torch.where(done, history[:, -1], token)
+            done = done | torch.isin(token, stops)
+        history = torch.cat([history, token[:, None]], dim=1)
+        yield token
+        if (len(stops) and bool(done.all())) or i == max_new_tokens - 1:
+            return
+        slot = torch.tensor([T0 + i], device=device)
+        logits = step(model, token[:, None], slot, cache, source_mask)
 
 
 @torch.no_grad()
@@ -115,7 +131,7 @@ def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = DEFAULT_SAMPLING,
     stop_tokens: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     decode: Callable[[list[int]], str] | None = None,
@@ -144,8 +160,9 @@ def generate(
             raise ValueError(f"max_total_len={max_total_len} leaves no room after the prompt")
     rows: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    for token in stream_tokens(model, prompts, max_new_tokens, sampling, stop_tokens, seed,
-                               source, source_mask):
+    for token in stream_tokens(
+        model, prompts, max_new_tokens, sampling, stop_tokens, seed, source, source_mask
+    ):
         if on_token is not None:
             on_token(token)
         for b, t in enumerate(token.tolist()):
@@ -167,3 +184,92 @@ def _cut_at_stop_string(row: list[int], stop_strings: Sequence[str], decode) -> 
     while len(row) > 1 and any(s in decode(row[:-1]) for s in stop_strings):
         row.pop()  # the string was already complete without the last token
     return True
+
+
+def generate_text(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    sampling: SamplingConfig = DEFAULT_SAMPLING,
+    seed: int | None = None,
+    stop_strings: Sequence[str] = (),
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Text in, text out: encode `prompt`, generate, and return only the new text.
+
+    Decoder-only models continue the prompt. Encoder-decoder models read it as the source
+    (encoded + <eos>, as Seq2SeqTask trains them) and decode from <bos>. Generation ends at the
+    tokenizer's <eos>, after a stop string, or after `max_new_tokens`.
+
+    Args:
+        tokenizer: attnlab.training.tokenizer.Tokenizer (encode, decode, token_id).
+        sampling, seed: how tokens are drawn (num_beams == 1).
+        num_beams: > 1 runs beam search (deterministic: leave `sampling` at its defaults).
+        length_penalty: beam search's length exponent.
+        on_text: called with each new piece of text as it comes (streaming; num_beams == 1).
+
+    Returns:
+        the generated text, special tokens left out.
+    """
+    from attnlab.inference.beam import beam_search  # beam.py imports this module
+
+    eos, bos = tokenizer.token_id("<eos>"), tokenizer.token_id("<bos>")
+    stop_tokens = [] if eos is None else [eos]
+    ids = tokenizer.encode(prompt)
+    source = source_mask = None
+    if hasattr(model, "encode"):  # encoder-decoder: the prompt is the source
+        if eos is None or bos is None:
+            raise ValueError("an encoder-decoder model needs <bos> and <eos> in the tokenizer")
+        device = decoder_of(model).head.weight.device
+        source = torch.tensor([ids + [eos]], device=device)  # (1, M)
+        source_mask = torch.ones_like(source, dtype=torch.bool)
+        ids = [bos]
+    if num_beams != 1:
+        if sampling != DEFAULT_SAMPLING or on_text is not None:
+            raise ValueError(
+                f"beam search (num_beams={num_beams}) is deterministic and returns "
+                "its best hypothesis at the end: no sampling settings, no streaming"
+            )
+        tokens = beam_search(
+            model,
+            ids,
+            num_beams,
+            max_new_tokens,
+            stop_tokens,
+            length_penalty,
+            source=source,
+            source_mask=source_mask,
+        ).tokens
+        _cut_at_stop_string(tokens, stop_strings, tokenizer.decode)  # shortest prefix with one
+        return tokenizer.decode(tokens)
+    streamed: list[int] = []
+    shown = ""
+
+    def show(token: Tensor) -> None:
+        nonlocal shown
+        streamed.append(int(token[0]))
+        text = tokenizer.decode(streamed)
+        if not text.endswith("\ufffd"):  # wait until a multi-byte character is complete
+            on_text(text[len(shown) :])
+            shown = text
+
+    rows = generate(
+        model,
+        [ids],
+        max_new_tokens,
+        sampling,
+        stop_tokens,
+        stop_strings,
+        tokenizer.decode,
+        seed,
+        source=source,
+        source_mask=source_mask,
+        on_token=None if on_text is None else show,
+    )
+    text = tokenizer.decode(rows[0])
+    if on_text is not None and text != shown:
+        on_text(text[len(shown) :])  # whatever a stop string or an unfinished character held back
+    return text

@@ -12,7 +12,13 @@ Attention always reads the whole buffer; the mask hides padding and not-yet-writ
 Cross-attention (encoder-decoder) keys and values depend only on the source, so `CrossKV`
 computes them on the first call and hands them back on every later one.
 
-Shapes: B batch, K kv heads, S_max slots, T new tokens, M memory length, D head_dim.
+Multi-head Latent Attention (components/mla.py) keeps a `LatentCache` instead: per token only the
+compressed latent c_kv (r numbers) and the one rope key shared by all heads (R numbers), not H
+heads of keys and values. Each attention layer builds its own cache (`make_cache`), so
+`ModelCache` never asks which kind of attention it is caching for.
+
+Shapes: B batch, K kv heads, S_max slots, T new tokens, M memory length, D head_dim,
+r kv_lora_rank, R qk_rope_head_dim.
 """
 
 import torch
@@ -46,6 +52,46 @@ class KVCache(nn.Module):
         self.v.index_copy_(2, slots, v.to(self.v.dtype))
         return self.k, self.v
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (beam search)."""
+        self.k, self.v = self.k[index], self.v[index]
+
+
+class LatentCache(nn.Module):
+    """One MLA layer's preallocated latent buffers: c_kv (B, S_max, r) and k_pe (B, S_max, R).
+
+    Per token this is r + R numbers, against 2 * K * D for a `KVCache` (DeepSeek-V2: 512 + 64
+    against 2 * 128 * 128 for the MHA it replaces). The rope key is stored already rotated.
+
+    Args:
+        B: batch.  S_max: slots.  r: kv_lora_rank.  R: qk_rope_head_dim.  dtype, device.
+    """
+
+    def __init__(self, B: int, S_max: int, r: int, R: int, dtype=torch.float32, device=None):
+        super().__init__()
+        # Non-persistent: a cache is scratch space, never part of a checkpoint.
+        self.register_buffer("c_kv", torch.zeros(B, S_max, r, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("k_pe", torch.zeros(B, S_max, R, dtype=dtype, device=device),
+                             persistent=False)
+
+    def update(self, c_kv: Tensor, k_pe: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new tokens' latents at `slots` and return the whole buffers.
+
+        Args:
+            c_kv: (B, T, r).  k_pe: (B, T, R), rotated.  slots: (T,) int64 slot indices.
+
+        Returns:
+            c_kv (B, S_max, r) and k_pe (B, S_max, R).
+        """
+        self.c_kv.index_copy_(1, slots, c_kv.to(self.c_kv.dtype))
+        self.k_pe.index_copy_(1, slots, k_pe.to(self.k_pe.dtype))
+        return self.c_kv, self.k_pe
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (beam search)."""
+        self.c_kv, self.k_pe = self.c_kv[index], self.k_pe[index]
+
 
 class CrossKV(nn.Module):
     """Cross-attention keys/values, computed once per source and reused for every new token."""
@@ -66,13 +112,13 @@ class ModelCache(nn.Module):
     """All layers' caches for one generation, plus what every layer needs to read them.
 
     Args:
-        layers: one KVCache per decoder block.
+        layers: one cache per decoder block (a KVCache, or a LatentCache for MLA).
         cross: one CrossKV per block (encoder-decoder models), or None.
         key_valid: (B, S_max) bool, False for left padding. Slots not yet written are hidden by
             causality (a query at slot s sees slots <= s), so they can be marked True up front.
     """
 
-    def __init__(self, layers: list[KVCache], cross: list[CrossKV] | None, key_valid: Tensor):
+    def __init__(self, layers: list[nn.Module], cross: list[CrossKV] | None, key_valid: Tensor):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.cross = nn.ModuleList(cross) if cross is not None else None
@@ -84,19 +130,19 @@ class ModelCache(nn.Module):
     @classmethod
     def for_decoder(cls, decoder: nn.Module, key_valid: Tensor, cross: bool = False,
                     dtype: torch.dtype | None = None) -> "ModelCache":
-        """Preallocate caches shaped for `decoder`'s blocks (kv heads and head_dim per layer)."""
+        """Preallocate caches shaped for `decoder`'s blocks: each attention makes its own."""
         B, S_max = key_valid.shape
         weight = decoder.head.weight
         dtype = weight.dtype if dtype is None else dtype
-        layers = [KVCache(B, blk.self_attn.n_kv_heads, S_max, blk.self_attn.head_dim, dtype,
-                          weight.device) for blk in decoder.blocks]
+        layers = [blk.self_attn.make_cache(B, S_max, dtype, weight.device)
+                  for blk in decoder.blocks]
         crosses = [CrossKV() for _ in decoder.blocks] if cross else None
         return cls(layers, crosses, key_valid)
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows `index` (beam search): every buffer is gathered along the batch dimension."""
         for layer in self.layers:
-            layer.k, layer.v = layer.k[index], layer.v[index]
+            layer.reorder(index)
         for c in self.cross or []:
             if c.k is not None:
                 c.k, c.v = c.k[index], c.v[index]

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Probabilities are float32 sums: 0.5 + 0.2 may come out as 0.69999999 or 0.70000005 depending on
+# a constant added to the logits (which softmax ignores). Mass or probability within this of the
+# threshold counts as reaching it, so top-p and min-p keep the same set for any logit shift.
+ROUNDING_TOL = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -60,7 +65,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
     # Drop a token when the tokens before it already reach p (so the crossing token stays).
-    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p
+    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p - ROUNDING_TOL
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 
@@ -69,7 +74,7 @@ def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
     """Drop tokens with probability below min_p * (top probability). (B, V) -> (B, V)."""
     probs = torch.softmax(logits, dim=-1)
     threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (B, 1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.masked_fill(probs < threshold * (1 - ROUNDING_TOL), float("-inf"))
 
 
 def filter_logits(logits: Tensor, cfg: SamplingConfig, previous: Tensor | None = None) -> Tensor:
@@ -87,8 +92,12 @@ def filter_logits(logits: Tensor, cfg: SamplingConfig, previous: Tensor | None =
     return logits
 
 
-def sample(logits: Tensor, cfg: SamplingConfig, previous: Tensor | None = None,
-           generator: torch.Generator | None = None) -> Tensor:
+def sample(
+    logits: Tensor,
+    cfg: SamplingConfig,
+    previous: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """Pick one token per row. logits: (B, V) -> (B,) int64."""
     logits = filter_logits(logits.float(), cfg, previous)
     if cfg.temperature == 0:

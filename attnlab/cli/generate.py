@@ -1,0 +1,132 @@
+"""Generate text from a checkpoint: sampling, beam search, stop strings, streaming.
+
+    attnlab generate --ckpt runs/default --prompt "ROMEO:" --temperature 0.8 --top-k 50 --stream
+
+The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
+`--top-k`); their defaults live in the dataclass, the others in `generate_text`'s signature.
+An encoder-decoder checkpoint reads the prompt as its source text.
+"""
+
+import argparse
+import inspect
+from pathlib import Path
+
+import torch
+
+from attnlab.cli.options import apply_config_flags
+from attnlab.configs import leaf_fields
+from attnlab.inference.generate import generate_text
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.training.checkpoint import LATEST, load_pretrained
+
+SECTION = "sampling"
+DEFAULTS = {k: p.default for k, p in inspect.signature(generate_text).parameters.items()}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="a checkpoint directory, or a run's out_dir or checkpoints/ (its latest)",
+    )
+    p.add_argument(
+        "--prompt",
+        required=True,
+        metavar="TEXT",
+        help="text to continue (encoder-decoder: the source text)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULTS["max_new_tokens"],
+        metavar="N",
+        help="at most this many new tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULTS["seed"],
+        metavar="S",
+        help="seed of the sampling generator (default: unseeded)",
+    )
+    p.add_argument(
+        "--stop",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="STR",
+        help="stop once the text contains one of these (kept in the output)",
+    )
+    p.add_argument(
+        "--num-beams",
+        type=int,
+        default=DEFAULTS["num_beams"],
+        metavar="W",
+        help="beam search with W beams instead of sampling (default %(default)s)",
+    )
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        default=DEFAULTS["length_penalty"],
+        metavar="A",
+        help="beam search: score / length**A (default %(default)s)",
+    )
+    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
+    group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
+    defaults = SamplingConfig()
+    for path, annotation in leaf_fields(SamplingConfig):
+        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        group.add_argument(
+            f"--{SECTION}.{path}",
+            f"--{path.replace('_', '-')}",
+            dest=f"{SECTION}.{path}",
+            default=None,
+            metavar="V",
+            help=f"{type_name} (default {getattr(defaults, path)})",
+        )
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory itself, or the latest one under a run's out_dir or checkpoints/."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        if (root / LATEST).is_file():
+            return root / (root / LATEST).read_text().strip()
+    return path  # load_pretrained says what is missing
+
+
+def run(args: argparse.Namespace) -> int:
+    configs, _ = apply_config_flags({SECTION: SamplingConfig()}, args)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, _ = load_pretrained(resolve_checkpoint(args.ckpt), device)
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer.json to read the prompt with")
+    decoder_only = not hasattr(model, "encode")
+
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    if args.stream and decoder_only:
+        show(args.prompt)
+    text = generate_text(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        configs[SECTION],
+        args.seed,
+        args.stop,
+        args.num_beams,
+        args.length_penalty,
+        on_text=show if args.stream else None,
+    )
+    if not args.stream:
+        show(args.prompt + text if decoder_only else text)
+    print()
+    return 0

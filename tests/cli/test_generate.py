@@ -1,0 +1,191 @@
+"""Smoke tests of `attnlab generate` on a checkpoint that `attnlab train` wrote (3 steps, tiny)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.cli.__main__ import main
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.training.checkpoint import load_pretrained
+
+SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+PROMPT = "ROMEO:"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One CPU thread: reproducible, and no threads spinning against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run directory holding a 3-step checkpoint of a 1-layer, d_model 32 Llama."""
+    tmp = tmp_path_factory.mktemp("generate")
+    text = SHAKESPEARE.read_text()[:4000] if SHAKESPEARE.is_file() else "To be or not. " * 300
+    (tmp / "tiny.txt").write_text(text)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    code = main(
+        [
+            "train",
+            "--preset",
+            "llama-tiny",
+            "--data.source",
+            str(tmp / "tiny.txt"),
+            "--data.cache_dir",
+            str(tmp / "cache"),
+            "--train.out_dir",
+            str(tmp / "run"),
+            "--train.progress",
+            "false",
+            "--train.steps",
+            "3",
+            "--train.batch_size",
+            "2",
+            "--train.context",
+            "12",
+            "--train.eval_batches",
+            "1",
+            "--train.sample_tokens",
+            "0",
+            "--train.device",
+            "cpu",
+            "--model.d_model",
+            "32",
+            "--model.n_layers",
+            "1",
+            "--model.d_ff",
+            "64",
+            "--model.max_seq_len",
+            "64",
+        ]
+    )
+    torch.set_num_threads(before)
+    assert code == 0
+    return tmp / "run"
+
+
+def checkpoint(run_dir: Path) -> Path:
+    root = run_dir / "checkpoints"
+    return root / (root / "latest").read_text().strip()
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop anything printed before
+    code = main(["generate", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_makes_five_tokens_as_the_library_does(run_dir, capsys):
+    code, out, _ = cli(
+        capsys,
+        "--ckpt",
+        str(checkpoint(run_dir)),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "5",
+        "--seed",
+        "0",
+    )
+    assert code == 0
+    model, tok, _ = load_pretrained(checkpoint(run_dir))
+    eos = tok.token_id("<eos>")
+    new = generate(model, [tok.encode(PROMPT)], 5, SamplingConfig(), stop_tokens=[eos], seed=0)[0]
+    assert len(new) == 5 or new[-1] == eos
+    assert out == PROMPT + tok.decode(new) + "\n"
+
+
+def test_stream_prints_the_same_text_as_without(run_dir, capsys):
+    args = [
+        "--ckpt",
+        str(run_dir),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "3",
+        "--top-k",
+        "20",
+    ]
+    code, plain, _ = cli(capsys, *args)
+    assert code == 0
+    code, streamed, _ = cli(capsys, *args, "--stream")
+    assert code == 0
+    assert streamed == plain and streamed.startswith(PROMPT)
+
+
+def test_sampling_flags_come_from_sampling_config(run_dir, capsys):
+    """--temperature 0 and --sampling.temperature 0 are one flag: greedy, whatever the seed."""
+    base = ["--ckpt", str(run_dir / "checkpoints"), "--prompt", PROMPT, "--max-new-tokens", "5"]
+    outs = [
+        cli(capsys, *base, flag, "0", "--seed", seed)[1]
+        for flag, seed in (("--temperature", "1"), ("--sampling.temperature", "2"))
+    ]
+    assert outs[0] == outs[1]
+    model, tok, _ = load_pretrained(checkpoint(run_dir))
+    greedy = generate(
+        model,
+        [tok.encode(PROMPT)],
+        5,
+        SamplingConfig(temperature=0.0),
+        stop_tokens=[tok.token_id("<eos>")],
+    )[0]
+    assert outs[0] == PROMPT + tok.decode(greedy) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+        (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+        (["--num-beams", "0"], "num_beams must be >= 1, got 0"),
+        (["--num-beams", "2", "--stream"], "no streaming"),
+    ],
+)
+def test_bad_values_exit_2_with_the_value_named(run_dir, capsys, flags, message):
+    code, _, err = cli(capsys, "--ckpt", str(run_dir), "--prompt", PROMPT, *flags)
+    assert code == 2 and message in err
+
+
+def test_beam_search_and_stop_strings(run_dir, capsys):
+    code, out, _ = cli(
+        capsys,
+        "--ckpt",
+        str(run_dir),
+        "--prompt",
+        PROMPT,
+        "--num-beams",
+        "2",
+        "--max-new-tokens",
+        "4",
+    )
+    assert code == 0 and out.startswith(PROMPT)
+    code, full, _ = cli(
+        capsys, "--ckpt", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12", "--seed", "1"
+    )
+    new = full[len(PROMPT) : -1]
+    stop = new[2:4]  # a string that spans two tokens of this very output
+    # "--stop=STR": the string may start with "-"
+    code, cut, _ = cli(
+        capsys,
+        "--ckpt",
+        str(run_dir),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "1",
+        f"--stop={stop}",
+    )
+    assert code == 0
+    assert cut == PROMPT + new[: new.index(stop) + len(stop)] + "\n"

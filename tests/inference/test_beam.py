@@ -1,0 +1,217 @@
+"""Beam search: greedy at one beam, exact search with enough beams, better than greedy where
+greedy is trapped, EOS / early stopping / length penalty as documented, encoder-decoder.
+
+Scores are checked against log-probabilities recomputed independently with one full forward
+(no cache) over prompt + hypothesis. `BigramLM` is a crafted stand-in decoder whose next-token
+distribution depends only on the current token, so every score can be written down by hand.
+"""
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab.components.positions.base import NoPosition
+from attnlab.inference.beam import beam_search
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.models.build import build_model
+from attnlab.models.config import AttentionConfig, ModelConfig
+from attnlab.models.presets import get_preset
+
+GREEDY = SamplingConfig(temperature=0.0)
+P, A, B, C, D, EOS = range(6)
+HEAD_SCALE = 8.0  # the crafted vocabulary: P is the prompt
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One CPU thread: reproducible, and no threads spinning against each other on shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class BigramLM(nn.Module):
+    """A stand-in decoder: the next-token distribution at every position is table[current token].
+
+    Args:
+        table: {token: {next token: probability}}; unnamed tokens share what is left.
+    """
+
+    def __init__(self, table: dict[int, dict[int, float]], vocab_size: int = 6):
+        super().__init__()
+        probs = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+        for tok in range(vocab_size):
+            row = table.get(tok, {})
+            rest = [t for t in range(vocab_size) if t not in row]
+            left = 1.0 - sum(row.values())
+            for t in range(vocab_size):
+                probs[tok, t] = row.get(t, left / len(rest) if rest else 0.0)
+        self.register_buffer("logp", probs.log().float())  # (V, V)
+        self.head = nn.Linear(1, vocab_size, bias=False)  # generate reads V and the device here
+        self.blocks = nn.ModuleList()
+        self.positions = NoPosition()
+
+    def forward(self, ids, attention_mask=None, **_):
+        return self.logp[ids]  # (B, T, V)
+
+
+@torch.no_grad()
+def logprob(model, prompt: list[int], tokens: list[int], src=None) -> float:
+    """Sum of log p(token | everything before it), from one full forward without a cache."""
+    x = torch.tensor([prompt + tokens])
+    logits = model(x) if src is None else model(src, x)  # (1, T, V)
+    logp = torch.log_softmax(logits[0].double(), dim=-1)  # (T, V)
+    T0 = len(prompt)
+    return sum(float(logp[T0 - 1 + i, t]) for i, t in enumerate(tokens))
+
+
+def tiny_decoder(vocab_size: int = 23, position: str = "rope", seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        arch="decoder",
+        d_model=32,
+        n_layers=2,
+        vocab_size=vocab_size,
+        max_seq_len=12,
+        d_ff=32,
+        position=position,
+        tie_embeddings=False,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2),
+    )
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # a larger head gives peaked, varied distributions (more at stake)
+        model.head.weight.mul_(HEAD_SCALE)
+    return model
+
+
+def tiny_t5(vocab_size: int = 23, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = replace(get_preset("t5-tiny"), d_model=32, d_ff=32, vocab_size=vocab_size)
+    return build_model(cfg).eval()
+
+
+# --- one beam is greedy --------------------------------------------------------------------
+@pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
+def test_one_beam_is_greedy(position):
+    model, prompt = tiny_decoder(position=position), [1, 2, 3]
+    greedy = generate(model, [prompt], 6, GREEDY)[0]
+    assert beam_search(model, prompt, 1, 6).tokens == greedy
+    # With an EOS: the first repeated-free token of greedy's output ends both searches there.
+    k = next(i for i in range(1, 6) if greedy[i] not in greedy[:i])
+    eos = greedy[k]
+    assert generate(model, [prompt], 6, GREEDY, stop_tokens=[eos])[0] == greedy[: k + 1]
+    assert beam_search(model, prompt, 1, 6, eos_ids=[eos]).tokens == greedy[: k + 1]
+
+
+# --- beam search beats greedy --------------------------------------------------------------
+def test_beam_escapes_the_greedy_trap():
+    """A is likelier than B, but what follows A is flat: P A C = 0.5 * 0.3 < P B C = 0.4 * 0.9."""
+    model = BigramLM({P: {A: 0.5, B: 0.4}, A: {C: 0.3, D: 0.3}, B: {C: 0.9}})
+    greedy = generate(model, [[P]], 2, GREEDY)[0]
+    beam = beam_search(model, [P], 2, 2, length_penalty=0.0)
+    assert greedy[0] == A and beam.tokens == [B, C]
+    assert beam.score == pytest.approx(math.log(0.4 * 0.9), abs=1e-5)
+    assert logprob(model, [P], beam.tokens) > logprob(model, [P], greedy)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_score_is_the_recomputed_logprob_and_at_least_greedys(seed):
+    model, prompt = tiny_decoder(seed=seed), [4, 5]
+    greedy = generate(model, [prompt], 5, GREEDY)[0]
+    beam = beam_search(model, prompt, 4, 5, length_penalty=0.0)
+    recomputed = logprob(model, prompt, beam.tokens)
+    # The beams' cached K/V, reordered at every step, give the scores of a full forward.
+    assert beam.score == pytest.approx(recomputed, abs=1e-4)
+    assert recomputed >= logprob(model, prompt, greedy) - 1e-6
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+def test_enough_beams_make_the_search_exact(family):
+    """W = V ** (N - 1) beams keep every prefix, so the result is the best of all V ** N outputs."""
+    V, N = 5, 3
+    model = tiny_decoder(vocab_size=V) if family == "decoder" else tiny_t5(vocab_size=V)
+    prompt = [1, 2] if family == "decoder" else [0]
+    src = None if family == "decoder" else torch.tensor([[1, 2, 3, 4]])
+    beam = beam_search(model, prompt, V ** (N - 1), N, length_penalty=0.0, source=src)
+    with torch.no_grad():
+        best = max(
+            itertools.product(range(V), repeat=N),
+            key=lambda seq: logprob(model, prompt, list(seq), src),
+        )
+        assert beam.tokens == list(best)
+        assert beam.score == pytest.approx(logprob(model, prompt, list(best), src), abs=1e-4)
+        greedy = generate(
+            model,
+            [prompt],
+            N,
+            GREEDY,
+            source=src,
+            source_mask=None if src is None else torch.ones_like(src).bool(),
+        )[0]
+        assert beam.score >= logprob(model, prompt, greedy, src) - 1e-6
+
+
+# --- EOS, early stopping, length penalty ---------------------------------------------------
+# P -> EOS finishes at once (0.2); P A C scores 0.7 * 0.8 = 0.56 and finishes next step (C -> EOS).
+TABLE = {P: {A: 0.7, EOS: 0.2, B: 0.05}, A: {C: 0.8, EOS: 0.15}, B: {D: 0.9}, C: {EOS: 0.9}}
+
+
+def test_beams_still_running_at_max_new_tokens_compete_with_finished_ones():
+    """Two hypotheses finished ([EOS], [A EOS]) but the running [A C] is likelier than both: at
+    max_new_tokens it competes as it is (transformers' finalize does the same)."""
+    model = BigramLM(TABLE)
+    beam = beam_search(model, [P], 2, 2, eos_ids=[EOS], length_penalty=0.0)
+    assert beam.tokens == [A, C]
+    assert beam.score == pytest.approx(math.log(0.7 * 0.8), abs=1e-5)
+    greedy = generate(model, [[P]], 2, GREEDY, stop_tokens=[EOS])[0]
+    assert logprob(model, [P], beam.tokens) >= logprob(model, [P], greedy)
+
+
+def test_finished_hypotheses_keep_their_eos_and_early_stopping_stops_at_num_beams():
+    model = BigramLM(TABLE)
+    # Not early: it goes on while the running [A C] can still beat the finished, and wins.
+    full = beam_search(model, [P], 2, 5, eos_ids=[EOS], length_penalty=0.0)
+    assert full.tokens == [A, C, EOS]
+    assert full.score == pytest.approx(math.log(0.7 * 0.8 * 0.9), abs=1e-5)
+    # Early: it stops once 2 hypotheses ([EOS] and [A EOS]) are finished, and returns the better.
+    early = beam_search(model, [P], 2, 5, eos_ids=[EOS], length_penalty=0.0, early_stopping=True)
+    assert early.tokens == [EOS]
+    assert early.score == pytest.approx(math.log(0.2), abs=1e-5)
+
+
+def test_length_penalty_divides_by_length_to_the_power():
+    """[EOS]: log 0.4 = -0.92; [A C EOS]: log(0.35 * 0.9 * 0.9) = -1.26. Raw sums prefer the short
+    one; divided by the length (1 vs 3) the long one wins."""
+    model = BigramLM(
+        {P: {EOS: 0.4, A: 0.35}, A: {C: 0.9}, B: {D: 0.9}, C: {EOS: 0.9}, D: {EOS: 0.9}}
+    )
+    raw = beam_search(model, [P], 2, 3, eos_ids=[EOS], length_penalty=0.0)
+    per_token = beam_search(model, [P], 2, 3, eos_ids=[EOS], length_penalty=1.0)
+    assert raw.tokens == [EOS] and per_token.tokens == [A, C, EOS]
+    assert per_token.score == pytest.approx(math.log(0.35 * 0.9 * 0.9) / 3, abs=1e-5)
+
+
+def test_several_eos_ids_can_fill_the_top_candidates():
+    """With 4 EOS ids the 2 * W best extensions can all end: the others must still be reached."""
+    model = BigramLM({P: {A: 0.3, B: 0.25, C: 0.2, D: 0.15, EOS: 0.07}})
+    beam = beam_search(model, [P], 2, 3, eos_ids=[A, B, C, D], length_penalty=0.0)
+    assert beam.tokens == [A] and beam.score == pytest.approx(math.log(0.3), abs=1e-5)
+
+
+# --- encoder-decoder -----------------------------------------------------------------------
+def test_encoder_decoder_beam_search_scores_its_hypothesis():
+    model = tiny_t5()
+    src = torch.tensor([[5, 6, 7, 8, 9, 1]])
+    src_mask = torch.ones_like(src, dtype=torch.bool)
+    beam = beam_search(
+        model, [0], 3, 6, eos_ids=[1], length_penalty=0.0, source=src, source_mask=src_mask
+    )
+    assert 1 <= len(beam.tokens) <= 6 and 1 not in beam.tokens[:-1]
+    with torch.no_grad():
+        assert beam.score == pytest.approx(logprob(model, [0], beam.tokens, src), abs=1e-4)
