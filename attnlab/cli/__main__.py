@@ -9,7 +9,14 @@ import sys
 COMMANDS = {
     "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
     "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
+    "generate": "Generate text from a checkpoint: sampling, beam search, stop strings, streaming.",
+    "embodied": "Answer a generated VQA/VLA scene with a checkpoint; draw where it looked.",
     "inspect": "Count a model's parameters, FLOPs per token and KV-cache bytes (no memory used).",
+    "viz": "Draw attention maps (PNG and an HTML viewer), positions, masks and loss curves.",
+    "analyze": "Measured analyses: numerical rank of attention matrices (attnlab analyze rank).",
+    "quantize": "Quantize a checkpoint's Linear weights to int8 or int4 (weight-only).",
+    "convert": "Convert a checkpoint between the HF (safetensors) and attnlab formats.",
+    "check": "Compare two models layer by layer and name the likely cause of a divergence.",
 }
 
 

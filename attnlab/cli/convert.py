@@ -1,0 +1,47 @@
+"""Convert a checkpoint directory between the HF and attnlab formats.
+
+    attnlab convert --from hf ./tiny-llama --to attnlab ./ours
+    attnlab convert --from attnlab ./ours --to hf ./exported      (transformers loads it)
+
+Only safetensors are read and written; the tokenizer.json travels along when there is one.
+"""
+
+import argparse
+import inspect
+
+from attnlab.interop.convert import FORMATS, convert
+
+DEFAULTS = {k: p.default for k, p in inspect.signature(convert).parameters.items()}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--from",
+        dest="src",
+        nargs=2,
+        required=True,
+        metavar=("FORMAT", "DIR"),
+        help=f"the input: a format ({' or '.join(FORMATS)}) and a directory",
+    )
+    p.add_argument(
+        "--to",
+        dest="dst",
+        nargs=2,
+        required=True,
+        metavar=("FORMAT", "DIR"),
+        help=f"the output: a format ({' or '.join(FORMATS)}) and a directory",
+    )
+    p.add_argument(
+        "--layout",
+        choices=["half", "interleaved"],
+        default=DEFAULTS["layout"],
+        help="RoPE layout of the attnlab model made from an HF Llama-family "
+        "checkpoint (default %(default)s, HF's own)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    (src_format, src), (dst_format, dst) = args.src, args.dst
+    out = convert(src_format, src, dst_format, dst, layout=args.layout)
+    print(f"wrote {dst_format} checkpoint {out}")
+    return 0

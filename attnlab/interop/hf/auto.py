@@ -1,0 +1,140 @@
+"""Pick the family converter from config.json (loading) or from a ModelConfig (saving), and move
+tokenizers, which are already in HF's format (tokenizer.json), in and out of HF directories.
+
+    load_hf(dir)              config.json architectures (or model_type) -> gpt2|llama|bert|t5
+    save_hf(model, cfg, dir)  cfg -> the one family that can hold it
+"""
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from attnlab.interop.hf import bert, common, gpt2, llama, t5
+from attnlab.models.config import ModelConfig
+from attnlab.training.tokenizer import Tokenizer
+
+# HF architecture name -> the module that converts it.
+ARCHITECTURES: dict[str, ModuleType] = {
+    **{a: gpt2 for a in gpt2.ARCHITECTURES},
+    **{a: llama for a in llama.ARCHITECTURES},
+    **{a: bert for a in bert.ARCHITECTURES},
+    **{a: t5 for a in t5.ARCHITECTURES},
+}
+MODEL_TYPES: dict[str, ModuleType] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "bert": bert,
+    "t5": t5,
+}
+TOKENIZER = "tokenizer.json"
+
+
+def converter_for_hf(hf: dict) -> ModuleType:
+    """The family module for an HF config.json dict.
+
+    Raises:
+        ValueError naming the architecture and listing the supported ones.
+    """
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if archs:
+        raise ValueError(
+            f"architecture {', '.join(archs)} is not supported; attnlab converts "
+            f"{sorted(ARCHITECTURES)}"
+        )
+    if hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    raise ValueError(
+        f"model_type {hf.get('model_type')!r} (no architectures listed) is not "
+        f"supported; attnlab converts {sorted(ARCHITECTURES)}"
+    )
+
+
+def converter_for(cfg: ModelConfig) -> ModuleType:
+    """The family module whose HF checkpoints can hold `cfg`."""
+    if cfg.arch == "encoder":
+        return bert
+    if cfg.arch == "encoder_decoder":
+        if cfg.position != "t5_bias":
+            raise ValueError(
+                f"only T5-style encoder-decoders (position='t5_bias') have an HF "
+                f"family here, not position={cfg.position!r}"
+            )
+        return t5
+    if cfg.arch != "decoder":
+        raise ValueError(f"no supported HF family holds arch={cfg.arch!r}")
+    if cfg.position == "learned":
+        return gpt2
+    if cfg.position == "rope":
+        return llama
+    raise ValueError(
+        f"no supported HF family holds a decoder with position={cfg.position!r}; "
+        "GPT-2 has learned positions, the Llama family RoPE"
+    )
+
+
+def load_hf(
+    path: str | Path, layout: str = "half", dtype: torch.dtype | None = None
+) -> tuple[nn.Module, ModelConfig]:
+    """Load an HF checkpoint directory (config.json + safetensors) into an attnlab model.
+
+    Args:
+        path: the directory.  layout: RoPE layout for the Llama family ("half" or "interleaved").
+        dtype: cast floating-point weights to this dtype (default: as stored).
+
+    Returns:
+        (model in eval mode, its ModelConfig).
+    """
+    return converter_for_hf(common.read_config(path)).load_hf(path, layout=layout, dtype=dtype)
+
+
+def save_hf(
+    model: nn.Module, cfg: ModelConfig, path: str | Path, tokenizer: Tokenizer | None = None
+) -> Path:
+    """Write `model` as an HF checkpoint directory that `transformers` loads (and a tokenizer)."""
+    out = converter_for(cfg).save_hf(model, cfg, path)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of an HF (or attnlab) directory, from its tokenizer.json."""
+    path = Path(path)
+    file = path / TOKENIZER if path.is_dir() else path
+    if not file.is_file():
+        others = (
+            sorted(p.name for p in path.glob("*vocab*") | path.glob("*.model"))
+            if path.is_dir()
+            else []
+        )
+        hint = f" (found {others}: only the tokenizers-library format is read)" if others else ""
+        raise ValueError(f"no {TOKENIZER} in {str(path)!r}{hint}")
+    return Tokenizer.from_file(file)
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
+    """Write tokenizer.json and a tokenizer_config.json naming its special tokens for HF."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(path / TOKENIZER)
+    names = {
+        "<bos>": "bos_token",
+        "<eos>": "eos_token",
+        "<pad>": "pad_token",
+        "<unk>": "unk_token",
+        "<mask>": "mask_token",
+        "<cls>": "cls_token",
+        "<sep>": "sep_token",
+    }
+    vocab = {i: t for t, i in tokenizer.backend.get_vocab(with_added_tokens=True).items()}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    config.update({names[k]: vocab[i] for k, i in tokenizer.special_ids.items()})
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,89 @@
+"""`attnlab check --model A --reference B --input TEXT_OR_IDS`: tables, exit codes, errors."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attnlab.cli.__main__ import main
+from attnlab.interop.convert import save_attnlab
+from attnlab.interop.hf import save_hf
+from attnlab.models.build import build_model
+from attnlab.models.presets import llama_tiny
+from attnlab.training.tokenizer import train_char_tokenizer
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(llama_tiny()).eval()
+    tok = train_char_tokenizer(["the cat sat on the mat"])
+    save_attnlab(model, llama_tiny(), tmp_path / "ours", tok)
+    save_attnlab(model, replace(llama_tiny(), norm_eps=0.5), tmp_path / "buggy", tok)  # planted
+    return tmp_path
+
+
+def test_matching_models_exit_0(dirs, capsys):
+    args = [
+        "check",
+        "--model",
+        str(dirs / "ours"),
+        "--reference",
+        str(dirs / "ours"),
+        "--input",
+        "the cat",
+        "--input",
+        "5 6 7 8 9 10",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "every point is within tolerance" in out and "block.1" in out
+
+
+def test_a_divergence_exits_1_and_names_the_cause(dirs, capsys):
+    args = [
+        "check",
+        "--model",
+        str(dirs / "buggy"),
+        "--reference",
+        str(dirs / "ours"),
+        "--input",
+        "3 4 5 6 7 8",
+    ]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: block.0" in out and "likely cause: norm eps" in out
+
+
+def test_text_without_a_tokenizer_is_an_error(dirs, capsys):
+    (dirs / "ours" / "tokenizer.json").unlink()
+    args = [
+        "check",
+        "--model",
+        str(dirs / "ours"),
+        "--reference",
+        str(dirs / "ours"),
+        "--input",
+        "some words",
+    ]
+    assert main(args) == 2
+    assert "token ids" in capsys.readouterr().err
+
+
+@pytest.mark.hf
+def test_hf_directory_against_transformers(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    model = build_model(llama_tiny()).eval()
+    save_hf(model, llama_tiny(), tmp_path / "hf")
+    args = [
+        "check",
+        "--model",
+        str(tmp_path / "hf"),
+        "--reference",
+        str(tmp_path / "hf"),
+        "--input",
+        "1 2 3 4 5 6 7",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "B: transformers LlamaForCausalLM" in out and "every point is within tolerance" in out

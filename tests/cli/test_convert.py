@@ -1,0 +1,81 @@
+"""`attnlab convert --from FORMAT DIR --to FORMAT OUT`: both directions, and errors (exit 2)."""
+
+import torch
+
+from attnlab.cli.__main__ import main
+from attnlab.interop.convert import load_any
+from attnlab.interop.hf import save_hf
+from attnlab.models.build import build_model
+from attnlab.models.presets import gpt2_tiny
+
+
+def test_hf_to_attnlab_and_back(tmp_path, capsys):
+    model = build_model(gpt2_tiny()).eval()
+    save_hf(model, gpt2_tiny(), tmp_path / "hf")
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "hf",
+                str(tmp_path / "hf"),
+                "--to",
+                "attnlab",
+                str(tmp_path / "ours"),
+            ]
+        )
+        == 0
+    )
+    assert "wrote attnlab checkpoint" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "attnlab",
+                str(tmp_path / "ours"),
+                "--to",
+                "hf",
+                str(tmp_path / "hf2"),
+            ]
+        )
+        == 0
+    )
+    again, cfg, _ = load_any(tmp_path / "hf2")
+    assert cfg == gpt2_tiny()
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_errors_exit_2_with_the_reason(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "hf",
+                str(tmp_path / "missing"),
+                "--to",
+                "attnlab",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
+    assert "missing" in capsys.readouterr().err
+    model = build_model(gpt2_tiny())
+    save_hf(model, gpt2_tiny(), tmp_path / "hf")
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "attnlab",
+                str(tmp_path / "hf"),
+                "--to",
+                "hf",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
+    assert "is an hf checkpoint, not attnlab" in capsys.readouterr().err
