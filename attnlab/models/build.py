@@ -12,6 +12,7 @@ from attnlab.components.blocks import DecoderBlock, EncoderBlock
 from attnlab.components.embedding import TokenEmbedding, tie_weights
 from attnlab.components.ffn import ACTIVATIONS, MLP, GatedMLP
 from attnlab.components.init import init_weights
+from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.components.norms import build_norm
 from attnlab.components.positions import (
     ALiBi,
@@ -23,10 +24,12 @@ from attnlab.components.positions import (
     SinusoidalPosition,
     T5Bias,
 )
+from attnlab.components.vision import PatchEmbedding
 from attnlab.models.config import ModelConfig
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import Encoder, EncoderForClassification, EncoderForMLM, MLMHead
 from attnlab.models.encoder_decoder import EncoderDecoder
+from attnlab.models.vision import PrefixVisionLM, VisionEncoder, VisionEncoderDecoder
 
 
 def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
@@ -36,7 +39,7 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         "none": lambda: NoPosition(),
         "sinusoidal": lambda: SinusoidalPosition(cfg.d_model, cfg.max_seq_len),
         "learned": lambda: LearnedPosition(cfg.max_seq_len, cfg.d_model),
-        "rope": lambda: _rope_class(cfg)(cfg.head_dim, cfg.max_seq_len, cfg.rope.theta,
+        "rope": lambda: _rope_class(cfg)(cfg.rope_head_dim, cfg.max_seq_len, cfg.rope.theta,
                                          cfg.rope.layout, cfg.rope.partial_rotary,
                                          cfg.rope.scaling),
         "alibi": lambda: ALiBi(a.n_heads),
@@ -55,8 +58,15 @@ def _rope_class(cfg: ModelConfig) -> type[RoPE]:
     return DynamicNTKRoPE if scaling is not None and scaling.kind == "dynamic" else RoPE
 
 
-def build_attention(cfg: ModelConfig, cross: bool = False) -> Attention:
+def build_attention(cfg: ModelConfig, cross: bool = False) -> nn.Module:
+    """An Attention (kind "standard"), or a MultiHeadLatentAttention (kind "mla")."""
     a = cfg.attention
+    if a.kind == "mla":
+        return MultiHeadLatentAttention(
+            cfg.d_model, a.n_heads, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim,
+            a.v_head_dim, a.q_lora_rank, out_bias=a.out_bias, dropout=cfg.dropout,
+            scale=a.softmax_scale, backend=a.backend, norm_eps=cfg.norm_eps,
+        )
     return Attention(
         cfg.d_model, a.n_heads, a.n_kv_heads, a.head_dim, qkv_bias=a.qkv_bias,
         out_bias=a.out_bias, qk_norm=a.qk_norm, dropout=cfg.dropout, scale=a.softmax_scale,
@@ -108,6 +118,26 @@ def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross:
                      cfg.dropout, cfg.attention.sliding_window, head_scale)
 
 
+def build_vision_encoder(cfg: ModelConfig) -> VisionEncoder:
+    """A ViT with the text model's width, attention, norm and FFN settings (cfg.vision set)."""
+    v = cfg.vision
+    patches = PatchEmbedding(v.image_size, v.patch_size, v.in_channels, cfg.d_model, v.patchify,
+                             v.position, v.cls_token)
+    blocks = [build_block(cfg, causal=False) for _ in range(v.n_layers)]
+    norm = _final_norm(cfg) if v.n_layers else nn.Identity()
+    return VisionEncoder(patches, blocks, norm, cfg.dropout)
+
+
+def build_vlm(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
+    """A vision-language model: the ViT joined to the decoder as cfg.vision.connect says."""
+    if cfg.vision.connect == "cross_attention":
+        return VisionEncoderDecoder(build_vision_encoder(cfg),
+                                    build_decoder(cfg, embed, cfg.n_layers, cross=True))
+    projector = nn.Linear(cfg.d_model, cfg.d_model)
+    return PrefixVisionLM(build_vision_encoder(cfg), projector,
+                          build_decoder(cfg, embed, cfg.n_layers, cross=False))
+
+
 def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
     """Build the model a config describes, initialised with its init scheme.
 
@@ -117,8 +147,8 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
             the masked-LM model.
 
     Returns:
-        DecoderLM ("decoder"), EncoderForMLM / EncoderForClassification ("encoder"), or
-        EncoderDecoder ("encoder_decoder").
+        DecoderLM ("decoder"), EncoderForMLM / EncoderForClassification ("encoder"),
+        EncoderDecoder ("encoder_decoder"), or VisionEncoderDecoder / PrefixVisionLM ("vlm").
     """
     if n_labels is not None and cfg.arch != "encoder":
         raise ValueError(f"n_labels={n_labels} builds a classifier, which needs arch='encoder', "
@@ -129,6 +159,8 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
     elif cfg.arch == "encoder_decoder":
         model = EncoderDecoder(build_encoder(cfg, embed),
                                build_decoder(cfg, embed, cfg.decoder_layers, cross=True))
+    elif cfg.arch == "vlm":
+        model = build_vlm(cfg, embed)
     elif n_labels is not None:
         model = EncoderForClassification(build_encoder(cfg, embed), cfg.d_model, n_labels,
                                          cfg.dropout)

@@ -9,9 +9,10 @@ from typing import Literal
 
 from attnlab.components.ffn import gated_d_ff
 from attnlab.components.positions.rope import RopeScaling
+from attnlab.components.vision import Patchify, PatchPosition, check_patch_geometry
 from attnlab.configs import check_literals
 
-Arch = Literal["decoder", "encoder", "encoder_decoder"]
+Arch = Literal["decoder", "encoder", "encoder_decoder", "vlm"]
 Position = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5_bias"]
 
 
@@ -22,6 +23,10 @@ class AttentionConfig:
     n_kv_heads: None -> n_heads (MHA); 1 -> MQA; a divisor of n_heads -> GQA.
     head_dim: None -> d_model // n_heads.  softmax_scale: None -> 1/sqrt(head_dim) (T5: 1.0).
     sliding_window: each token sees itself and the window - 1 tokens before it (Mistral).
+    kind: "standard" (MHA/GQA/MQA) or "mla", DeepSeek-V2's Multi-head Latent Attention
+        (components/mla.py), which needs kv_lora_rank (r, the cached latent), qk_rope_head_dim
+        (R, the shared rotary key), qk_nope_head_dim (Dn) and v_head_dim (Dv); q_lora_rank:
+        None = no query compression. MLA takes no n_kv_heads, head_dim, qkv_bias or qk_norm.
     """
 
     n_heads: int = 8
@@ -33,9 +38,16 @@ class AttentionConfig:
     softmax_scale: float | None = None
     sliding_window: int | None = None
     backend: Literal["sdpa", "eager"] = "sdpa"
+    kind: Literal["standard", "mla"] = "standard"
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self):
         check_literals(self)
+        self._check_mla()
         if self.n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {self.n_heads}")
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -43,6 +55,25 @@ class AttentionConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def _check_mla(self) -> None:
+        dims = {k: getattr(self, k) for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                                              "qk_nope_head_dim", "v_head_dim")}
+        given = {k: v for k, v in dims.items() if v is not None}
+        if self.kind == "standard":
+            if given:
+                raise ValueError(f"{given} are MLA settings; set attention.kind='mla' to use them")
+            return
+        missing = [k for k, v in dims.items() if v is None and k != "q_lora_rank"]
+        if missing:
+            raise ValueError(f"kind='mla' needs {missing} (got {given})")
+        small = {k: v for k, v in given.items() if v < 1}
+        if small:
+            raise ValueError(f"MLA widths must be >= 1, got {small}")
+        unused = {k: getattr(self, k) for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm")
+                  if getattr(self, k) not in (None, False)}
+        if unused:
+            raise ValueError(f"kind='mla' sets its own key/value shapes; {unused} do not apply")
 
 
 @dataclass(frozen=True)
@@ -61,6 +92,40 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The image side of a vision-language model (arch "vlm"): a small ViT and how it meets the
+    text decoder. The ViT shares the text model's width, heads, norm and FFN settings.
+
+    connect: "cross_attention": the decoder's blocks cross-attend to the image features
+        (encoder-decoder style, as in captioning and VQA); "prefix": the image tokens open the
+        decoder's own sequence and every token sees all of them (prefix-LM, as in PaliGemma and
+        the VLA models built on such decoders).
+    n_layers: ViT encoder blocks; 0 feeds the patch embeddings straight in (as Fuyu does).
+    patchify, position, cls_token: see `components/vision.py`.
+    """
+
+    image_size: int = 32
+    patch_size: int = 8
+    in_channels: int = 3
+    n_layers: int = 2
+    patchify: Patchify = "conv"
+    position: PatchPosition = "learned"
+    cls_token: bool = False
+    connect: Literal["cross_attention", "prefix"] = "cross_attention"
+
+    def __post_init__(self):
+        check_literals(self)
+        check_patch_geometry(self.image_size, self.patch_size, self.in_channels)
+        if self.n_layers < 0:
+            raise ValueError(f"vision.n_layers must be >= 0, got {self.n_layers}")
+
+    @property
+    def n_tokens(self) -> int:
+        """Image tokens: one per patch, plus the class token if there is one."""
+        return (self.image_size // self.patch_size) ** 2 + int(self.cls_token)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Every architecture attnlab builds: decoder-only, encoder-only, encoder-decoder.
 
@@ -71,6 +136,7 @@ class ModelConfig:
     final_norm: None -> a final norm after the last block exactly when norm_placement == "pre".
     head_rescale: multiply the final hidden state by d_model^-0.5 before a tied head (T5 v1.0).
     embed_norm, type_vocab_size: BERT's embedding LayerNorm and segment embeddings.
+    vision: the image encoder of a "vlm" (vision-language) model; None for every other arch.
     """
 
     arch: Arch
@@ -101,6 +167,7 @@ class ModelConfig:
     type_vocab_size: int = 0
     init: Literal["gpt2", "xavier", "trunc_normal"] = "gpt2"
     init_std: float = 0.02
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         check_literals(self)
@@ -108,27 +175,61 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         a = self.attention
-        if a.head_dim is None and self.d_model % a.n_heads:
+        if a.kind == "standard" and a.head_dim is None and self.d_model % a.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={a.n_heads}; "
                 "pick another n_heads or set attention.head_dim"
             )
         if self.position == "rope":
-            rotary_dim = int(self.head_dim * self.rope.partial_rotary)
-            if self.head_dim % 2 or rotary_dim % 2:
+            rotary_dim = int(self.rope_head_dim * self.rope.partial_rotary)
+            if self.rope_head_dim % 2 or rotary_dim % 2:
+                name = "qk_rope_head_dim" if a.kind == "mla" else "head_dim"
                 raise ValueError(
-                    f"RoPE rotates pairs of features: head_dim={self.head_dim} "
+                    f"RoPE rotates pairs of features: {name}={self.rope_head_dim} "
                     f"(rotary part {rotary_dim}) must be even"
                 )
+        self._check_mla()
         if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"geglu gates with gelu or gelu_tanh, not activation={self.activation!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._check_vision()
+
+    def _check_mla(self) -> None:
+        a = self.attention
+        if a.kind != "mla":
+            return
+        if self.arch not in ("decoder", "encoder"):
+            raise ValueError(f"MLA is self-attention only; arch={self.arch!r} has cross-attention")
+        ranks = {"kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank}
+        wide = {k: v for k, v in ranks.items() if v is not None and v > self.d_model}
+        if wide:
+            raise ValueError(f"MLA ranks compress the model width: {wide} exceed "
+                             f"d_model={self.d_model}")
+
+    def _check_vision(self) -> None:
+        if (self.arch == "vlm") != (self.vision is not None):
+            raise ValueError(f"arch={self.arch!r} with vision={self.vision}: a 'vlm' model needs "
+                             "a vision config, and only a 'vlm' model takes one")
+        if self.vision is None or self.vision.connect != "prefix":
+            return
+        if self.max_seq_len <= self.vision.n_tokens:
+            raise ValueError(f"a prefix vlm puts {self.vision.n_tokens} image tokens before the "
+                             f"text, so max_seq_len={self.max_seq_len} leaves no room for text")
+        if self.attention.sliding_window is not None:
+            raise ValueError("a prefix vlm sees its whole image prefix; "
+                             f"sliding_window={self.attention.sliding_window} is not supported")
 
     @property
     def head_dim(self) -> int:
         a = self.attention
         return self.d_model // a.n_heads if a.head_dim is None else a.head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The per-head width RoPE is built for: qk_rope_head_dim for MLA, else head_dim."""
+        a = self.attention
+        return a.qk_rope_head_dim if a.kind == "mla" else self.head_dim
 
     @property
     def n_kv_heads(self) -> int:

@@ -7,6 +7,11 @@ FLOPs convention (Kaplan et al. 2020, PaLM appendix B): a matmul of (1, n) by (n
 per token, every Linear costs 2 * in * out, and attention over a context of T keys costs
 2 * H * D * T for Q K^T plus the same for the weighted sum of V, in every layer (causal masking
 is not discounted). Embedding look-ups are free; norms, softmax and activations are left out.
+MLA's scores are counted in its plain form (what training runs): 2 * H * (Dn + R) * T for the
+scores and 2 * H * Dv * T for the values.
+
+KV cache per token and layer: 2 * K * D numbers for MHA/GQA/MQA; for MLA only the latent and the
+shared rope key, r + R (DeepSeek-V2 §2.1.4: 576 numbers where its MHA would keep 2 * 128 * 128).
 """
 
 from dataclasses import dataclass, replace
@@ -54,18 +59,31 @@ def flops_per_token(model: nn.Module, cfg: ModelConfig, context: int) -> int:
     """Forward FLOPs per token at `context` keys (encoder-decoder: per source+target token pair)."""
     linear = sum(2 * m.in_features * m.out_features for m in model.modules()
                  if isinstance(m, nn.Linear))
-    H, D = cfg.attention.n_heads, cfg.head_dim
+    H = cfg.attention.n_heads
+    qk_dim, v_dim = _score_widths(cfg)
     attn_layers = {"decoder": cfg.n_layers, "encoder": cfg.n_layers,
                    "encoder_decoder": cfg.n_layers + 2 * cfg.decoder_layers}[cfg.arch]
-    return linear + attn_layers * 4 * H * D * context
+    return linear + attn_layers * 2 * H * (qk_dim + v_dim) * context
+
+
+def _score_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """Per-head widths of (queries . keys, values): (D, D), or MLA's (Dn + R, Dv)."""
+    a = cfg.attention
+    if a.kind == "mla":
+        return a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+    return cfg.head_dim, cfg.head_dim
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     """Bytes a decoder keeps per generated token: K and V, every layer, every kv head (0 for an
-    encoder). For encoder-decoder models the cross-attention K/V cost the same per source token."""
+    encoder). For encoder-decoder models the cross-attention K/V cost the same per source token.
+    MLA keeps (kv_lora_rank + qk_rope_head_dim) numbers per layer: the latent and the rope key."""
     if cfg.arch == "encoder":
         return 0
     layers = cfg.n_layers if cfg.arch == "decoder" else cfg.decoder_layers
+    a = cfg.attention
+    if a.kind == "mla":
+        return layers * (a.kv_lora_rank + a.qk_rope_head_dim) * DTYPE_BYTES[dtype]
     return 2 * layers * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
@@ -90,7 +108,7 @@ def format_stats(name: str, cfg: ModelConfig, s: ModelStats) -> str:
     per_block = ", ".join(f"{b:,}" for b in blocks)
     rows = [
         ("model", f"{name} ({cfg.arch}, {len(s.block_params)} blocks, d_model {cfg.d_model}, "
-                  f"{cfg.attention.n_heads} heads / {cfg.n_kv_heads} kv, head_dim {cfg.head_dim})"),
+                  f"{_attention_summary(cfg)})"),
         ("parameters", f"{s.total_params:,} ({s.total_params / 1e6:,.1f}M)"),
         ("  embeddings", f"{s.embedding_params:,}"),
         ("  per block", per_block),
@@ -104,13 +122,23 @@ def format_stats(name: str, cfg: ModelConfig, s: ModelStats) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _attention_summary(cfg: ModelConfig) -> str:
+    a = cfg.attention
+    if a.kind == "mla":
+        q = "" if a.q_lora_rank is None else f", q latent {a.q_lora_rank}"
+        return (f"{a.n_heads} heads MLA: kv latent {a.kv_lora_rank} + rope key "
+                f"{a.qk_rope_head_dim}{q}, qk {a.qk_nope_head_dim}+{a.qk_rope_head_dim}, "
+                f"v {a.v_head_dim}")
+    return f"{a.n_heads} heads / {cfg.n_kv_heads} kv, head_dim {cfg.head_dim}"
+
+
 # --- KV-cache variants and the FLOPs split (what `attnlab inspect` tables and --plot draw) ---
 @dataclass(frozen=True)
 class KVVariant:
     """The KV cache of one variant of a config at batch x context (bytes for each dtype)."""
 
-    name: str  # "MHA", "GQA" or "MQA"
-    n_kv_heads: int
+    name: str  # "MHA", "GQA", "MQA" or "MLA"
+    n_kv_heads: int  # MLA: 1, its one latent "head" (absorbed MLA is MQA on the latent)
     cache_bytes: dict[str, int]
     total_params: int
     is_config: bool  # the config's own n_kv_heads
@@ -126,11 +154,18 @@ def _gqa_heads(n_heads: int, n_kv_heads: int) -> int | None:
 
 def kv_variants(cfg: ModelConfig) -> dict[str, ModelConfig]:
     """The same config with n_kv_heads = H (MHA), a GQA K, and 1 (MQA); GQA is left out when
-    H has no divisor strictly between 1 and H."""
-    H = cfg.attention.n_heads
+    H has no divisor strictly between 1 and H. An MLA config comes first, as "MLA", and its
+    standard variants use head_dim = qk_nope_head_dim (DeepSeek-V2's d_h, as in its comparison)."""
+    H, a = cfg.attention.n_heads, cfg.attention
+    variants, base = {}, a
+    if a.kind == "mla":
+        variants["MLA"] = cfg
+        base = replace(a, kind="standard", kv_lora_rank=None, q_lora_rank=None,
+                       qk_rope_head_dim=None, qk_nope_head_dim=None, v_head_dim=None,
+                       head_dim=a.qk_nope_head_dim)
     heads = {"MHA": H, "GQA": _gqa_heads(H, cfg.n_kv_heads), "MQA": 1}
-    return {
-        name: replace(cfg, attention=replace(cfg.attention, n_kv_heads=k))
+    return variants | {
+        name: replace(cfg, attention=replace(base, n_kv_heads=k))
         for name, k in heads.items()
         if k is not None and not (name == "MQA" and H == 1)
     }
@@ -145,13 +180,15 @@ def kv_cache_table(cfg: ModelConfig, batch: int, context: int) -> list[KVVariant
         with torch.device("meta"):
             params = count_parameters(build_model(variant))
         per_token = {d: kv_cache_bytes_per_token(variant, d) for d in DTYPE_BYTES}
+        mla = variant.attention.kind == "mla"
         rows.append(
             KVVariant(
                 name,
-                variant.n_kv_heads,
+                1 if mla else variant.n_kv_heads,
                 {d: b * batch * context for d, b in per_token.items()},
                 params,
-                variant.n_kv_heads == cfg.n_kv_heads,
+                variant.attention.kind == cfg.attention.kind
+                and variant.n_kv_heads == cfg.n_kv_heads,
             )
         )
     return rows
@@ -161,12 +198,14 @@ def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
     """Forward FLOPs per token split by where they go; the parts sum to `flops_per_token`.
 
     Returns:
-        {"attention projections": q/k/v/o Linears, "attention scores": Q K^T and P V
-        (4 H D context per attention layer), "ffn": the feed-forward Linears,
+        {"attention projections": q/k/v/o Linears (MLA: its down/up projections too),
+        "attention scores": Q K^T and P V (4 H D context per attention layer),
+        "ffn": the feed-forward Linears,
         "head and other": everything else (LM head, pooler, MLM head)}.
     """
     from attnlab.components.attention import Attention
     from attnlab.components.ffn import MLP, GatedMLP
+    from attnlab.components.mla import MultiHeadLatentAttention
 
     context = cfg.max_seq_len if context is None else context
     with torch.device("meta"):
@@ -180,7 +219,8 @@ def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
             if isinstance(m, nn.Linear)
         )
 
-    attn = linear_flops(m for m in model.modules() if isinstance(m, Attention))
+    attention = Attention | MultiHeadLatentAttention
+    attn = linear_flops(m for m in model.modules() if isinstance(m, attention))
     ffn = linear_flops(m for m in model.modules() if isinstance(m, MLP | GatedMLP))
     total = flops_per_token(model, cfg, context)
     scores = total - linear_flops([model])

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from attnlab.components.positions.rope import RopeScaling
-from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
+from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig, VisionConfig
 
 
 # --- the 2017 Transformer -------------------------------------------------------------------
@@ -166,6 +166,37 @@ def llama3_tiny() -> ModelConfig:
     return _llama(64, 2, 4, 2, 192, 256, 128, 500000.0, 1e-5, rope_scaling=scaling)
 
 
+# --- DeepSeek MLA (Llama-style decoder with Multi-head Latent Attention) --------------------
+def _mla(d_model, n_layers, n_heads, kv_lora_rank, q_lora_rank, rope_dim, nope_dim, v_dim, d_ff,
+         vocab_size, max_seq_len) -> ModelConfig:
+    attention = AttentionConfig(n_heads=n_heads, kind="mla", kv_lora_rank=kv_lora_rank,
+                                q_lora_rank=q_lora_rank, qk_rope_head_dim=rope_dim,
+                                qk_nope_head_dim=nope_dim, v_head_dim=v_dim)
+    # DeepSeek's checkpoints lay the rope part out in interleaved pairs (rope_interleave=true).
+    return ModelConfig(
+        arch="decoder", d_model=d_model, n_layers=n_layers, vocab_size=vocab_size,
+        max_seq_len=max_seq_len, attention=attention, position="rope",
+        rope=RopeConfig(theta=10000.0, layout="interleaved"), norm="rmsnorm", norm_eps=1e-6,
+        ffn="swiglu", d_ff=d_ff, ffn_bias=False, tie_embeddings=False, init="gpt2",
+    )
+
+
+def deepseek_v2_lite_dense() -> ModelConfig:
+    """DeepSeek-V2-Lite's attention and shapes (27 layers, d_model 2048, 16 heads, r = 512,
+    no query compression, Dn = Dv = 128, R = 64, vocabulary 102,400):
+    huggingface.co/deepseek-ai/DeepSeek-V2-Lite/config.json. Every layer here uses the dense
+    SwiGLU of its first layer (intermediate_size 10944) where the real model has 26 MoE layers,
+    so only the attention, the KV cache per token and the embeddings match the 15.7B model;
+    max_seq_len is its pre-YaRN 4096 (original_max_position_embeddings)."""
+    return _mla(2048, 27, 16, 512, None, 64, 128, 128, 10944, 102400, 4096)
+
+
+def mla_tiny() -> ModelConfig:
+    """A CPU-sized MLA decoder: 2 layers, d_model 64, 4 heads, latent r = 32 (+ R = 8), queries
+    through a 48-wide latent, vocabulary 256."""
+    return _mla(64, 2, 4, 32, 48, 8, 16, 16, 192, 256, 128)
+
+
 # --- T5 (encoder-decoder, relative bias, RMSNorm without bias, unscaled attention) ---------
 def _t5(d_model, n_layers, n_heads, head_dim, d_ff, ffn, activation, tied, vocab=32128,
         n_decoder_layers=None) -> ModelConfig:
@@ -201,6 +232,33 @@ def t5_tiny() -> ModelConfig:
     return replace(cfg, dropout=0.0, max_seq_len=128)
 
 
+# --- vision-language toys (ViT encoder + text decoder) -----------------------------------------
+def _vlm(connect: str) -> ModelConfig:
+    """ViT-style blocks (pre-LayerNorm, GELU MLP, qkv bias, truncated-normal init; Dosovitskiy
+    et al. 2021) at CPU size: 32x32 RGB in 8x8 patches (16 image tokens) with MAE's fixed 2-D
+    sinusoidal positions, d_model 128, 4 heads, 1 ViT block + 2 decoder blocks; vocab_size is set
+    from the task's tokenizer. (At d_model 64 the toy scene tasks sometimes stall for over a
+    thousand steps at "some object's cell" before binding the asked-for word to its patch.)"""
+    return ModelConfig(
+        arch="vlm", d_model=128, n_layers=2, vocab_size=64, max_seq_len=64,
+        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True), position="learned",
+        norm="layernorm", norm_eps=1e-6, ffn="mlp", activation="gelu", d_ff=256, ffn_bias=True,
+        init="trunc_normal",
+        vision=VisionConfig(image_size=32, patch_size=8, n_layers=1, position="sinusoidal_2d",
+                            connect=connect),
+    )
+
+
+def vqa_tiny() -> ModelConfig:
+    """Image features reach the text decoder by cross-attention (captioning / VQA style)."""
+    return _vlm("cross_attention")
+
+
+def vla_tiny() -> ModelConfig:
+    """Image tokens prefix the decoder's sequence under a prefix-LM mask (PaliGemma / VLA style)."""
+    return _vlm("prefix")
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "transformer-base": transformer_base,
     "transformer-big": transformer_big,
@@ -220,6 +278,8 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama-tiny": llama_tiny,
     "llama-char": llama_char,
     "llama3-tiny": llama3_tiny,
+    "deepseek-v2-lite-dense": deepseek_v2_lite_dense,
+    "mla-tiny": mla_tiny,
     "t5-small": t5_small,
     "t5-base": t5_base,
     "t5-v1_1-small": t5_v1_1_small,
@@ -227,8 +287,17 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
 }
 
 
+# Models that read images as well as text. Kept apart from PRESETS, whose every entry the
+# generic model tests and `attnlab inspect` run on token ids alone; get_preset finds both.
+VISION_PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "vqa-tiny": vqa_tiny,
+    "vla-tiny": vla_tiny,
+}
+
+
 def get_preset(name: str) -> ModelConfig:
     """The preset called `name`; a ValueError lists the known names otherwise."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return PRESETS[name]()
+    presets = {**PRESETS, **VISION_PRESETS}
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(presets)}")
+    return presets[name]()

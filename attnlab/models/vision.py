@@ -1,0 +1,164 @@
+"""Vision-language models: a small ViT encoder and two ways of joining it to a text decoder.
+
+    (a) cross-attention (encoder-decoder style: captioning, VQA; Flamingo-like in spirit)
+
+        image ─> VisionEncoder ─> memory (B, N, C) ────────────────┐
+        text  ─> DecoderLM (causal self-attn, cross-attn to memory) ─> logits (B, T, V)
+
+    (b) image prefix (PaliGemma, and VLA models such as RT-2 / OpenVLA that decode actions)
+
+        [ image tokens (B, N, C) ][ text / action tokens (B, T, C) ] ─> the decoder's own blocks
+         prefix-LM mask: image tokens see each other fully; text sees every image token and the
+         text before it (causal). Logits are read at the text positions only.
+
+            keys ->  i i i t t t          i = image token, t = text token
+            i        # # # . . .
+            i        # # # . . .
+            i        # # # . . .
+            t        # # # # . .
+            t        # # # # # .
+            t        # # # # # #
+
+Both models take `forward(images, ids, attention_mask)` and return text logits, so one task trains
+either. The ViT is EncoderBlocks over patch embeddings (Dosovitskiy et al. 2021).
+
+Shapes: B batch, N image tokens, T text tokens, C d_model, V vocab_size.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.components.masks import padding_mask, prefix_lm_mask
+from attnlab.components.vision import PatchEmbedding
+from attnlab.models.decoder import DecoderLM
+
+
+class VisionEncoder(nn.Module):
+    """ViT: patch embedding (with positions), bidirectional EncoderBlocks, final norm.
+
+    Args:
+        patches: a PatchEmbedding.  blocks: EncoderBlocks (may be empty).
+        norm: final norm (pre-norm stacks) or Identity.  dropout: on the patch embeddings.
+    """
+
+    def __init__(
+        self,
+        patches: PatchEmbedding,
+        blocks: list[nn.Module],
+        norm: nn.Module,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.patches = patches
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """images: (B, C_in, H, W) -> image features (B, N, C)."""
+        x = self.drop(self.patches(images))  # (B, N, C)
+        for block in self.blocks:
+            x = block(x)  # no mask: every patch sees every patch
+        return self.norm(x)  # (B, N, C)
+
+
+class VisionEncoderDecoder(nn.Module):
+    """(a) A ViT and a DecoderLM whose blocks cross-attend to the image features.
+
+    `encode(images)` has the signature of `EncoderDecoder.encode`, so cached decoding works
+    unchanged: `attnlab.inference.generate(model, prompts, n, source=images)`.
+    """
+
+    def __init__(self, encoder: VisionEncoder, decoder: DecoderLM):
+        super().__init__()
+        self.encoder, self.decoder = encoder, decoder
+
+    def encode(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
+        """images: (B, C_in, H, W) -> memory (B, N, C). `mask` must be None (no padded images)."""
+        if mask is not None:
+            raise ValueError("images have no padding: pass source_mask=None")
+        return self.encoder(images)
+
+    def forward(self, images: Tensor, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """images: (B, C_in, H, W), ids: (B, T), attention_mask: (B, T) -> logits (B, T, V)."""
+        return self.decoder(ids, attention_mask, memory=self.encode(images))
+
+
+class PrefixVisionLM(nn.Module):
+    """(b) Image tokens as a prefix of the decoder's sequence, under a prefix-LM mask.
+
+    Args:
+        encoder: the ViT.  projector: Linear(C, C) from image features to the decoder's
+            embedding space (LLaVA's connector).  decoder: a DecoderLM without cross-attention;
+            its embedding, positions, blocks, norm and head are used here.
+    """
+
+    def __init__(self, encoder: VisionEncoder, projector: nn.Module, decoder: DecoderLM):
+        super().__init__()
+        self.encoder, self.projector, self.decoder = encoder, projector, decoder
+
+    def forward(
+        self,
+        images: Tensor,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """Text logits, every text token conditioned on the whole image.
+
+        Args:
+            images: (B, C_in, H, W).  ids: (B, T) text token ids.
+            attention_mask: (B, T) True = real text token (right padding); None = no padding.
+            return_hidden: return the final hidden states of all N + T tokens instead.
+
+        Returns:
+            (B, T, V) logits at the text positions (or (B, N + T, C) hidden states).
+        """
+        dec = self.decoder
+        img = self.projector(self.encoder(images))  # (B, N, C)
+        B, N, _ = img.shape
+        x = torch.cat([img, dec.embed(ids)], dim=1)  # (B, N+T, C)
+        L = x.shape[1]
+        pos = torch.arange(L, device=ids.device)  # decoder positions run over image, then text
+        x = dec.drop(dec.positions.embed(x, pos))
+        mask = prefix_lm_mask(L, N, device=ids.device)  # (L, L)
+        if attention_mask is not None:
+            valid = torch.cat([attention_mask.bool().new_ones(B, N), attention_mask.bool()], 1)
+            mask = mask & padding_mask(valid)  # (B, 1, L, L)
+        for block in dec.blocks:
+            x = block(x, mask, positions=dec.positions, pos=pos)  # (B, L, C)
+        x = dec.norm(x)
+        if return_hidden:
+            return x
+        return dec.head(x[:, N:] * dec.head_scale)  # (B, T, V)
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: nn.Module, images: Tensor, prompts: Tensor, max_new_tokens: int, eos_id: int
+) -> list[list[int]]:
+    """Greedy answers for either vision-language model, re-running the full sequence per step.
+
+    Sequences here are a few dozen tokens, so recomputing is cheap and keeps this short; the
+    cross-attention model can also use the KV-cached `attnlab.inference.generate` (same tokens).
+
+    Args:
+        images: (B, C_in, H, W).  prompts: (B, T0) prompt ids (same length in every row).
+        max_new_tokens: at most this many tokens per row.  eos_id: a row stops after <eos>.
+
+    Returns:
+        the new tokens of each row, up to and including its <eos>.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids = prompts
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        token = model(images, ids)[:, -1].argmax(-1)  # (B,)
+        token = torch.where(done, eos_id, token)  # finished rows keep emitting <eos>
+        ids = torch.cat([ids, token[:, None]], dim=1)  # (B, T0 + step)
+        done = done | (token == eos_id)
+        if bool(done.all()):
+            break
+    rows = ids[:, prompts.shape[1] :].tolist()
+    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
