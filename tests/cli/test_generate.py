@@ -10,7 +10,7 @@ from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.training.checkpoint import load_pretrained
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 PROMPT = "ROMEO:"
 
 

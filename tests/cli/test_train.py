@@ -11,7 +11,7 @@ from attnlab.cli.options import merge_sections, read_config_file
 from attnlab.models.presets import get_preset
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
 

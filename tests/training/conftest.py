@@ -13,7 +13,7 @@ import torch
 from attnlab.models.presets import get_preset
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 FALLBACK = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 TASK_OF_ARCH = {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "seq2seq"}
 

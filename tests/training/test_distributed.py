@@ -32,7 +32,7 @@ from attnlab.training.loop import train
 from attnlab.training.optim import build_optimizer
 from attnlab.training.tasks import build_task
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 FALLBACK = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 B, ACCUM, STEPS, CUT = 2, 2, 6, 3  # per-rank batch, micro-batches, steps, checkpoint step
 LAUNCH_TIMEOUT = 240  # seconds; a hang fails the test instead of the whole session
