@@ -1,0 +1,106 @@
+"""Answer a new generated scene with a VQA / VLA checkpoint, and show where the answer looked.
+
+    attnlab embodied --ckpt runs/vqa_cups/checkpoints/best --seed 7 --out demo/
+
+renders scene `--seed` of the checkpoint's task (scene.png), prints the question or instruction,
+the model's greedy answer and the expected one, and draws the answer's attention to the image
+patches over the scene (attention.png). Seeds from 1,000,000,000 up are the held-out scenes.
+"""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import torch
+
+from attnlab.cli.generate import resolve_checkpoint
+from attnlab.configs import from_dict
+from attnlab.training.checkpoint import load_pretrained
+from attnlab.training.config import RunConfig
+from attnlab.training.embodied import SceneTask, answer, make_scene, question, render
+from attnlab.viz.patch_attention import patch_attention, plot_patch_attention
+
+PNG_SCALE = 8  # scene.png is drawn this many screen pixels per scene pixel
+
+
+@dataclass
+class SceneAnswer:
+    """What `answer_scene` found: the question, the model's answer and the expected one."""
+
+    question: str
+    answer: str
+    expected: str
+    scene_png: Path
+    attention_png: Path
+
+    @property
+    def correct(self) -> bool:
+        return self.answer == self.expected
+
+
+def answer_scene(
+    ckpt: str | Path, seed: int, out: str | Path = "embodied_demo", device: str = "cpu"
+) -> SceneAnswer:
+    """Load a "vqa"/"vla" checkpoint, answer scene `seed` greedily, save scene and attention PNGs.
+
+    Args:
+        ckpt: a checkpoint directory, or a run's out_dir / checkpoints/ (its latest).
+        seed: the scene's seed.  out: directory for scene.png and attention.png.
+        device: where the model runs.
+    """
+    model, _, saved = load_pretrained(resolve_checkpoint(ckpt), device)
+    run = from_dict(RunConfig, saved)
+    if run.data.task not in ("vqa", "vla"):
+        raise ValueError(
+            f"checkpoint {str(ckpt)!r} was trained on task {run.data.task!r}, "
+            "not on scenes ('vqa' or 'vla')"
+        )
+    task = SceneTask(run)
+    scene = make_scene(seed, task.form, task.grid)
+    got = task.answers(model, [scene], device)[0]
+    image = render(scene, task.cell)  # (3, H, W)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    scene_png = out / "scene.png"
+    big = np.kron(image.transpose(1, 2, 0), np.ones((PNG_SCALE, PNG_SCALE, 1)))  # (H*s, W*s, 3)
+    matplotlib.image.imsave(scene_png, big.clip(0, 1))
+    ids = task.prompt(scene) + task.tokenizer.encode(got)
+    maps = patch_attention(
+        model,
+        torch.from_numpy(image).to(device),
+        torch.tensor(ids, device=device),
+        len(task.prompt(scene)),
+    )
+    attention_png = out / "attention.png"
+    produced = got.split() + ["<eos>"]
+    plot_patch_attention(image, maps, produced, f'"{question(scene)}" -> "{got}"', attention_png)
+    return SceneAnswer(question(scene), got, answer(scene), scene_png, attention_png)
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="a vqa/vla checkpoint, or a run's out_dir or checkpoints/ (its latest)",
+    )
+    p.add_argument("--seed", type=int, required=True, metavar="S", help="the scene's seed")
+    p.add_argument(
+        "--out",
+        default="embodied_demo",
+        metavar="DIR",
+        help="where scene.png and attention.png go (default %(default)s)",
+    )
+    p.add_argument("--device", default="cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = answer_scene(args.ckpt, args.seed, args.out, args.device)
+    print(f"scene     {result.scene_png}")
+    print(f"question  {result.question}")
+    print(f"answer    {result.answer}")
+    print(f"expected  {result.expected} ({'correct' if result.correct else 'wrong'})")
+    print(f"attention {result.attention_png}")
+    return 0

@@ -1,0 +1,45 @@
+"""Weight-only quantization: int8 per output channel, int4 group-wise; see handler.py."""
+
+from attnlab.inference.quantize.handler import (
+    DEFAULT_GROUP_SIZE,
+    SCHEMES,
+    LogitError,
+    QuantizeReport,
+    QuantScheme,
+    linear_names,
+    load_quantized,
+    logit_error,
+    make_scheme,
+    quantize_checkpoint,
+    quantize_model,
+    quantize_state_dict,
+    read_scheme,
+    save_quantized,
+    swap_modules,
+)
+from attnlab.inference.quantize.int4 import Int4Linear, dequantize_int4, quantize_int4
+from attnlab.inference.quantize.int8 import Int8Linear, dequantize_int8, quantize_int8
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "SCHEMES",
+    "Int4Linear",
+    "Int8Linear",
+    "LogitError",
+    "QuantScheme",
+    "QuantizeReport",
+    "dequantize_int4",
+    "dequantize_int8",
+    "linear_names",
+    "load_quantized",
+    "logit_error",
+    "make_scheme",
+    "quantize_checkpoint",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_model",
+    "quantize_state_dict",
+    "read_scheme",
+    "save_quantized",
+    "swap_modules",
+]

@@ -1,0 +1,314 @@
+"""Quantizing a model in two steps, and quantized checkpoints that say what they hold.
+
+    float state dict ──quantize_state_dict──> quantized state dict ──┐
+    model (built on meta) ──swap_modules──> Int8Linear / Int4Linear ─┴─ load_weights(assign=True)
+
+`quantize_model` runs both steps on a model in memory; `load_quantized` runs the second on a
+model built on the meta device, from a quantized checkpoint.
+
+What is quantized: every nn.Linear except the LM heads. Embeddings are never quantized (a
+lookup reads one row per token, so they cost nothing per decoded token). The LM head stays in
+floating point too, tied or not, because:
+- a tied head *is* the embedding (GPT-2, T5, BERT's MLM head): quantizing it would either
+  untie it (two copies, more memory than before) or quantize the embedding as well;
+- the logits are the most sensitive output (AutoGPTQ and AWQ skip `lm_head` by default);
+- generation reads `head.weight` for the dtype of the KV cache (inference/kv_cache.py).
+The price: at decode the head is read in fp32 every token (GPT-2-small: 154 MB of 494 MB).
+
+A quantized checkpoint is a directory like a training checkpoint, loadable on its own:
+
+    config.json         the run config, as saved by training (the model is rebuilt from it)
+    tokenizer.json      copied from the float checkpoint, when it has one
+    model.safetensors   quantized tensors; the scheme lives in the file's metadata:
+                        {"quantization": "int8"} or {"quantization": "int4", "group_size": "32"}
+
+The file name is the same as a float checkpoint's: the metadata, not the name, says what is
+inside, and `load_quantized` refuses a file whose scheme is not the one asked for.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_model
+from torch import Tensor, nn
+
+from attnlab.inference.quantize.int4 import GROUP_SIZES, Int4Linear, pack_int4, quantize_int4
+from attnlab.inference.quantize.int8 import Int8Linear, quantize_int8
+from attnlab.models.decoder import DecoderLM
+from attnlab.models.weights import load_weights, shared_groups
+
+Scheme = Literal["int8", "int4"]
+SCHEMES: tuple[str, ...] = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 32  # int4 only; int8 has one scale per output channel
+METADATA_KEY = "quantization"
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A scheme and, for int4, its group size (None for int8)."""
+
+    name: str
+    group_size: int | None = None
+
+    def __str__(self) -> str:
+        return (
+            self.name if self.group_size is None else f"{self.name} (group_size {self.group_size})"
+        )
+
+
+def make_scheme(scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE) -> QuantScheme:
+    """Validate a scheme name; the group size is kept for int4 only."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose from {list(SCHEMES)}")
+    if scheme == "int8":
+        return QuantScheme("int8")
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else int(group_size)
+    if group_size not in GROUP_SIZES:
+        raise ValueError(
+            f"int4 group_size must be one of {GROUP_SIZES}, got group_size={group_size}"
+        )
+    return QuantScheme("int4", group_size)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names of the nn.Linear modules to quantize: all but LM heads and tied (shared) weights."""
+    heads = {id(m.head) for m in model.modules() if isinstance(m, DecoderLM)}
+    tied = {name.rpartition(".")[0] for group in shared_groups(model) for name in group}
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in heads and name not in tied
+    ]
+
+
+@torch.no_grad()
+def quantize_state_dict(
+    state_dict: dict[str, Tensor], scheme: Scheme, group_size: int | None, names: list[str]
+) -> dict[str, Tensor]:
+    """Replace the `{name}.weight` of each Linear in `names` by the scheme's tensors.
+
+    int8: `weight` (N, K) int8 + `scales` (N,).  int4: `weight` (N, K/2) uint8 (packed) +
+    `scales` and `mins` (N, K/group_size). Biases and all other entries are kept as they are.
+    """
+    s = make_scheme(scheme, group_size)
+    missing = [n for n in names if f"{n}.weight" not in state_dict]
+    if missing:
+        raise ValueError(f"no weights for the Linear layers {missing} in the state dict")
+    if s.name == "int4":
+        misfits = {n: state_dict[f"{n}.weight"].shape[1] for n in names}
+        misfits = {n: k for n, k in misfits.items() if k % s.group_size}
+        if misfits:
+            raise ValueError(
+                f"int4 group_size={s.group_size} does not divide in_features of "
+                f"{misfits}; choose a group size that divides them"
+            )
+    out = dict(state_dict)
+    for name in names:
+        w = out.pop(f"{name}.weight")
+        if s.name == "int8":
+            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(w)
+        else:
+            q, out[f"{name}.scales"], out[f"{name}.mins"] = quantize_int4(w, s.group_size)
+            out[f"{name}.weight"] = pack_int4(q)
+    return out
+
+
+def swap_modules(
+    model: nn.Module,
+    scheme: Scheme,
+    group_size: int | None = DEFAULT_GROUP_SIZE,
+    names: list[str] | None = None,
+) -> nn.Module:
+    """Replace each Linear in `names` (default: linear_names(model)) by an empty quantized one.
+
+    The new modules live on the meta device (no memory) until their weights are assigned with
+    `load_weights(model, quantized_state_dict)` (load_state_dict(assign=True)).
+    """
+    s = make_scheme(scheme, group_size)
+    for name in linear_names(model) if names is None else names:
+        old = model.get_submodule(name)
+        args = (old.in_features, old.out_features, old.bias is not None)
+        if s.name == "int8":
+            new = Int8Linear(*args, device="meta")
+        else:
+            new = Int4Linear(*args, group_size=s.group_size, device="meta")
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, new)
+    return model
+
+
+def quantize_model(
+    model: nn.Module, scheme: Scheme, group_size: int | None = DEFAULT_GROUP_SIZE
+) -> nn.Module:
+    """Quantize a float model in place: both steps, on its own weights."""
+    names = linear_names(model)
+    state_dict = quantize_state_dict(model.state_dict(), scheme, group_size, names)
+    swap_modules(model, scheme, group_size, names)
+    return load_weights(model, state_dict)
+
+
+def scheme_metadata(scheme: QuantScheme) -> dict[str, str]:
+    """The safetensors metadata recording `scheme` (values must be strings)."""
+    meta = {METADATA_KEY: scheme.name}
+    if scheme.group_size is not None:
+        meta["group_size"] = str(scheme.group_size)
+    return meta
+
+
+def read_scheme(path: str | Path) -> QuantScheme | None:
+    """The scheme in a .safetensors file's metadata, or None for float weights."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if METADATA_KEY not in meta:
+        return None
+    return make_scheme(meta[METADATA_KEY], meta.get("group_size"))
+
+
+def save_quantized(
+    model: nn.Module,
+    path: str | Path,
+    scheme: Scheme,
+    group_size: int | None,
+    run: dict,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Write a quantized checkpoint directory: config.json, model.safetensors, tokenizer.json.
+
+    Args:
+        model: already quantized with this scheme.  run: the run config dict (config.json).
+        tokenizer: a tokenizer.json to copy beside the weights, or None.
+    """
+    s = make_scheme(scheme, group_size)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(run, indent=2))
+    save_model(model, str(path / WEIGHTS), metadata=scheme_metadata(s))  # tied tensors once
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, path / "tokenizer.json")
+    return path
+
+
+def load_quantized(
+    path: str | Path,
+    scheme: Scheme | None = None,
+    group_size: int | None = None,
+    device: str = "cpu",
+):
+    """A quantized checkpoint directory -> (model in eval mode, tokenizer or None, run dict).
+
+    Args:
+        scheme, group_size: what the caller expects; None accepts what the file holds.
+
+    Raises:
+        ValueError naming both schemes when the file holds another one (or float weights).
+    """
+    from attnlab.configs import from_dict
+    from attnlab.models.build import build_model
+    from attnlab.models.config import ModelConfig
+    from attnlab.training.tokenizer import Tokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint (needs config.json and {WEIGHTS})")
+    found = read_scheme(path / WEIGHTS)
+    if group_size is None and found is not None:
+        group_size = found.group_size  # "int4" without a group size accepts the file's
+    wanted = None if scheme is None else make_scheme(scheme, group_size)
+    if found is None:
+        raise ValueError(
+            f"{str(path / WEIGHTS)!r} holds unquantized (float) weights, but "
+            f"{wanted or 'a quantized scheme'} was asked for; use load_pretrained"
+        )
+    if wanted is not None and wanted != found:
+        raise ValueError(
+            f"{str(path / WEIGHTS)!r} holds {found} weights, but {wanted} was asked for"
+        )
+    run = json.loads((path / "config.json").read_text())
+    with torch.device("meta"):
+        model = build_model(from_dict(ModelConfig, run["model"]))
+    swap_modules(model, found.name, found.group_size)
+    load_weights(model, load_file(str(path / WEIGHTS), device=device))
+    tokenizer = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
+    return model.to(device).eval(), tokenizer, run
+
+
+@dataclass(frozen=True)
+class LogitError:
+    """How far a quantized model's logits are from the float model's on the same inputs."""
+
+    max_abs: float  # max |quantized - float| over every logit
+    mean_abs: float  # mean |quantized - float|
+    logit_std: float  # std of the float logits, for scale
+    top1_agreement: float  # fraction of positions where both models' argmax agree
+
+
+@torch.no_grad()
+def logit_error(reference: Tensor, quantized: Tensor) -> LogitError:
+    """Compare logits (..., V) of the float and the quantized model."""
+    diff = (quantized.float() - reference.float()).abs()
+    agree = (quantized.argmax(-1) == reference.argmax(-1)).float().mean()
+    return LogitError(
+        diff.max().item(), diff.mean().item(), reference.float().std().item(), agree.item()
+    )
+
+
+def random_inputs(vocab_size: int, n: int, T: int, seed: int = 0) -> Tensor:
+    """(n, T) token ids drawn uniformly (seeded) for logit comparisons."""
+    return torch.randint(vocab_size, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    scheme: str
+    error: LogitError
+    float_bytes: int  # the float checkpoint's model.safetensors
+    quantized_bytes: int  # the quantized checkpoint's model.safetensors
+    n_quantized: int  # Linear layers quantized
+
+
+def quantize_checkpoint(
+    ckpt: str | Path,
+    out: str | Path,
+    scheme: Scheme,
+    group_size: int | None = DEFAULT_GROUP_SIZE,
+    n_inputs: int = 4,
+    seq_len: int = 64,
+    seed: int = 0,
+) -> QuantizeReport:
+    """Quantize a float checkpoint directory into `out`, measuring the logit error.
+
+    The error is measured on `n_inputs` random sequences of min(seq_len, max_seq_len) tokens.
+    """
+    from attnlab.training.checkpoint import load_pretrained
+
+    ckpt = Path(ckpt)
+    if Path(out).resolve() == ckpt.resolve():
+        raise ValueError(f"--out must differ from --ckpt (both {str(ckpt)!r})")
+    s = make_scheme(scheme, group_size)
+    model, _, run = load_pretrained(ckpt)
+    cfg = run["model"]
+    ids = random_inputs(cfg["vocab_size"], n_inputs, min(seq_len, cfg["max_seq_len"]), seed)
+    # An encoder-decoder reads the same ids as source and target.
+    args = (ids, ids) if cfg["arch"] == "encoder_decoder" else (ids,)
+    with torch.no_grad():
+        reference = model(*args)  # (n, T, V)
+        names = linear_names(model)
+        quantize_model(model, s.name, s.group_size)
+        error = logit_error(reference, model(*args))
+    tokenizer = ckpt / "tokenizer.json"
+    save_quantized(
+        model, out, s.name, s.group_size, run, tokenizer if tokenizer.is_file() else None
+    )
+    return QuantizeReport(
+        str(s),
+        error,
+        (ckpt / WEIGHTS).stat().st_size,
+        (Path(out) / WEIGHTS).stat().st_size,
+        len(names),
+    )

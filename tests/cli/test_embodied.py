@@ -1,0 +1,58 @@
+"""Smoke test of `attnlab embodied`: train a scene model for 2 steps, then answer a new scene."""
+
+import pytest
+import torch
+
+from attnlab.cli.__main__ import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_train_then_answer_a_scene(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "--preset",
+            "vla-tiny",
+            "--data.task",
+            "vla",
+            "--data.synthetic_n_val",
+            "4",
+            "--model.d_model",
+            "32",
+            "--model.d_ff",
+            "64",
+            "--train.steps",
+            "2",
+            "--train.batch_size",
+            "4",
+            "--train.warmup",
+            "1",
+            "--train.device",
+            "cpu",
+            "--train.progress",
+            "false",
+            "--train.out_dir",
+            str(out),
+        ]
+    )
+    assert code == 0
+    capsys.readouterr()
+    pictures = tmp_path / "demo"
+    code = main(["embodied", "--ckpt", str(out), "--seed", "3", "--out", str(pictures)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "question  move to the " in printed and "expected  " in printed
+    assert (pictures / "scene.png").is_file() and (pictures / "attention.png").is_file()
+
+
+def test_missing_checkpoint_is_an_error(tmp_path, capsys):
+    assert main(["embodied", "--ckpt", str(tmp_path / "nothing"), "--seed", "1"]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err

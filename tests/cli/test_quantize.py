@@ -1,0 +1,82 @@
+"""`attnlab quantize`: a tiny float checkpoint in, a quantized checkpoint out, errors reported."""
+
+import pytest
+import torch
+
+from attnlab.cli.__main__ import main
+from attnlab.inference.quantize import Int4Linear, Int8Linear, load_quantized, read_scheme
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.training.checkpoint import save_checkpoint
+from attnlab.training.config import RunConfig
+from attnlab.training.tokenizer import train_char_tokenizer
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    model = build_model(get_preset("llama-tiny"))
+    tokenizer = train_char_tokenizer(["to be or not to be"])
+    return save_checkpoint(
+        tmp_path / "float",
+        model,
+        None,
+        RunConfig(get_preset("llama-tiny")),
+        {"step": 0},
+        tokenizer=tokenizer,
+    )
+
+
+@pytest.mark.parametrize("scheme, group, cls", [("int8", 32, Int8Linear), ("int4", 64, Int4Linear)])
+def test_quantize_smoke(capsys, tmp_path, ckpt, scheme, group, cls):
+    out = tmp_path / "q"
+    argv = [
+        "quantize",
+        "--ckpt",
+        str(ckpt),
+        "--scheme",
+        scheme,
+        "--group-size",
+        str(group),
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "logit error vs fp32" in printed and "max " in printed and "mean " in printed
+    assert "model.safetensors:" in printed and "MB" in printed and "smaller" in printed
+    assert "quantized 14 Linear layers" in printed  # 2 blocks x 7; the head stays float
+    assert read_scheme(out / "model.safetensors").name == scheme
+    model, tokenizer, _ = load_quantized(out, scheme)
+    assert tokenizer.decode(tokenizer.encode("not to be")) == "not to be"  # copied along
+    assert isinstance(model.blocks[0].ffn.up_proj, cls)
+    assert model(torch.randint(256, (1, 8))).shape == (1, 8, 256)
+
+
+def test_bad_group_size_is_an_error(capsys, tmp_path, ckpt):
+    argv = [
+        "quantize",
+        "--ckpt",
+        str(ckpt),
+        "--scheme",
+        "int4",
+        "--group-size",
+        "48",
+        "--out",
+        str(tmp_path / "q"),
+    ]
+    assert main(argv) == 2
+    assert "group_size=48" in capsys.readouterr().err
+
+
+def test_out_must_differ_and_ckpt_must_exist(capsys, tmp_path, ckpt):
+    assert main(["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(ckpt)]) == 2
+    assert "--out must differ" in capsys.readouterr().err
+    missing = tmp_path / "missing"
+    assert main(["quantize", "--ckpt", str(missing), "--scheme", "int8", "--out", "x"]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_unknown_scheme_rejected_by_parser(capsys, ckpt):
+    with pytest.raises(SystemExit):
+        main(["quantize", "--ckpt", str(ckpt), "--scheme", "int3", "--out", "x"])
+    assert "int3" in capsys.readouterr().err

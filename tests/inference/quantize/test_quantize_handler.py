@@ -1,0 +1,175 @@
+"""quantize_state_dict / swap_modules / quantize_model, and quantized checkpoints
+(attnlab/inference/quantize/handler.py): which layers, the two steps composing, the scheme in the
+safetensors metadata, and clear errors for the wrong scheme."""
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from attnlab.configs import to_dict
+from attnlab.inference.generate import generate
+from attnlab.inference.quantize import (
+    Int4Linear,
+    Int8Linear,
+    linear_names,
+    load_quantized,
+    logit_error,
+    quantize_model,
+    quantize_state_dict,
+    read_scheme,
+    save_quantized,
+    swap_modules,
+)
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.models.weights import load_weights
+from attnlab.training.checkpoint import save_checkpoint
+from attnlab.training.config import RunConfig
+
+QUANT = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def _model(preset="llama-tiny"):
+    return build_model(get_preset(preset)).eval()
+
+
+# The LM heads: untied (Llama), tied to the embedding (GPT-2, T5), BERT's tied MLM decoder.
+HEADS = {
+    "llama-tiny": "head",
+    "gpt2-tiny": "head",
+    "t5-tiny": "decoder.head",
+    "bert-tiny": "head.decoder",
+}
+
+
+@pytest.mark.parametrize("preset", list(HEADS))
+def test_linear_names_are_every_linear_but_the_head(preset):
+    model = _model(preset)
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert set(linear_names(model)) == linears - {HEADS[preset]}
+    assert {f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} <= {
+        n.split("blocks.0.")[-1] for n in linear_names(model)
+    }
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_two_steps_on_meta_equal_quantize_model(scheme):
+    model = _model()
+    names = linear_names(model)
+    sd = quantize_state_dict(model.state_dict(), scheme, 32, names)
+    assert sd[f"{names[0]}.weight"].dtype == (torch.int8 if scheme == "int8" else torch.uint8)
+    assert "head.weight" in sd and sd["head.weight"].dtype == torch.float32
+    with torch.device("meta"):
+        empty = _model()
+    swap_modules(empty, scheme, 32)
+    assert all(isinstance(empty.get_submodule(n), QUANT[scheme]) for n in names)
+    load_weights(empty, sd)
+    direct = quantize_model(_model_copy(model), scheme, 32)
+    ids = torch.randint(256, (2, 12))
+    assert torch.equal(empty(ids), direct(ids))
+
+
+def _model_copy(model):
+    fresh = build_model(get_preset("llama-tiny")).eval()
+    fresh.load_state_dict(model.state_dict())
+    return fresh
+
+
+@pytest.mark.parametrize("scheme, max_rel", [("int8", 0.01), ("int4", 0.1)])
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
+def test_logit_error_is_reported_and_small(preset, scheme, max_rel):
+    model = _model(preset)
+    ids = torch.randint(256, (2, 16))
+    with torch.no_grad():
+        reference = model(ids)
+        err = logit_error(reference, quantize_model(model, scheme, 32)(ids))
+    assert 0 < err.mean_abs <= err.max_abs
+    assert err.max_abs < max_rel * reference.abs().max().item()
+    assert 0.0 <= err.top1_agreement <= 1.0
+
+
+def test_tied_head_stays_tied_and_float():
+    model = quantize_model(_model("gpt2-tiny"), "int8")
+    assert isinstance(model.head, nn.Linear) and model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize(
+    "scheme, group_size, metadata",
+    [
+        ("int8", None, {"quantization": "int8"}),
+        ("int4", 32, {"quantization": "int4", "group_size": "32"}),
+        ("int4", 64, {"quantization": "int4", "group_size": "64"}),
+    ],
+)
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_save_load_round_trip(tmp_path, preset, scheme, group_size, metadata):
+    model = quantize_model(_model(preset), scheme, group_size)
+    run = to_dict(RunConfig(get_preset(preset)))
+    path = save_quantized(model, tmp_path / "q", scheme, group_size, run)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        # safetensors adds {"head.weight": "embed.weight"} for a tied tensor stored once
+        assert metadata.items() <= f.metadata().items()
+        assert ("group_size" in f.metadata()) == (scheme == "int4")
+    loaded, tokenizer, loaded_run = load_quantized(path, scheme, group_size)
+    assert tokenizer is None and loaded_run == run
+    ids = torch.randint(256, (2, 10))
+    assert torch.equal(loaded(ids), model(ids))
+    if preset == "gpt2-tiny":
+        assert loaded.head.weight is loaded.embed.weight  # tie re-linked after the load
+    assert str(read_scheme(path / "model.safetensors")).startswith(scheme)
+
+
+@pytest.fixture
+def int4_checkpoint(tmp_path):
+    model = quantize_model(_model(), "int4", 32)
+    return save_quantized(
+        model, tmp_path / "q4", "int4", 32, to_dict(RunConfig(get_preset("llama-tiny")))
+    )
+
+
+def test_wrong_scheme_names_both(int4_checkpoint):
+    with pytest.raises(ValueError, match=r"holds int4 \(group_size 32\).*but int8 was asked"):
+        load_quantized(int4_checkpoint, "int8")
+    with pytest.raises(ValueError, match=r"int4 \(group_size 32\).*int4 \(group_size 128\)"):
+        load_quantized(int4_checkpoint, "int4", 128)
+    load_quantized(int4_checkpoint, "int4")  # no group size: the file's is accepted
+    load_quantized(int4_checkpoint)  # no scheme: whatever the file holds
+
+
+def test_plain_checkpoint_as_quantized_names_both(tmp_path):
+    model = _model()
+    path = save_checkpoint(tmp_path / "plain", model, None, RunConfig(get_preset("llama-tiny")), {})
+    with pytest.raises(ValueError, match=r"unquantized \(float\).*but int8 was asked"):
+        load_quantized(path, "int8")
+    with pytest.raises(ValueError, match="unquantized"):
+        load_quantized(path)
+
+
+def test_unknown_scheme_and_missing_files(tmp_path, int4_checkpoint):
+    with pytest.raises(ValueError, match="'int3'.*int8"):
+        load_quantized(int4_checkpoint, "int3")
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        load_quantized(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_cached_generation_matches_full_forward(scheme):
+    model = quantize_model(_model(), scheme, 32)
+    prompt = [5, 17, 42]
+    new = generate(model, [prompt], 6, SamplingConfig(temperature=0.0))[0]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):  # recompute the whole sequence each step, no cache
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert new == ids[len(prompt) :]
+
+
+def test_group_size_must_divide_every_layer():
+    # llama-tiny: d_model 64, so a group of 128 fits no projection that reads the residual stream
+    with pytest.raises(ValueError, match=r"group_size=128 does not divide.*q_proj': 64"):
+        quantize_model(_model(), "int4", 128)
+    with pytest.raises(ValueError, match="must be one of"):
+        quantize_model(_model(), "int4", 48)
