@@ -22,9 +22,10 @@ one copy per round, interleaved with the decoding. (A fresh `clone` would also p
 of new memory, timing the kernel rather than DRAM.)
 
 Time: every variant generates once per round (ABAB...), median over rounds; (i) runs once (it is
-slow). Tokens/s = new tokens / wall time of the whole call, prefill included. Peak memory: the
-resident-set high-water mark above the level before the call (see _timing.py), i.e. what
-generation needs on top of the resident weights, listed separately.
+slow). Tokens/s = new tokens / wall time of the whole call, prefill included. Peak memory, in
+one untimed pass after all timing (see measure_peaks): the resident-set high-water mark above
+the level before one call (see _timing.py), i.e. what generation needs on top of the resident
+weights, which are listed separately; for (i), its longest forward (S_max - 1 tokens).
 """
 
 import os
@@ -36,6 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import ctypes  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -261,15 +263,21 @@ def timed(fn) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def call(fn, with_peak: bool) -> tuple[list[int], float, float | None]:
-    """(tokens, seconds, peak MiB above the start or None) of one call of fn()."""
-    box = {}
+def measure_peaks(results: list[dict]) -> None:
+    """One more, untimed, call of every variant for its peak memory, after all the timing.
 
-    def run():
-        box["tokens"], box["seconds"] = timed(fn)
-
-    peak = peak_rss_mib(run)[0] if with_peak else run()
-    return box["tokens"], box["seconds"], peak
+    glibc keeps freed memory for reuse, so a call would find the previous call's KV cache and
+    logits still resident and read ~0 MiB; malloc_trim(0) first hands free memory back to the
+    OS, so every page the call touches counts.
+    """
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: the peaks may under-count
+        trim = lambda _: None  # noqa: E731
+    for res in results:
+        for k, fn in res["peak_fns"].items():
+            trim(0)
+            res["rows"][k]["peak"] = peak_rss_mib(fn)[0]
 
 
 def compile_decode(model: nn.Module, prompt: list[int], n_new: int):
@@ -316,20 +324,21 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
         if "compiled" not in k:  # (compiled ones were warmed up with n_new while compiling)
             fn(8)  # warm-up (threads, the int4 kernel layout); eager shapes don't matter
 
-    tokens, times, peaks = {}, {k: [] for k in variants}, {}
+    tokens, times = {}, {k: [] for k in variants}
     for r in range(args.rounds):  # interleaved: one call of each per round
         for k, (_, fn) in variants.items():
             bandwidths.append(measure_bandwidth(src, dst))
-            last = r == args.rounds - 1  # the last round also records the memory high-water mark
-            tokens[k], seconds, peaks[k] = call(partial(fn, n_new), with_peak=last)
+            tokens[k], seconds = timed(partial(fn, n_new))
             times[k].append(seconds)
             print(f"   [{name}] round {r + 1}: {k} {seconds:.1f} s", file=sys.stderr, flush=True)
     recompute = "(i) recompute, no cache"  # once: it is slow
-    tokens[recompute], seconds, peaks[recompute] = call(
-        partial(run_recompute, model, prompt, n_new), with_peak=True
-    )
+    tokens[recompute], seconds = timed(partial(run_recompute, model, prompt, n_new))
     times[recompute] = [seconds]
     bandwidths.append(measure_bandwidth(src, dst))
+    # For the memory pass at the end (see main): recompute's peak is its last, longest forward.
+    full = torch.tensor([prompt + tokens[recompute][:-1]])  # (1, S_max - 1)
+    peak_fns = {k: partial(fn, n_new) for k, (_, fn) in variants.items()}
+    peak_fns[recompute] = partial(torch.no_grad()(model), full)
 
     rows = {}
     for k in [recompute, *variants]:
@@ -341,7 +350,7 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
         )
         rows[k] = dict(
             tok_s=n_new / (median_ms(times[k]) / 1e3),
-            peak=peaks[k],
+            peak=None,  # filled in by measure_peaks
             same=same,
             resident=resident_bytes(models[weights]),
             per_token=bytes_per_token(read, cfg, S_max),
@@ -356,6 +365,7 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
         quantize_s=quantize_s,
         models=models,
         prompt=prompt,
+        peak_fns=peak_fns,
     )
 
 
@@ -487,6 +497,7 @@ def main() -> None:
     src, dst = torch.ones(n), torch.zeros(n)  # both touched: no page faults while timing
     bandwidths: list[float] = []
     results = [bench_shape(name, cfg, args, src, dst, bandwidths) for name, cfg in shapes.items()]
+    measure_peaks(results)
     bandwidths.sort()
     bandwidth = bandwidths[len(bandwidths) // 2]
     print(

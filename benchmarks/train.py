@@ -7,7 +7,7 @@ Two shapes, each in fp32 and bf16 autocast, eager and torch.compile'd:
   recipe-a    gpt2-tiny with d_model 128, 4 layers, 4 heads, d_ff 512, vocab 72; batch 12 x 64
   gpt2-small  the "gpt2" preset (124M), dropout 0; batch 4 x 256
 
-Candidates, timed in the same rounds (one step of each per round, A B C A B C ...):
+Candidates, timed in the same rounds (one step of each per round, the order rotating):
   ours        attnlab's model and the step of attnlab.training.loop.train: lr set, forward,
               clm_loss, backward, loss.item(), clip_grad_norm_, fused AdamW (build_optimizer)
   ours+fast   the same after attnlab.components.fast_linear.enable_fast_linear (fp32 only:
@@ -210,14 +210,20 @@ def peak_gemms(n: int, layout_too: bool = False) -> dict[str, Callable]:
 
 
 def timed_rounds(fns: dict[str, Callable], rounds: int) -> dict[str, list[float]]:
-    """One untimed call of each, then `rounds` rounds of one timed call each (interleaved)."""
+    """One untimed call of each, then `rounds` rounds of one timed call each, interleaved.
+
+    Round i starts at the i-th function (A B C, B C A, C A B, ...), so none of them always
+    runs first, e.g. straight after the peak GEMMs have flushed the caches.
+    """
     for fn in fns.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
     return times
 
