@@ -96,11 +96,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def run(args: argparse.Namespace) -> int:
-    result = answer_scene(args.ckpt, args.seed, args.out, args.device)
+def print_answer(result: SceneAnswer) -> None:
     print(f"scene     {result.scene_png}")
     print(f"question  {result.question}")
     print(f"answer    {result.answer}")
     print(f"expected  {result.expected} ({'correct' if result.correct else 'wrong'})")
     print(f"attention {result.attention_png}")
+
+
+def run(args: argparse.Namespace) -> int:
+    print_answer(answer_scene(args.ckpt, args.seed, args.out, args.device))
     return 0

@@ -4,7 +4,10 @@
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
 `--top-k`); their defaults live in the dataclass, the others in `generate_text`'s signature.
-An encoder-decoder checkpoint reads the prompt as its source text.
+An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint trained on
+generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
+
+    attnlab generate --ckpt runs/vqa_cups --scene 7     # as `attnlab embodied --seed 7`
 """
 
 import argparse
@@ -32,9 +35,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prompt",
-        required=True,
         metavar="TEXT",
-        help="text to continue (encoder-decoder: the source text)",
+        help="text to continue (encoder-decoder: the source text); required unless --scene",
+    )
+    p.add_argument(
+        "--scene",
+        type=int,
+        metavar="S",
+        help="vqa/vla checkpoints: answer generated scene S (pictures go to embodied_demo/)",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -104,7 +112,20 @@ def run(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, _ = load_pretrained(resolve_checkpoint(args.ckpt), device)
+    if args.scene is not None:
+        from attnlab.cli.embodied import answer_scene, print_answer  # (imports matplotlib)
+
+        print_answer(answer_scene(args.ckpt, args.scene, device=device))
+        return 0
+    if args.prompt is None:
+        raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
+    model, tokenizer, saved = load_pretrained(resolve_checkpoint(args.ckpt), device)
+    task = saved.get("data", {}).get("task")
+    if task in ("vqa", "vla"):
+        raise ValueError(
+            f"checkpoint {args.ckpt!r} answers generated scenes (task {task!r}), not prompts: "
+            "pass --scene S instead of --prompt"
+        )
     if tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer.json to read the prompt with")
     decoder_only = not hasattr(model, "encode")

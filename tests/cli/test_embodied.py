@@ -14,7 +14,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_train_then_answer_a_scene(tmp_path, capsys):
+def test_train_then_answer_a_scene(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `generate --scene` draws into ./embodied_demo
     out = tmp_path / "run"
     code = main(
         [
@@ -51,6 +52,13 @@ def test_train_then_answer_a_scene(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "question  move to the " in printed and "expected  " in printed
     assert (pictures / "scene.png").is_file() and (pictures / "attention.png").is_file()
+
+    # `attnlab generate --scene` answers the same scene the same way; a text prompt is refused.
+    code = main(["generate", "--ckpt", str(out), "--scene", "3", "--device", "cpu"])
+    assert code == 0
+    assert capsys.readouterr().out.splitlines()[1:4] == printed.splitlines()[1:4]
+    assert main(["generate", "--ckpt", str(out), "--prompt", "move to the cup"]) == 2
+    assert "pass --scene S instead of --prompt" in capsys.readouterr().err
 
 
 def test_missing_checkpoint_is_an_error(tmp_path, capsys):
