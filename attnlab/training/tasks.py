@@ -57,11 +57,23 @@ class LMTask:
 
     @torch.no_grad()
     def sample(self, model: nn.Module, n_tokens: int, device, prompt: str = "\n") -> str:
-        ids = self.tokenizer.encode(prompt) or [0]
-        limit = model.positions.max_positions  # a learned table ends: sample what fits
-        n_tokens = n_tokens if limit is None else min(n_tokens, limit - len(ids))
-        out = generate(model, [ids], n_tokens, SAMPLE_SETTINGS, seed=EVAL_SEED)
-        return self.tokenizer.decode(ids + out[0])
+        """n_tokens sampled after `prompt`, never attending beyond the trained context.
+
+        A model trained on windows of `context` tokens has never seen a longer one (nor, with
+        learned or RoPE positions, the positions past it), so, like nanoGPT's sampler, we crop:
+        when the text fills the context, its last half becomes the prompt of the next chunk.
+        """
+        half = max(self.context // 2, 1)
+        text = self.tokenizer.encode(prompt)[-half:] or [0]
+        start = len(text)
+        while (left := n_tokens - (len(text) - start)) > 0:
+            window = text[-half:]
+            n = min(left, self.context - len(window))
+            new = generate(model, [window], n, SAMPLE_SETTINGS, seed=EVAL_SEED + len(text))[0]
+            text += new
+            if len(new) < n:  # stopped early (end of sequence)
+                break
+        return self.tokenizer.decode(text)
 
 
 class MLMTask(LMTask):
