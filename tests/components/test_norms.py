@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.components.norms import LayerNorm, RMSNorm, build_norm
+from attnlab.components.norms import (
+    LayerNorm,
+    RMSNorm,
+    build_norm,
+    layer_norm_reference,
+    rms_norm_reference,
+)
 
 C = 48
 ATOL = 1e-5  # fp32, max abs difference
@@ -67,6 +73,32 @@ def test_bf16_input_keeps_dtype_and_matches_fp32_reference(kind, weights_bf16):
     assert out.dtype == torch.bfloat16
     expected = ref(x.float())  # statistics in fp32 on the bf16 values
     _close(out.float(), expected, atol=1e-6, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_and_gradients_equal_the_written_formula(kind, dtype):
+    ours, _ = _pair(kind)
+    x = _x(dtype).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = ours.weight.detach().clone().requires_grad_()
+    if kind == "layernorm":
+        b_ref = ours.bias.detach().clone().requires_grad_()
+        expected = layer_norm_reference(x_ref, w_ref, b_ref, ours.eps)
+        ref_params, params = (w_ref, b_ref), (ours.weight, ours.bias)
+    else:
+        expected = rms_norm_reference(x_ref, w_ref, ours.eps)
+        ref_params, params = (w_ref,), (ours.weight,)
+    out = ours(x)
+    assert out.dtype == expected.dtype == dtype
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected.backward(g)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=BF16_RTOL)
+    _close(out.float(), expected.float(), **tol)
+    _close(x.grad.float(), x_ref.grad.float(), **tol)
+    for p, p_ref in zip(params, ref_params):
+        _close(p.grad, p_ref.grad, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
