@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import attnlab.components.fast_linear as fl
 from attnlab.components.fast_linear import (
     FastLinear,
     OneDNNLinearFunction,
@@ -18,6 +19,8 @@ from attnlab.components.fast_linear import (
     measure_speedup,
     onednn_available,
 )
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.training.objectives import clm_loss
@@ -280,3 +283,35 @@ def test_measure_speedup_is_a_positive_ratio():
 def test_rows_must_be_positive():
     with pytest.raises(ValueError, match="rows must be >= 1, got 0"):
         enable_fast_linear(nn.Linear(2, 2), rows=0)
+
+
+@pytest.mark.parametrize("slow, expected", [(FastLinear, 0), (nn.Linear, 13)])
+def test_for_inference_no_shape_is_screened_and_the_check_decides(slow, expected, monkeypatch):
+    def no_screening(*args, **kwargs):
+        raise AssertionError("inference must not time shapes alone")
+
+    monkeypatch.setattr(fl, "measure_speedup", no_screening)
+    model = _tiny_gpt2().eval()
+    ids = torch.randint(0, 256, (1, 8))
+
+    def check():  # a forward, as decoding runs; 100 ms slower while the head is `slow`
+        with torch.no_grad():
+            model(ids)
+        if type(model.head) is slow:
+            time.sleep(0.1)
+
+    assert enable_fast_linear(model, rows=1, check=check, inference=True) == expected
+
+
+def test_greedy_decoding_is_unchanged_by_the_swap():
+    torch.manual_seed(0)
+    model = _tiny_gpt2().eval()
+    prompt, greedy = [[5, 6, 7, 8]], SamplingConfig(temperature=0.0)
+    before = generate(model, prompt, 12, greedy)
+    assert enable_fast_linear(model, rows=1, min_speedup=0.0) == 13
+    assert generate(model, prompt, 12, greedy) == before
+
+
+def test_inference_needs_a_check():
+    with pytest.raises(ValueError, match="needs a check"):
+        enable_fast_linear(nn.Linear(2, 2), rows=1, inference=True)
