@@ -7,6 +7,8 @@ Batch 1, a 32-token prompt, 256 new tokens, greedy, fp32 activations. Per model 
 
   (i)   recompute   no cache: the whole sequence through the model for every new token
   (ii)  cache       attnlab.inference.generate.generate: prefill, then one decode_step per token
+  (ii+) + oneDNN    (ii) after enable_fast_linear(inference=True): the Linears go through
+                    oneDNN's inner product (FastLinear) if that makes a short generation faster
   (iii) compiled    stream_tokens(step_fn=torch.compile(decode_step)), the same static cache
   (iv)  int8        (ii) after quantize_model(model, "int8"): Linears int8, head/embeddings fp32
   (v)   int4        (ii) after quantize_model(model, "int4", 32)
@@ -48,6 +50,7 @@ import torch  # noqa: E402
 from _timing import cpu_name, median_ms, peak_method, peak_rss_mib, use_all_cores  # noqa: E402
 from torch import nn  # noqa: E402
 
+from attnlab.components.fast_linear import enable_fast_linear  # noqa: E402
 from attnlab.inference.generate import decode_step, generate, stream_tokens  # noqa: E402
 from attnlab.inference.quantize import Int4Linear, quantize_model  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
@@ -56,6 +59,7 @@ from attnlab.models.config import AttentionConfig, ModelConfig  # noqa: E402
 from attnlab.models.presets import gpt2, llama2_7b  # noqa: E402
 
 GREEDY = SamplingConfig(temperature=0.0)
+FAST = "(ii+) cache, + oneDNN"
 GiB, MB = 2**30, 1e6
 TARGET_CACHE_SPEEDUP, TARGET_ROOFLINE, TARGET_INT8 = 10.0, 0.80, 2.0
 
@@ -304,6 +308,10 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
     quantize_s = time.perf_counter() - t0
     # name -> (which weights it reads, one generation of n new tokens)
     variants = {"(ii) cache, eager": ("fp32", partial(run_cached, model, prompt))}
+    fast = copy.deepcopy(model)
+    check = partial(run_cached, fast, prompt, 16)
+    swapped = enable_fast_linear(fast, 1, check=check, inference=True)
+    variants[FAST] = ("fp32", partial(run_cached, fast, prompt))
     compile_info = {}
     if args.compile:
         compiled, compile_info["fp32"] = compile_decode(model, prompt, n_new)
@@ -363,6 +371,7 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
         rows=rows,
         compile="; ".join(f"{k}: {v}" for k, v in compile_info.items()) or "skipped",
         quantize_s=quantize_s,
+        swapped=swapped,
         models=models,
         prompt=prompt,
         peak_fns=peak_fns,
@@ -383,6 +392,7 @@ def print_shape(res: dict, args, bandwidth: float) -> None:
         f"quantizing both schemes took {res['quantize_s']:.1f} s"
     )
     print(f"   torch.compile(decode_step): {res['compile']}")
+    print(f"   {FAST}: enable_fast_linear swapped {res['swapped']} Linear modules")
     head = (
         f"   {'variant':<26}{'tok/s':>8}{'ms/tok':>8}{'x recomp':>9}{'weights MiB':>12}"
         f"{'peak+ MiB':>10}{'MB/tok':>8}{'roofline':>9}{'of roof':>8}  same tokens"
@@ -426,19 +436,20 @@ def print_targets(results: list[dict], bandwidth: float, args) -> list[tuple[dic
 
     for res in results:
         rows = res["rows"]
-        cache = rows["(ii) cache, eager"]
-        check(
-            f"{res['name']}: cache / recompute tokens/s ({args.new_tokens} new)",
-            cache["tok_s"] / rows["(i) recompute, no cache"]["tok_s"],
-            TARGET_CACHE_SPEEDUP,
-            "x",
-            res,
-            "cache",
-        )
+        for variant in ("(ii) cache, eager", FAST):
+            check(
+                f"{res['name']}: {variant} / recompute tokens/s",
+                rows[variant]["tok_s"] / rows["(i) recompute, no cache"]["tok_s"],
+                TARGET_CACHE_SPEEDUP,
+                "x",
+                res,
+                "cache",
+            )
+        cache = max(rows["(ii) cache, eager"], rows[FAST], key=lambda r: r["tok_s"])
         if res["name"].startswith("gpt2"):
             frac = cache["tok_s"] / (bandwidth / cache["per_token"])
             check(
-                f"{res['name']}: fp32 eager decode, fraction of roofline",
+                f"{res['name']}: fp32 eager decode (best of ii, ii+), fraction of roofline",
                 frac * 100,
                 TARGET_ROOFLINE * 100,
                 "%",
