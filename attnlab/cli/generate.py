@@ -12,6 +12,7 @@ generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
 import argparse
 import inspect
+import sys
 from pathlib import Path
 
 import torch
@@ -129,6 +130,15 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer.json to read the prompt with")
     decoder_only = not hasattr(model, "encode")
+    trained = saved.get("train", {}).get("context")
+    total = len(tokenizer.encode(args.prompt)) + args.max_new_tokens
+    if decoder_only and trained and total > trained:
+        print(
+            f"note: this model was trained on windows of {trained} tokens; prompt + "
+            f"--max-new-tokens is {total}, so text past token {trained} is extrapolation "
+            "(it may lose coherence)",
+            file=sys.stderr,
+        )
 
     def show(text: str) -> None:
         print(text, end="", flush=True)

@@ -189,3 +189,12 @@ def test_beam_search_and_stop_strings(run_dir, capsys):
     )
     assert code == 0
     assert cut == PROMPT + new[: new.index(stop) + len(stop)] + "\n"
+
+
+def test_a_note_says_when_the_output_passes_the_trained_context(run_dir, capsys):
+    base = ["--ckpt", str(run_dir), "--prompt", "To", "--seed", "0"]
+    code, _, err = cli(capsys, *base, "--max-new-tokens", "10")  # 2 + 10 <= context 12
+    assert code == 0 and "trained on windows" not in err
+    code, _, err = cli(capsys, *base, "--max-new-tokens", "11")  # 13 > 12
+    assert code == 0
+    assert "trained on windows of 12 tokens; prompt + --max-new-tokens is 13" in err
