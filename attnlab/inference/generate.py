@@ -90,7 +90,8 @@ def stream_tokens(
     Args:
         prompts: token ids per row (decoder-only), or the decoder start per row (encoder-decoder).
         source, source_mask: (B, M) encoder input and its mask, for encoder-decoder models.
-        step_fn: replaces `decode_step` (e.g. a torch.compile'd one), same signature.
+        step_fn: replaces `decode_step` (e.g. a torch.compile'd one, such as
+            `attnlab.inference.gemv.compile_decode_step(model)`), same signature.
     """
     decoder = decoder_of(model)
     device = decoder.head.weight.device
