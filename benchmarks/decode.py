@@ -34,10 +34,13 @@ weights, which are listed separately; for (i), its longest forward (S_max - 1 to
 
 import os
 
-# Sleep, don't spin, while waiting at OpenMP barriers: on a shared machine a spinning thread
+# On a busy machine, sleep, don't spin, while waiting at OpenMP barriers: a spinning thread
 # whose partner was descheduled burns its time slice, and decode runs ~100 small ops per token
-# (measured: 60 ms/token spinning vs 12 ms passive on a busy 2-core box). Set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# (measured: 60 ms/token spinning vs 12 ms passive on a busy 2-core box). On quiet cores
+# spinning is the faster of the two (compiled GPT-2-small decode: ~44 vs ~36 tok/s), so the
+# policy follows the load average at start. Set before torch loads; the header prints it.
+if os.getloadavg()[0] >= len(os.sched_getaffinity(0)):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -504,7 +507,8 @@ def main() -> None:
     threads = use_all_cores()
     print(
         f"attnlab decode benchmarks: torch {torch.__version__}, {threads} threads "
-        f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}), {cpu_name()}, "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average "
+        f"{os.getloadavg()[0]:.1f} at start), {cpu_name()}, "
         f"{platform.system()} {platform.release()}"
     )
     print("Shared machines are noisy: compare the RATIOS, each measured within this one run.")

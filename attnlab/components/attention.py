@@ -135,7 +135,10 @@ class Attention(nn.Module):
             check_mask(mask, B, H, T, k.shape[2])
         args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
         dropout = self.dropout if self.training else 0.0
-        out, _ = BACKENDS[self.backend](q, k, v, dropout=dropout, **args)  # (B, H, T, D)
+        # One query inside torch.compile (a compiled decode step): the math form, which inductor
+        # fuses with its neighbours, instead of an opaque SDPA kernel call per layer.
+        backend = "eager" if T == 1 and torch.compiler.is_compiling() else self.backend
+        out, _ = BACKENDS[backend](q, k, v, dropout=dropout, **args)  # (B, H, T, D)
         if self.capture_weights:
             # Recomputed on the eager path, so the output above stays on the fast path.
             self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
