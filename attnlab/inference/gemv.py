@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.inference.generate import decode_step
+
 
 class GemvLinear(nn.Linear):
     """nn.Linear whose one-row forward, inside torch.compile, is a fused GEMV (see above)."""
@@ -51,7 +53,5 @@ def use_gemv(model: nn.Module) -> int:
 
 def compile_decode_step(model: nn.Module, **compile_kwargs) -> Callable:
     """`use_gemv(model)`, then torch.compile(decode_step): a step_fn for stream_tokens."""
-    from attnlab.inference.generate import decode_step  # generate imports nothing from here
-
     use_gemv(model)
     return torch.compile(decode_step, **compile_kwargs)
