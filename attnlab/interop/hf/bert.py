@@ -11,7 +11,6 @@ The MLM decoder is tied to the word embeddings; its bias is `cls.predictions.bia
 Config: huggingface.co/google-bert/bert-base-uncased/config.json.
 """
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -210,11 +209,10 @@ def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = 
         )
     classifier = ARCHITECTURES[arch] == "classifier"
     cfg = config_from_hf(hf)
-    if not classifier and cfg.tie_embeddings:
-        tied, state = common.untie_if_stored(
-            state, "cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"
+    if not classifier:
+        cfg, state = common.resolve_tie(
+            cfg, state, "cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"
         )
-        cfg = cfg if tied else replace(cfg, tie_embeddings=False)
     ignore = [
         k for k in state if k in IGNORED or (not classifier and k.startswith(IGNORED_MLM_PREFIXES))
     ]

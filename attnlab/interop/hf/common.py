@@ -20,6 +20,7 @@ directory that has nothing else is an error, never a fallback. Nothing here impo
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -141,14 +142,16 @@ def drop_tied_aliases(
     return state
 
 
-def untie_if_stored(state: dict[str, Tensor], head: str, embed: str) -> tuple[bool, dict]:
-    """Whether a checkpoint written as tied stores a *different* head (then it is untied: HF
-    does the same), and the state without a redundant copy of a tied head."""
-    if head not in state:
-        return True, state
+def resolve_tie(
+    cfg: ModelConfig, state: dict[str, Tensor], head: str, embed: str
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """(cfg, state) for a checkpoint whose config says tied: a stored head *different* from the
+    embedding unties the model (HF does the same); a stored copy of a tied head is dropped."""
+    if not cfg.tie_embeddings or head not in state:
+        return cfg, state
     if embed in state and torch.equal(state[head], state[embed]):
-        return True, {k: v for k, v in state.items() if k != head}
-    return False, state
+        return cfg, {k: v for k, v in state.items() if k != head}
+    return replace(cfg, tie_embeddings=False), state
 
 
 # --- transforms ------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ Config: huggingface.co/openai-community/gpt2/config.json names n_embd, n_layer, 
 n_positions, activation_function ("gelu_new" is the tanh approximation) and layer_norm_epsilon.
 """
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -191,9 +190,7 @@ def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = 
         raise ValueError(f"GPT-2 has no RoPE; layout={layout!r} does not apply")
     hf, state = common.read_config(path), common.read_state_dict(path)
     cfg = config_from_hf(hf)
-    if cfg.tie_embeddings:
-        tied, state = common.untie_if_stored(state, "lm_head.weight", "transformer.wte.weight")
-        cfg = cfg if tied else replace(cfg, tie_embeddings=False)
+    cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "transformer.wte.weight")
     ignore = [k for k in state if k.endswith(IGNORED_SUFFIXES)]
     model = common.load_checked(
         cfg,

@@ -11,7 +11,6 @@ weights). Loading with layout="interleaved" permutes them (permute_qk_weight), s
 score, and so the logits, stay the same; saving permutes them back.
 """
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -324,9 +323,7 @@ def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = 
     """An HF Llama / Mistral / Qwen2 directory -> (DecoderLM in eval mode, ModelConfig)."""
     hf, state = common.read_config(path), common.read_state_dict(path)
     cfg = config_from_hf(hf, layout)
-    if cfg.tie_embeddings:
-        tied, state = common.untie_if_stored(state, "lm_head.weight", "model.embed_tokens.weight")
-        cfg = cfg if tied else replace(cfg, tie_embeddings=False)
+    cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "model.embed_tokens.weight")
     ignore = [k for k in state if k.endswith(IGNORED_SUFFIXES)]
     what = f"{hf.get('model_type', 'llama')} checkpoint {str(path)!r}"
     model = common.load_checked(cfg, state, to_hf_state, from_hf_state, ignore, what, dtype=dtype)

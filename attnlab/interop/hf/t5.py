@@ -14,7 +14,6 @@ differs from shared.weight is loaded untied, by HF and here alike.
 Config: huggingface.co/google-t5/t5-small/config.json, huggingface.co/google/t5-v1_1-small.
 """
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -227,9 +226,7 @@ def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = 
         raise ValueError(f"T5 has no RoPE; layout={layout!r} does not apply")
     hf, state = common.read_config(path), common.read_state_dict(path)
     cfg = config_from_hf(hf)
-    if cfg.tie_embeddings:
-        tied, state = common.untie_if_stored(state, "lm_head.weight", "shared.weight")
-        cfg = cfg if tied else replace(cfg, tie_embeddings=False)
+    cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "shared.weight")
     ignore = [k for k in state if k in IGNORED]
     model = common.load_checked(
         cfg,
