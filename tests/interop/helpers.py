@@ -5,6 +5,16 @@ from torch import Tensor
 
 VOCAB = 128
 ATOL = 1e-4  # fp32 parity tolerance on logits and hidden states
+TINY_LLAMA = dict(  # transformers LlamaConfig fields: 2 layers, GQA (4 heads / 2 kv), wide init
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+)
 
 
 def padded_batch(

@@ -8,7 +8,7 @@ from attnlab.components.ffn import ACTIVATIONS
 from attnlab.components.positions.rope import RoPE, rope_angles
 from attnlab.interop.check import check
 from attnlab.interop.hf import load_hf
-from tests.interop.helpers import VOCAB, padded_batch
+from tests.interop.helpers import TINY_LLAMA, VOCAB, padded_batch
 
 T = pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf
@@ -17,18 +17,8 @@ pytestmark = pytest.mark.hf
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     torch.manual_seed(0)
-    config = T.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        initializer_range=0.2,
-    )
     path = tmp_path_factory.mktemp("llama")
-    T.LlamaForCausalLM(config).save_pretrained(path)
+    T.LlamaForCausalLM(T.LlamaConfig(**TINY_LLAMA)).save_pretrained(path)
     return path
 
 

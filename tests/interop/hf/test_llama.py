@@ -7,24 +7,12 @@ import torch
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import llama, load_hf, save_hf
-from tests.interop.helpers import ATOL, VOCAB, max_diff, padded_batch, same_state
+from tests.interop.helpers import ATOL, TINY_LLAMA, max_diff, padded_batch, same_state
 
 T = pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf
 
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=64,
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+BASE = TINY_LLAMA | dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LLAMA3 = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
