@@ -23,50 +23,29 @@ def dirs(tmp_path):
     return tmp_path
 
 
+def check(model, reference, *inputs: str) -> int:
+    """`attnlab check --model MODEL --reference REFERENCE --input I ...`: the exit code."""
+    return main(
+        ["check", "--model", str(model), "--reference", str(reference)]
+        + [arg for text in inputs for arg in ("--input", text)]
+    )
+
+
 def test_matching_models_exit_0(dirs, capsys):
-    args = [
-        "check",
-        "--model",
-        str(dirs / "ours"),
-        "--reference",
-        str(dirs / "ours"),
-        "--input",
-        "the cat",
-        "--input",
-        "5 6 7 8 9 10",
-    ]
-    assert main(args) == 0
+    assert check(dirs / "ours", dirs / "ours", "the cat", "5 6 7 8 9 10") == 0
     out = capsys.readouterr().out
     assert "every point is within tolerance" in out and "block.1" in out
 
 
 def test_a_divergence_exits_1_and_names_the_cause(dirs, capsys):
-    args = [
-        "check",
-        "--model",
-        str(dirs / "buggy"),
-        "--reference",
-        str(dirs / "ours"),
-        "--input",
-        "3 4 5 6 7 8",
-    ]
-    assert main(args) == 1
+    assert check(dirs / "buggy", dirs / "ours", "3 4 5 6 7 8") == 1
     out = capsys.readouterr().out
     assert "first divergence: block.0" in out and "likely cause: norm eps" in out
 
 
 def test_text_without_a_tokenizer_is_an_error(dirs, capsys):
     (dirs / "ours" / "tokenizer.json").unlink()
-    args = [
-        "check",
-        "--model",
-        str(dirs / "ours"),
-        "--reference",
-        str(dirs / "ours"),
-        "--input",
-        "some words",
-    ]
-    assert main(args) == 2
+    assert check(dirs / "ours", dirs / "ours", "some words") == 2
     assert "token ids" in capsys.readouterr().err
 
 
@@ -75,15 +54,6 @@ def test_hf_directory_against_transformers(tmp_path, capsys):
     pytest.importorskip("transformers")
     model = build_model(llama_tiny()).eval()
     save_hf(model, llama_tiny(), tmp_path / "hf")
-    args = [
-        "check",
-        "--model",
-        str(tmp_path / "hf"),
-        "--reference",
-        str(tmp_path / "hf"),
-        "--input",
-        "1 2 3 4 5 6 7",
-    ]
-    assert main(args) == 0
+    assert check(tmp_path / "hf", tmp_path / "hf", "1 2 3 4 5 6 7") == 0
     out = capsys.readouterr().out
     assert "B: transformers LlamaForCausalLM" in out and "every point is within tolerance" in out
