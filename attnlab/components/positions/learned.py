@@ -7,6 +7,7 @@ cannot go past the positions it was trained on: a longer input is an error, not 
 Shapes: B batch, T sequence length, C d_model.
 """
 
+import torch
 from torch import Tensor, nn
 
 from attnlab.components.positions.base import PositionScheme
@@ -40,10 +41,11 @@ class LearnedPosition(PositionScheme):
         Returns:
             (B, T, C) x + table(pos).
         """
-        bad = (pos < 0) | (pos >= self.max_seq_len)
-        if bad.any():  # one host sync, at the model's input boundary
-            raise ValueError(
-                f"position {int(pos[bad][0])} is beyond the learned position table of "
-                f"{self.max_seq_len} positions (valid: 0..{self.max_seq_len - 1})"
-            )
+        if not torch.compiler.is_compiling():  # the check syncs with the host: eager only
+            bad = (pos < 0) | (pos >= self.max_seq_len)
+            if bad.any():  # one host sync, at the model's input boundary
+                raise ValueError(
+                    f"position {int(pos[bad][0])} is beyond the learned position table of "
+                    f"{self.max_seq_len} positions (valid: 0..{self.max_seq_len - 1})"
+                )
         return x + self.table(pos)  # (T, C) or (B, T, C) broadcasts to (B, T, C)
