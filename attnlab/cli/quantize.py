@@ -17,15 +17,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help=f"int4 inputs per scale (32, 64, 128 or 256; default {DEFAULT_GROUP_SIZE})",
     )
     p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
+    p.add_argument(
+        "--float-heads",
+        dest="heads",
+        action="store_false",
+        help="keep the LM head in float (and tied to the embedding, where it was)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    report = quantize_checkpoint(args.ckpt, args.out, args.scheme, args.group_size)
-    e = report.error
-    print(
-        f"quantized {report.n_quantized} Linear layers to {report.scheme} "
-        "(embeddings and the LM head stay float)"
+    report = quantize_checkpoint(
+        args.ckpt, args.out, args.scheme, args.group_size, heads=args.heads
     )
+    e = report.error
+    kept = "embeddings stay float" if args.heads else "embeddings and the LM head stay float"
+    print(f"quantized {report.n_quantized} Linear layers to {report.scheme} ({kept})")
     print(
         f"logit error vs fp32 on random inputs: max {e.max_abs:.4g}, mean {e.mean_abs:.4g} "
         f"(float logits' std {e.logit_std:.4g}); top-1 agreement {e.top1_agreement:.1%}"

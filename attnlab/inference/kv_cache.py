@@ -132,7 +132,7 @@ class ModelCache(nn.Module):
                     dtype: torch.dtype | None = None) -> "ModelCache":
         """Preallocate caches shaped for `decoder`'s blocks: each attention makes its own."""
         B, S_max = key_valid.shape
-        weight = decoder.head.weight
+        weight = decoder.embed.weight  # float even when the head is quantized
         dtype = weight.dtype if dtype is None else dtype
         layers = [blk.self_attn.make_cache(B, S_max, dtype, weight.device)
                   for blk in decoder.blocks]

@@ -44,12 +44,21 @@ def test_quantize_smoke(capsys, tmp_path, ckpt, scheme, group, cls):
     printed = capsys.readouterr().out
     assert "logit error vs fp32" in printed and "max " in printed and "mean " in printed
     assert "model.safetensors:" in printed and "MB" in printed and "smaller" in printed
-    assert "quantized 14 Linear layers" in printed  # 2 blocks x 7; the head stays float
+    assert "quantized 15 Linear layers" in printed  # 2 blocks x 7, and the head
     assert read_scheme(out / "model.safetensors").name == scheme
     model, tokenizer, _ = load_quantized(out, scheme)
     assert tokenizer.decode(tokenizer.encode("not to be")) == "not to be"  # copied along
-    assert isinstance(model.blocks[0].ffn.up_proj, cls)
+    assert isinstance(model.blocks[0].ffn.up_proj, cls) and isinstance(model.head, cls)
     assert model(torch.randint(256, (1, 8))).shape == (1, 8, 256)
+
+
+def test_float_heads_flag_keeps_the_head_float(capsys, tmp_path, ckpt):
+    out = tmp_path / "q"
+    argv = ["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(out)]
+    assert main([*argv, "--float-heads"]) == 0
+    assert "quantized 14 Linear layers" in capsys.readouterr().out  # 2 blocks x 7
+    model = load_quantized(out, "int8")[0]
+    assert type(model.head) is torch.nn.Linear
 
 
 def test_bad_group_size_is_an_error(capsys, tmp_path, ckpt):

@@ -54,6 +54,7 @@ class BigramLM(nn.Module):
                 probs[tok, t] = row.get(t, left / len(rest) if rest else 0.0)
         self.register_buffer("logp", probs.log().float())  # (V, V)
         self.head = nn.Linear(1, vocab_size, bias=False)  # generate reads V and the device here
+        self.embed = nn.Embedding(vocab_size, 1)  # the KV cache takes its dtype from here
         self.blocks = nn.ModuleList()
         self.positions = NoPosition()
 

@@ -45,6 +45,7 @@ class ScriptedLM(nn.Module):
     def __init__(self, scripts: list[list[int]], vocab_size: int):
         super().__init__()
         self.head = nn.Linear(1, vocab_size, bias=False)  # generate reads V and the device here
+        self.embed = nn.Embedding(vocab_size, 1)  # the KV cache takes its dtype from here
         self.blocks = nn.ModuleList()
         self.positions = NoPosition()
         self.scripts, self.calls = scripts, 0

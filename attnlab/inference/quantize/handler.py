@@ -6,21 +6,23 @@
 `quantize_model` runs both steps on a model in memory; `load_quantized` runs the second on a
 model built on the meta device, from a quantized checkpoint.
 
-What is quantized: every nn.Linear except the LM heads. Embeddings are never quantized (a
-lookup reads one row per token, so they cost nothing per decoded token). The LM head stays in
-floating point too, tied or not, because:
-- a tied head *is* the embedding (GPT-2, T5, BERT's MLM head): quantizing it would either
-  untie it (two copies, more memory than before) or quantize the embedding as well;
-- the logits are the most sensitive output (AutoGPTQ and AWQ skip `lm_head` by default);
-- generation reads `head.weight` for the dtype of the KV cache (inference/kv_cache.py).
-The price: at decode the head is read in fp32 every token (GPT-2-small: 154 MB of 494 MB).
+What is quantized: every nn.Linear, the LM heads included; embeddings never (a lookup reads one
+row per token, so they cost nothing per decoded token). The head is the largest single matrix a
+decode step reads (GPT-2-small: its 154 MB fp32 head is 31% of the model's bytes per token), so
+leaving it in float would keep a third of the traffic at 4 bytes a weight. A head tied to the
+embedding (GPT-2, T5, BERT's MLM decoder) is untied by quantizing it: the embedding keeps the
+float matrix for its lookups, the head gets the quantized copy (int8: 1 more byte per weight of
+memory, and 4x fewer bytes read per token). `heads=False` keeps the heads in float, tied as they
+were (AutoGPTQ and AWQ skip `lm_head` by default, the logits being the most sensitive output);
+the checkpoint's metadata records which was done.
 
 A quantized checkpoint is a directory like a training checkpoint, loadable on its own:
 
     config.json         the run config, as saved by training (the model is rebuilt from it)
     tokenizer.json      copied from the float checkpoint, when it has one
     model.safetensors   quantized tensors; the scheme lives in the file's metadata:
-                        {"quantization": "int8"} or {"quantization": "int4", "group_size": "32"}
+                        {"quantization": "int8"} or {"quantization": "int4", "group_size": "32"},
+                        and {"heads": "quantized"} or {"heads": "float"} (absent: float)
 
 The file name is the same as a float checkpoint's: the metadata, not the name, says what is
 inside, and `load_quantized` refuses a file whose scheme is not the one asked for.
@@ -46,6 +48,7 @@ Scheme = Literal["int8", "int4"]
 SCHEMES: tuple[str, ...] = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32  # int4 only; int8 has one scale per output channel
 METADATA_KEY = "quantization"
+HEADS_KEY = "heads"  # metadata: "quantized" or "float" (files written before it: float)
 WEIGHTS = "model.safetensors"
 
 
@@ -76,15 +79,15 @@ def make_scheme(scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE) -> Qua
     return QuantScheme("int4", group_size)
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """Names of the nn.Linear modules to quantize: all but LM heads and tied (shared) weights."""
-    heads = {id(m.head) for m in model.modules() if isinstance(m, DecoderLM)}
+def linear_names(model: nn.Module, heads: bool = True) -> list[str]:
+    """Names of the nn.Linear modules to quantize: all of them, or (heads=False) all but the
+    LM heads and the Linears tied to another module's weight (BERT's MLM decoder)."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if heads:
+        return linears
+    head_ids = {id(m.head) for m in model.modules() if isinstance(m, DecoderLM)}
     tied = {name.rpartition(".")[0] for group in shared_groups(model) for name in group}
-    return [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and id(m) not in heads and name not in tied
-    ]
+    return [n for n in linears if id(model.get_submodule(n)) not in head_ids and n not in tied]
 
 
 @torch.no_grad()
@@ -93,6 +96,8 @@ def quantize_state_dict(
 ) -> dict[str, Tensor]:
     """Replace the `{name}.weight` of each Linear in `names` by the scheme's tensors.
 
+    A weight stored under two names (a tied head) is quantized under the Linear's name and kept
+    in float under the other (the embedding's).
     int8: `weight` (N, K) int8 + `scales` (N,).  int4: `weight` (N, K/2) uint8 (packed) +
     `scales` and `mins` (N, K/group_size). Biases and all other entries are kept as they are.
     """
@@ -125,7 +130,8 @@ def swap_modules(
     group_size: int | None = DEFAULT_GROUP_SIZE,
     names: list[str] | None = None,
 ) -> nn.Module:
-    """Replace each Linear in `names` (default: linear_names(model)) by an empty quantized one.
+    """Replace each Linear in `names` (default: linear_names(model)) by an empty quantized one
+    (a tied head becomes a module of its own: the embedding keeps its float Parameter).
 
     The new modules live on the meta device (no memory) until their weights are assigned with
     `load_weights(model, quantized_state_dict)` (load_state_dict(assign=True)).
@@ -144,18 +150,22 @@ def swap_modules(
 
 
 def quantize_model(
-    model: nn.Module, scheme: Scheme, group_size: int | None = DEFAULT_GROUP_SIZE
+    model: nn.Module,
+    scheme: Scheme,
+    group_size: int | None = DEFAULT_GROUP_SIZE,
+    heads: bool = True,
 ) -> nn.Module:
-    """Quantize a float model in place: both steps, on its own weights."""
-    names = linear_names(model)
+    """Quantize a float model in place: both steps, on its own weights (heads: see above)."""
+    names = linear_names(model, heads)
     state_dict = quantize_state_dict(model.state_dict(), scheme, group_size, names)
     swap_modules(model, scheme, group_size, names)
     return load_weights(model, state_dict)
 
 
-def scheme_metadata(scheme: QuantScheme) -> dict[str, str]:
-    """The safetensors metadata recording `scheme` (values must be strings)."""
-    meta = {METADATA_KEY: scheme.name}
+def scheme_metadata(scheme: QuantScheme, heads: bool = True) -> dict[str, str]:
+    """The safetensors metadata recording `scheme` and whether the heads are quantized
+    (values must be strings)."""
+    meta = {METADATA_KEY: scheme.name, HEADS_KEY: "quantized" if heads else "float"}
     if scheme.group_size is not None:
         meta["group_size"] = str(scheme.group_size)
     return meta
@@ -170,6 +180,12 @@ def read_scheme(path: str | Path) -> QuantScheme | None:
     return make_scheme(meta[METADATA_KEY], meta.get("group_size"))
 
 
+def read_heads_quantized(path: str | Path) -> bool:
+    """Whether a quantized .safetensors file holds quantized LM heads (see HEADS_KEY)."""
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get(HEADS_KEY) == "quantized"
+
+
 def save_quantized(
     model: nn.Module,
     path: str | Path,
@@ -177,18 +193,20 @@ def save_quantized(
     group_size: int | None,
     run: dict,
     tokenizer: str | Path | None = None,
+    heads: bool = True,
 ) -> Path:
     """Write a quantized checkpoint directory: config.json, model.safetensors, tokenizer.json.
 
     Args:
         model: already quantized with this scheme.  run: the run config dict (config.json).
         tokenizer: a tokenizer.json to copy beside the weights, or None.
+        heads: whether `model` was quantized with its heads (recorded in the metadata).
     """
     s = make_scheme(scheme, group_size)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(run, indent=2))
-    save_model(model, str(path / WEIGHTS), metadata=scheme_metadata(s))  # tied tensors once
+    save_model(model, str(path / WEIGHTS), metadata=scheme_metadata(s, heads))  # tied tensors once
     if tokenizer is not None:
         shutil.copyfile(tokenizer, path / "tokenizer.json")
     return path
@@ -232,7 +250,8 @@ def load_quantized(
     run = json.loads((path / "config.json").read_text())
     with torch.device("meta"):
         model = build_model(from_dict(ModelConfig, run["model"]))
-    swap_modules(model, found.name, found.group_size)
+    heads = read_heads_quantized(path / WEIGHTS)
+    swap_modules(model, found.name, found.group_size, linear_names(model, heads))
     load_weights(model, load_file(str(path / WEIGHTS), device=device))
     tokenizer = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
     return model.to(device).eval(), tokenizer, run
@@ -280,6 +299,7 @@ def quantize_checkpoint(
     n_inputs: int = 4,
     seq_len: int = 64,
     seed: int = 0,
+    heads: bool = True,
 ) -> QuantizeReport:
     """Quantize a float checkpoint directory into `out`, measuring the logit error.
 
@@ -298,12 +318,12 @@ def quantize_checkpoint(
     args = (ids, ids) if cfg["arch"] == "encoder_decoder" else (ids,)
     with torch.no_grad():
         reference = model(*args)  # (n, T, V)
-        names = linear_names(model)
-        quantize_model(model, s.name, s.group_size)
+        names = linear_names(model, heads)
+        quantize_model(model, s.name, s.group_size, heads)
         error = logit_error(reference, model(*args))
     tokenizer = ckpt / "tokenizer.json"
     save_quantized(
-        model, out, s.name, s.group_size, run, tokenizer if tokenizer.is_file() else None
+        model, out, s.name, s.group_size, run, tokenizer if tokenizer.is_file() else None, heads
     )
     return QuantizeReport(
         str(s),
