@@ -64,7 +64,7 @@ def test_compiled_decoding_gives_the_eager_tokens(preset):
     prompts = [[1, 2, 3, 4, 5]]  # batch 1: each decode step's Linears are GEMVs
     eager = generate(model, prompts, 6, GREEDY)
     torch._dynamo.reset()
-    step = compile_decode_step(model)
+    step = compile_decode_step(model, fullgraph=True)  # a graph break would raise
     with torch.no_grad():
         tokens = list(stream_tokens(model, prompts, 6, GREEDY, step_fn=step))
     assert torch.stack(tokens, 1).tolist() == eager
