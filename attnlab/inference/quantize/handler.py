@@ -193,16 +193,15 @@ def save_quantized(
     group_size: int | None,
     run: dict,
     tokenizer: str | Path | None = None,
-    heads: bool = True,
 ) -> Path:
     """Write a quantized checkpoint directory: config.json, model.safetensors, tokenizer.json.
 
     Args:
         model: already quantized with this scheme.  run: the run config dict (config.json).
         tokenizer: a tokenizer.json to copy beside the weights, or None.
-        heads: whether `model` was quantized with its heads (recorded in the metadata).
     """
     s = make_scheme(scheme, group_size)
+    heads = not any(isinstance(m, nn.Linear) for m in model.modules())  # else: float heads
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(run, indent=2))
@@ -323,7 +322,7 @@ def quantize_checkpoint(
         error = logit_error(reference, model(*args))
     tokenizer = ckpt / "tokenizer.json"
     save_quantized(
-        model, out, s.name, s.group_size, run, tokenizer if tokenizer.is_file() else None, heads
+        model, out, s.name, s.group_size, run, tokenizer if tokenizer.is_file() else None
     )
     return QuantizeReport(
         str(s),

@@ -126,7 +126,7 @@ def test_float_heads_stay_tied_and_float():
 def test_save_load_round_trip(tmp_path, preset, heads, scheme, group_size, metadata):
     model = quantize_model(_model(preset), scheme, group_size, heads)
     run = to_dict(RunConfig(get_preset(preset)))
-    path = save_quantized(model, tmp_path / "q", scheme, group_size, run, heads=heads)
+    path = save_quantized(model, tmp_path / "q", scheme, group_size, run)
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         # safetensors adds {"head.weight": "embed.weight"} for a tied tensor stored once
