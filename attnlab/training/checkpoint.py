@@ -181,9 +181,11 @@ class CheckpointDir:
 def load_pretrained(path: str | Path, device: str = "cpu"):
     """A checkpoint directory -> (model in eval mode, tokenizer or None, run config dict).
 
-    The model is built on the meta device and its weights assigned from model.safetensors.
+    The model is built on the meta device and its weights assigned from model.safetensors. A
+    quantized checkpoint (written by `attnlab quantize`) loads with its quantized layers.
     """
     from attnlab.configs import from_dict
+    from attnlab.inference.quantize.handler import load_quantized, read_scheme
     from attnlab.models.build import build_model
     from attnlab.models.config import ModelConfig
     from attnlab.models.weights import load_safetensors
@@ -194,6 +196,8 @@ def load_pretrained(path: str | Path, device: str = "cpu"):
         raise ValueError(
             f"{str(path)!r} is not a checkpoint (needs config.json and model.safetensors)"
         )
+    if read_scheme(path / "model.safetensors") is not None:  # the scheme is in its metadata
+        return load_quantized(path, device=device)
     run = json.loads((path / "config.json").read_text())
     with torch.device("meta"):
         model = build_model(from_dict(ModelConfig, run["model"]))

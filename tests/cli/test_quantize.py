@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from attnlab.cli.__main__ import main
+from attnlab.inference.generate import generate
 from attnlab.inference.quantize import Int4Linear, Int8Linear, load_quantized, read_scheme
+from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.training.checkpoint import save_checkpoint
@@ -50,6 +52,22 @@ def test_quantize_smoke(capsys, tmp_path, ckpt, scheme, group, cls):
     assert tokenizer.decode(tokenizer.encode("not to be")) == "not to be"  # copied along
     assert isinstance(model.blocks[0].ffn.up_proj, cls) and isinstance(model.head, cls)
     assert model(torch.randint(256, (1, 8))).shape == (1, 8, 256)
+
+
+def test_generate_and_quantize_again_from_a_quantized_checkpoint(capsys, tmp_path, ckpt):
+    out = tmp_path / "q"
+    assert main(["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(out)]) == 0
+    capsys.readouterr()
+    argv = ["generate", "--ckpt", str(out), "--prompt", "to be", "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    model, tokenizer, _ = load_quantized(out, "int8")
+    greedy, eos = SamplingConfig(temperature=0.0), tokenizer.token_id("<eos>")
+    new = generate(model, [tokenizer.encode("to be")], 4, greedy, stop_tokens=[eos])[0]
+    assert printed == "to be" + tokenizer.decode(new) + "\n"
+    again = ["quantize", "--ckpt", str(out), "--scheme", "int4", "--out", str(tmp_path / "q4")]
+    assert main(again) == 2
+    assert "already quantized (int8)" in capsys.readouterr().err
 
 
 def test_float_heads_flag_keeps_the_head_float(capsys, tmp_path, ckpt):

@@ -310,6 +310,9 @@ def quantize_checkpoint(
     if Path(out).resolve() == ckpt.resolve():
         raise ValueError(f"--out must differ from --ckpt (both {str(ckpt)!r})")
     s = make_scheme(scheme, group_size)
+    found = read_scheme(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
+    if found is not None:
+        raise ValueError(f"{str(ckpt)!r} is already quantized ({found}); quantize a float one")
     model, _, run = load_pretrained(ckpt)
     cfg = run["model"]
     ids = random_inputs(cfg["vocab_size"], n_inputs, min(seq_len, cfg["max_seq_len"]), seed)
