@@ -1,6 +1,6 @@
 """Decode benchmarks on CPU: tokens/s and peak memory of generation, against the memory roofline.
 
-    .venv/bin/python benchmarks/decode.py            # full: GPT-2-small and a 110M Llama (~1 h)
+    .venv/bin/python benchmarks/decode.py            # full: GPT-2-small and a 110M Llama (~17 min)
     .venv/bin/python benchmarks/decode.py --quick    # 2-layer shapes, 32 new tokens, no compile
 
 Batch 1, a 32-token prompt, 256 new tokens, greedy, fp32 activations. Per model shape:
