@@ -79,15 +79,29 @@ def make_scheme(scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE) -> Qua
     return QuantScheme("int4", group_size)
 
 
-def linear_names(model: nn.Module, heads: bool = True) -> list[str]:
+def linear_names(
+    model: nn.Module, heads: bool = True, group_size: int | None = None
+) -> list[str]:
     """Names of the nn.Linear modules to quantize: all of them, or (heads=False) all but the
-    LM heads and the Linears tied to another module's weight (BERT's MLM decoder)."""
+    LM heads and the Linears tied to another module's weight (BERT's MLM decoder). With an int4
+    `group_size`, only those whose in_features it divides: the others stay in float."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if group_size is not None:
+        linears = [n for n in linears if model.get_submodule(n).in_features % group_size == 0]
     if heads:
         return linears
     head_ids = {id(m.head) for m in model.modules() if isinstance(m, DecoderLM)}
     tied = {name.rpartition(".")[0] for group in shared_groups(model) for name in group}
     return [n for n in linears if id(model.get_submodule(n)) not in head_ids and n not in tied]
+
+
+def float_misfits(model: nn.Module, heads: bool, group_size: int | None) -> dict[str, int]:
+    """{name: in_features} of the Linears left in float because `group_size` does not divide
+    their in_features (int4 only; a Llama with d_ff 350 has four)."""
+    fits = set(linear_names(model, heads, group_size))
+    return {
+        n: model.get_submodule(n).in_features for n in linear_names(model, heads) if n not in fits
+    }
 
 
 @torch.no_grad()
@@ -137,7 +151,7 @@ def swap_modules(
     `load_weights(model, quantized_state_dict)` (load_state_dict(assign=True)).
     """
     s = make_scheme(scheme, group_size)
-    for name in linear_names(model) if names is None else names:
+    for name in linear_names(model, group_size=s.group_size) if names is None else names:
         old = model.get_submodule(name)
         args = (old.in_features, old.out_features, old.bias is not None)
         if s.name == "int8":
@@ -155,8 +169,19 @@ def quantize_model(
     group_size: int | None = DEFAULT_GROUP_SIZE,
     heads: bool = True,
 ) -> nn.Module:
-    """Quantize a float model in place: both steps, on its own weights (heads: see above)."""
-    names = linear_names(model, heads)
+    """Quantize a float model in place: both steps, on its own weights (heads: see above).
+
+    int4: Linears whose in_features the group size does not divide stay in float
+    (`float_misfits`); a ValueError if that leaves none to quantize.
+    """
+    s = make_scheme(scheme, group_size)
+    names = linear_names(model, heads, s.group_size)
+    if s.group_size is not None and not names:
+        misfits = float_misfits(model, heads, s.group_size)
+        raise ValueError(
+            f"int4 group_size={s.group_size} divides the in_features of none of the Linear "
+            f"layers {misfits}; choose a group size that divides some of them, or int8"
+        )
     state_dict = quantize_state_dict(model.state_dict(), scheme, group_size, names)
     swap_modules(model, scheme, group_size, names)
     return load_weights(model, state_dict)
@@ -201,7 +226,8 @@ def save_quantized(
         tokenizer: a tokenizer.json to copy beside the weights, or None.
     """
     s = make_scheme(scheme, group_size)
-    heads = not any(isinstance(m, nn.Linear) for m in model.modules())  # else: float heads
+    # A float Linear the scheme could have quantized is a head kept in float (heads=False).
+    heads = not linear_names(model, group_size=s.group_size)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(run, indent=2))
@@ -250,7 +276,8 @@ def load_quantized(
     with torch.device("meta"):
         model = build_model(from_dict(ModelConfig, run["model"]))
     heads = read_heads_quantized(path / WEIGHTS)
-    swap_modules(model, found.name, found.group_size, linear_names(model, heads))
+    names = linear_names(model, heads, found.group_size)
+    swap_modules(model, found.name, found.group_size, names)
     load_weights(model, load_file(str(path / WEIGHTS), device=device))
     tokenizer = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
     return model.to(device).eval(), tokenizer, run
@@ -288,6 +315,7 @@ class QuantizeReport:
     float_bytes: int  # the float checkpoint's model.safetensors
     quantized_bytes: int  # the quantized checkpoint's model.safetensors
     n_quantized: int  # Linear layers quantized
+    kept_float: dict[str, int]  # {name: in_features} of Linears int4's group size does not fit
 
 
 def quantize_checkpoint(
@@ -320,7 +348,8 @@ def quantize_checkpoint(
     args = (ids, ids) if cfg["arch"] == "encoder_decoder" else (ids,)
     with torch.no_grad():
         reference = model(*args)  # (n, T, V)
-        names = linear_names(model, heads)
+        names = linear_names(model, heads, s.group_size)
+        kept_float = float_misfits(model, heads, s.group_size)
         quantize_model(model, s.name, s.group_size, heads)
         error = logit_error(reference, model(*args))
     tokenizer = ckpt / "tokenizer.json"
@@ -333,4 +362,5 @@ def quantize_checkpoint(
         (ckpt / WEIGHTS).stat().st_size,
         (Path(out) / WEIGHTS).stat().st_size,
         len(names),
+        kept_float,
     )

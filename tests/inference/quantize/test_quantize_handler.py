@@ -3,6 +3,7 @@
 safetensors metadata, and clear errors for the wrong scheme."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from attnlab.inference.generate import generate
 from attnlab.inference.quantize import (
     Int4Linear,
     Int8Linear,
+    float_misfits,
     linear_names,
     load_quantized,
     logit_error,
@@ -203,9 +205,33 @@ def test_cached_generation_matches_full_forward(preset, scheme):
     assert new == ids[len(prompt) :]
 
 
-def test_group_size_must_divide_every_layer():
-    # llama-tiny: d_model 64, so a group of 128 fits no projection that reads the residual stream
-    with pytest.raises(ValueError, match=r"group_size=128 does not divide.*q_proj': 64"):
+def test_layers_the_group_size_does_not_fit_stay_float(tmp_path):
+    # d_ff 96: a group of 64 fits every layer that reads the residual stream (64 wide), not the
+    # down projections (96); a Llama recipe with d_ff 350 fits no group size at all.
+    cfg = replace(get_preset("llama-tiny"), d_ff=96)
+    model = build_model(cfg).eval()
+    ids = torch.randint(256, (2, 10))
+    with torch.no_grad():
+        reference = model(ids)
+    misfits = float_misfits(model, True, 64)
+    assert misfits == {f"blocks.{i}.ffn.down_proj": 96 for i in range(cfg.n_layers)}
+    quantize_model(model, "int4", 64)
+    assert all(type(model.get_submodule(n)) is nn.Linear for n in misfits)
+    assert isinstance(model.blocks[0].ffn.up_proj, Int4Linear)
+    assert isinstance(model.head, Int4Linear)
+    run = to_dict(RunConfig(cfg))
+    path = save_quantized(model, tmp_path / "q", "int4", 64, run)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert f.metadata()["heads"] == "quantized"
+    loaded = load_quantized(path, "int4", 64)[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+        assert logit_error(reference, model(ids)).max_abs < 0.15 * reference.abs().max().item()
+
+
+def test_a_group_size_that_fits_no_layer_is_an_error():
+    # llama-tiny: d_model 64, d_ff 192: a group of 128 divides no in_features
+    with pytest.raises(ValueError, match=r"group_size=128 divides .* none.*q_proj': 64"):
         quantize_model(_model(), "int4", 128)
     with pytest.raises(ValueError, match="must be one of"):
         quantize_model(_model(), "int4", 48)
