@@ -74,7 +74,7 @@ def beam_search(
     memory = None if source is None else model.encode(source, source_mask)
     key_valid = torch.ones(1, T0 + max_new_tokens, dtype=torch.bool, device=device)
     cache = ModelCache.for_decoder(decoder, key_valid, cross=memory is not None)
-    logits = prefill(model, ids, cache, memory, source_mask)[:, -1]  # (1, V)
+    logits = prefill(model, ids, cache, memory, source_mask, last_only=True)[:, -1]  # (1, V)
     cache.reorder(torch.zeros(W, dtype=torch.long, device=device))  # W copies of the prompt
     mask = None if source_mask is None else source_mask.expand(W, -1)
     logits = logits.expand(W, -1)

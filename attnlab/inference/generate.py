@@ -48,10 +48,13 @@ def prefill(
     cache: ModelCache,
     memory: Tensor | None = None,
     memory_mask: Tensor | None = None,
+    last_only: bool = False,
 ) -> Tensor:
-    """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V)."""
+    """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V),
+    or (B, 1, V) with last_only (all generation needs: the next token's logits)."""
     slots = torch.arange(ids.shape[1], device=ids.device)
-    return decoder_of(model)(ids, memory=memory, memory_mask=memory_mask, cache=cache, slots=slots)
+    return decoder_of(model)(ids, memory=memory, memory_mask=memory_mask, cache=cache,
+                             slots=slots, last_only=last_only)
 
 
 def decode_step(
@@ -108,7 +111,7 @@ def stream_tokens(
     key_valid = torch.cat([mask, mask.new_ones(B, max_new_tokens)], dim=1)  # (B, S_max)
     cache = ModelCache.for_decoder(decoder, key_valid, cross=memory is not None)
     gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    logits = prefill(model, ids, cache, memory, source_mask)[:, -1]  # (B, V)
+    logits = prefill(model, ids, cache, memory, source_mask, last_only=True)[:, -1]  # (B, V)
     # Padding must not count as "already generated" for the repetition penalty.
     history = torch.where(mask, ids, ids[:, -1:])  # (B, T0)
     done = torch.zeros(B, dtype=torch.bool, device=device)

@@ -84,6 +84,7 @@ class DecoderLM(nn.Module):
         memory_mask: Tensor | None = None,
         cache=None,
         slots: Tensor | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """Next-token logits.
 
@@ -97,9 +98,11 @@ class DecoderLM(nn.Module):
             memory_mask: (B, M) True = real memory token.
             cache: a ModelCache (inference/kv_cache.py), or None.
             slots: (T,) cache slots of `ids`, with a cache.
+            last_only: the logits of the last position only (generation's prefill needs no
+                more, and the head is the largest matmul: GPT-2's is 768 x 50257).
 
         Returns:
-            (B, T, V) logits.
+            (B, T, V) logits, or (B, 1, V) with last_only.
         """
         B, T = ids.shape
         k_pos = None
@@ -117,6 +120,8 @@ class DecoderLM(nn.Module):
                       cache=None if cache is None else cache.layers[i],
                       cross_cache=None if cache is None or cache.cross is None else cache.cross[i],
                       slots=slots)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
         x = self.norm(x)  # (B, T, C)
         if self.head_scale != 1.0:
             x = x * self.head_scale

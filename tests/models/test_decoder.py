@@ -6,6 +6,7 @@ import torch
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig
 from attnlab.models.decoder import DecoderLM
+from attnlab.models.presets import get_preset
 
 POSITIONS = ["none", "sinusoidal", "learned", "rope", "alibi", "t5_bias"]
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -163,3 +164,13 @@ def test_dropout_only_in_training():
         torch.testing.assert_close(model(ids), model(ids))
         model.train()
         assert not torch.allclose(model(ids), model(ids))
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_last_only_is_the_last_position_of_the_full_logits(preset):
+    model = build_model(get_preset(preset)).eval()
+    ids = torch.randint(model.head.out_features, (2, 9))
+    with torch.no_grad():
+        full, last = model(ids), model(ids, last_only=True)  # (2, 9, V), (2, 1, V)
+    assert last.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-5, atol=1e-6)
