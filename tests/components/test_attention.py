@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from attnlab.components.attention import Attention
+from tests.compile_helpers import traced_graphs
 
 ATOL = 1e-5  # fp32, max abs difference
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True)
@@ -331,16 +332,9 @@ def test_cross_attention_without_memory_raises():
 
 @pytest.mark.parametrize("T, sdpa_in_graph", [(1, False), (4, True)])
 def test_one_query_under_compile_uses_the_math_form(T, sdpa_in_graph):
-    graphs = []
-
-    def record(gm, example_inputs):  # a dynamo backend that keeps the graph and runs it as is
-        graphs.append(str(gm.graph))
-        return gm.forward
-
-    torch._dynamo.reset()
     attn = Attention(d_model=16, n_heads=2).eval()  # sdpa backend
     x = torch.randn(1, T, 16)
     with torch.no_grad():
-        out = torch.compile(attn, backend=record)(x, is_causal=True)
+        out, graphs = traced_graphs(attn, x, is_causal=True)
         torch.testing.assert_close(out, attn(x, is_causal=True), atol=1e-6, rtol=1e-5)
     assert ("scaled_dot_product_attention" in "".join(graphs)) == sdpa_in_graph

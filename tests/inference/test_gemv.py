@@ -1,6 +1,5 @@
 """GemvLinear and compile_decode_step against nn.Linear and eager decoding (the references)."""
 
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -14,13 +13,9 @@ from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from tests.compile_helpers import needs_compiler, traced_graphs
 
 GREEDY = SamplingConfig(temperature=0.0)
-needs_compiler = pytest.mark.skipif(
-    not torch._dynamo.is_dynamo_supported()
-    or not any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")),
-    reason="torch.compile needs dynamo and a C compiler",
-)
 
 
 def _tiny(preset: str) -> nn.Module:
@@ -72,16 +67,7 @@ def test_compiled_decoding_gives_the_eager_tokens(preset):
 
 @pytest.mark.parametrize("rows, form", [(1, "gemv"), (4, "linear")])
 def test_the_traced_graph_has_the_gemv_form_for_one_row_only(rows, form):
-    graphs = []
-
-    def record(gm, example_inputs):  # a dynamo backend that keeps the graph and runs it as is
-        graphs.append(str(gm.graph))
-        return gm.forward
-
-    torch._dynamo.reset()
-    layer = GemvLinear(16, 8)
     with torch.no_grad():
-        torch.compile(layer, backend=record)(torch.randn(rows, 16))
-    (graph,) = graphs
+        _, (graph,) = traced_graphs(GemvLinear(16, 8), torch.randn(rows, 16))
     assert ("sum" in graph and "linear" not in graph) == (form == "gemv")
     assert ("linear" in graph) == (form == "linear")

@@ -12,7 +12,6 @@ Shapes stay tiny (d_model 32, 2 layers, T <= 12); `derandomize` makes every run 
 examples, and each example seeds torch from a drawn integer.
 """
 
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -27,6 +26,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
 from attnlab.models.presets import get_preset
+from tests.compile_helpers import needs_compiler
 
 FAMILIES = ["decoder", "encoder_decoder"]
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # with 4 query heads
@@ -198,20 +198,14 @@ def test_cross_attention_keys_and_values_are_projected_once_per_source(position)
     assert all(counter.calls[proj] == [7] for proj in cross)
 
 
-def _compiler_available() -> bool:
-    return torch._dynamo.is_dynamo_supported() and any(
-        shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")
-    )
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _compiler_available(), reason="torch.compile needs dynamo and a C compiler")
+@needs_compiler
 @torch.no_grad()
 def test_decode_step_compiles_and_equals_eager():
     """torch.compile(decode_step): the cache's static shapes mean one compile serves every step.
 
     Cold (empty inductor cache) this compile took about 35-60 s on 2 shared CPU cores, hence `slow`.
-    The one graph break is the token-id check in TokenEmbedding (a host sync at the boundary).
+    The token-id check in TokenEmbedding (a host sync) runs in eager mode only: one graph.
     """
     torch.manual_seed(0)
     cfg = replace(
