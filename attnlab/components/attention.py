@@ -135,9 +135,7 @@ class Attention(nn.Module):
             check_mask(mask, B, H, T, k.shape[2])
         args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
         dropout = self.dropout if self.training else 0.0
-        # One query inside torch.compile (a compiled decode step): the math form, which inductor
-        # fuses with its neighbours, instead of an opaque SDPA kernel call per layer.
-        backend = "eager" if T == 1 and torch.compiler.is_compiling() else self.backend
+        backend = "eager" if _written_out_is_faster(q, k) else self.backend
         out, _ = BACKENDS[backend](q, k, v, dropout=dropout, **args)  # (B, H, T, D)
         if self.capture_weights:
             # Recomputed on the eager path, so the output above stays on the fast path.
@@ -160,3 +158,24 @@ class Attention(nn.Module):
         from attnlab.inference.kv_cache import KVCache  # inference builds on components
 
         return KVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)
+
+
+SHORT_KEYS_CPU = 64  # inside torch.compile on CPU, attend to at most this many keys written out
+
+
+def _written_out_is_faster(q: Tensor, k: Tensor) -> bool:
+    """Whether, inside torch.compile, the written-out attention beats SDPA's kernel.
+
+    Written out, inductor fuses the scale, mask and softmax (forward and backward) with their
+    neighbours and leaves two batched matmuls; SDPA stays one opaque kernel call. That wins for
+    one query (a compiled decode step), and on CPU for short sequences: forward + backward,
+    causal, (12, 4, 64, 32): 1.9 against 2.8 ms; (4, 12, 64, 64): 3.6 against 4.0; even at
+    128 keys; at 256 and beyond SDPA's flash kernel (which skips the masked half) wins.
+
+    Args:
+        q: (B, H, T, D).  k: (B, K, S, D).
+    """
+    if not torch.compiler.is_compiling():
+        return False
+    return q.shape[2] == 1 or (q.device.type == "cpu" and k.shape[2] <= SHORT_KEYS_CPU)
+

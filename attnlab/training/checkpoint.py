@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from attnlab.configs import to_dict
@@ -51,10 +51,8 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _write_json(tmp / "config.json", to_dict(run))
-    if isinstance(model, nn.Module):
-        save_model(model, str(tmp / "model.safetensors"))  # stores a tied matrix once
-    else:
-        save_file({k: v.contiguous() for k, v in model.items()}, str(tmp / "model.safetensors"))
+    weights = without_tied_names(model.state_dict(), model) if isinstance(model, nn.Module) else model
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
     if optimizer is not None:
         state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
         torch.save(state, tmp / "optimizer.pt")
@@ -100,6 +98,12 @@ def tied_names(model: nn.Module) -> list[list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
+
+
+def without_tied_names(weights: dict, model: nn.Module) -> dict:
+    """`weights` with a tied matrix under its first name only, so that it is stored once."""
+    drop = {name for names in tied_names(model) for name in names[1:]}
+    return {k: v for k, v in weights.items() if k not in drop}
 
 
 def with_tied_names(weights: dict, model: nn.Module) -> dict:

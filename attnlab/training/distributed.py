@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from attnlab.components.blocks import DecoderBlock  # EncoderBlock is a subclass
-from attnlab.training.checkpoint import load_weights, tied_names, with_tied_names
+from attnlab.training.checkpoint import load_weights, with_tied_names, without_tied_names
 
 Kind = Literal["none", "ddp", "fsdp"]
 
@@ -170,7 +170,7 @@ class Ranks:
             optim_state = get_optimizer_state_dict(model, optimizer, options=full)
             if not self.main:
                 return None, None
-            return _without_tied_names(weights, model), _by_index(optim_state)
+            return without_tied_names(weights, model), _by_index(optim_state)
         return (self.unwrap(model), optimizer) if self.main else (None, None)
 
     def load_checkpoint_state(
@@ -256,13 +256,6 @@ def stop() -> None:
 
 
 # --- the single-process checkpoint format: tied weights once, optimizer state by number ----
-def _without_tied_names(weights: dict, module: nn.Module) -> dict:
-    """A tied matrix under its first name only, as a single process saves it (the gathered
-    copies are separate tensors, so safetensors could not tell they are one)."""
-    drop = {name for names in tied_names(module) for name in names[1:]}
-    return {k: v for k, v in weights.items() if k not in drop}
-
-
 def _first_module_names(weights: dict, module: nn.Module) -> dict:
     """Only the names of each module's first path: set_model_state_dict visits a shared module
     (one embedding for encoder and decoder) once, and would not shard a copy under a second."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from attnlab.configs import to_dict
@@ -72,14 +72,15 @@ def train(
     device, out = ranks.device, Path(cfg.out_dir)
     torch.manual_seed(cfg.seed + ranks.rank)  # dropout masks differ across ranks
     model = ranks.wrap(model.to(device).train())  # DDP, FSDP2 or the model itself
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+    betas, one_process = (cfg.beta1, cfg.beta2), ranks.kind == "none"
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas, flat=one_process)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     data_gen = torch.Generator().manual_seed(cfg.seed)  # the same on every rank: one global batch
     ckpts = CheckpointDir(out / "checkpoints", cfg.keep_last) if ranks.main else None
     state = _resume(ckpts, model, optimizer, data_gen, run, ranks) if resume else TrainState()
     if ranks.main:
         _truncate_metrics(out / "metrics.jsonl", state.step)
-    forward = torch.compile(model) if cfg.compile else model
+    forward = compile_model(model, device) if cfg.compile else model
     tokens_per_step = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
 
     def save(best: bool = False) -> None:  # called on every rank: FSDP gathers the shards
@@ -122,7 +123,7 @@ def train(
             )
         scaler.unscale_(optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
-        grad_norm = clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(trained_tensors(optimizer), max_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -167,6 +168,20 @@ def _evaluate(model, task, cfg, ranks: Ranks, state: TrainState, save) -> dict:
         if cfg.progress and ranks.main:
             tqdm.write(f"--- step {state.step} sample ---\n{sample}\n---")
     return metrics
+
+
+def compile_model(model: nn.Module, device: torch.device):
+    """`torch.compile(model)` as training uses it. On CPU with inductor's C++ wrapper: the
+    compiled forward and backward then call their kernels (about 100 per step for a small
+    GPT) from generated C++ instead of Python; recipe (a)'s step took ~4% less."""
+    options = {"cpp_wrapper": True} if device.type == "cpu" else None
+    return torch.compile(model, options=options)
+
+
+def trained_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The tensors the optimizer steps, whose gradients the clip measures: the model's
+    parameters, or FlatAdamW's flat buffers (the same gradients, in one tensor per group)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> TrainState:

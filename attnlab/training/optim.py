@@ -8,6 +8,8 @@ sees when it appears). So: decay on every >= 2-D weight of a Linear, none on any
 import torch
 from torch import nn
 
+from attnlab.training.flat_adamw import FlatAdamW
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: Linear weights (decayed) and everything else (norms, biases, embeddings)."""
@@ -27,9 +29,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    flat: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over `param_groups`, with the fused kernel where PyTorch offers it for the device."""
+    """AdamW over `param_groups`, with the fused kernel where PyTorch offers it for the device.
+
+    flat: one buffer per group for the parameters and one for their gradients (`FlatAdamW`):
+    the same updates, with the per-tensor costs of the step, the clip and zero_grad paid once
+    per group. Moves the model's parameters into the buffers; one process only.
+    """
     device = next(model.parameters()).device.type
     fused = device in ("cpu", "cuda")
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
+    adamw = FlatAdamW if flat else torch.optim.AdamW
+    return adamw(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab.components.attention import Attention
+from attnlab.components.attention import SHORT_KEYS_CPU, Attention
 from tests.compile_helpers import traced_graphs
 
 ATOL = 1e-5  # fp32, max abs difference
@@ -330,11 +330,21 @@ def test_cross_attention_without_memory_raises():
         attn(torch.randn(2, 5, 32))
 
 
-@pytest.mark.parametrize("T, sdpa_in_graph", [(1, False), (4, True)])
-def test_one_query_under_compile_uses_the_math_form(T, sdpa_in_graph):
-    attn = Attention(d_model=16, n_heads=2).eval()  # sdpa backend
-    x = torch.randn(1, T, 16)
-    with torch.no_grad():
-        out, graphs = traced_graphs(attn, x, is_causal=True)
-        torch.testing.assert_close(out, attn(x, is_causal=True), atol=1e-6, rtol=1e-5)
+@pytest.mark.parametrize(
+    "T, sdpa_in_graph",
+    [(1, False), (SHORT_KEYS_CPU, False), (SHORT_KEYS_CPU + 1, True)],
+)
+def test_compiled_attention_is_written_out_for_one_query_or_short_sequences(T, sdpa_in_graph):
+    # Inside torch.compile on CPU: one query, or at most SHORT_KEYS_CPU keys, take the written-
+    # out form; longer ones SDPA. Outputs and gradients equal the eager module's (SDPA) either way.
+    attn = Attention(d_model=16, n_heads=2)  # sdpa backend
+    x = torch.randn(2, T, 16, requires_grad=True)
+    out, graphs = traced_graphs(attn, x, is_causal=True)
+    expected = attn(x, is_causal=True)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    grad_y = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *attn.parameters()], grad_y)
+    want = torch.autograd.grad(expected, [x, *attn.parameters()], grad_y)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert ("scaled_dot_product_attention" in "".join(graphs)) == sdpa_in_graph

@@ -38,6 +38,20 @@ def test_gelu_exact_and_tanh():
     assert (ACTIVATIONS["gelu"](x) - ACTIVATIONS["gelu_tanh"](x)).abs().max() > 1e-5  # distinct
 
 
+def test_gelu_tanh_compiled_is_the_same_function():
+    # Inside torch.compile gelu_tanh takes its sigmoid form: values and gradients must still
+    # be F.gelu's. aot_eager traces it as inductor would (is_compiling() is True) and runs
+    # the traced graph with aten ops.
+    x = torch.linspace(-8, 8, 2001, requires_grad=True)
+    compiled = torch.compile(ACTIVATIONS["gelu_tanh"], backend="aot_eager", fullgraph=True)
+    ours = compiled(x)
+    (grad,) = torch.autograd.grad(ours.sum(), x)
+    ref = F.gelu(x, approximate="tanh")
+    (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=2e-6)  # a few fp32 ulps
+    torch.testing.assert_close(grad, ref_grad, atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("activation", sorted(TORCH_ACTIVATIONS))
 @pytest.mark.parametrize("bias", [True, False])
 def test_mlp_matches_sequential(activation, bias):

@@ -26,7 +26,12 @@ from attnlab.configs import to_dict
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.training import distributed
-from attnlab.training.checkpoint import CheckpointDir, read_checkpoint, save_checkpoint
+from attnlab.training.checkpoint import (
+    CheckpointDir,
+    read_checkpoint,
+    save_checkpoint,
+    without_tied_names,
+)
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.optim import build_optimizer
@@ -329,7 +334,7 @@ def test_a_full_state_dict_checkpoint_equals_a_module_one(tmp_path):
     model(torch.randint(cfg.vocab_size, (2, 8))).float().logsumexp(-1).mean().backward()
     optimizer.step()
     run = RunConfig(cfg, TrainConfig(), DataConfig(source="x.txt"))
-    weights = distributed._without_tied_names(get_model_state_dict(model), model)
+    weights = without_tied_names(get_model_state_dict(model), model)
     optim_state = distributed._by_index(get_optimizer_state_dict(model, optimizer))
     save_checkpoint(tmp_path / "dicts", weights, optim_state, run, {"step": 1})
     save_checkpoint(tmp_path / "module", model, optimizer, run, {"step": 1})

@@ -78,18 +78,18 @@ from attnlab.training.config import RunConfig
 from attnlab.training.loop import train
 from attnlab.training.tasks import build_task
 
-real_save_model, calls = ckpt.save_model, []
+real_save_file, calls = ckpt.save_file, []
 
-def dying_save_model(model, filename, *args, **kwargs):
+def dying_save_file(weights, filename, *args, **kwargs):
     calls.append(filename)
     if len(calls) == 2:  # the second checkpoint: write half a file, then die mid-save
         with open(filename, "wb") as f:
             f.write(b"partial safetensors header")
             f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_save_model(model, filename, *args, **kwargs)
+    return real_save_file(weights, filename, *args, **kwargs)
 
-ckpt.save_model = dying_save_model
+ckpt.save_file = dying_save_file
 run = from_dict(RunConfig, json.loads(open(sys.argv[1]).read()))
 torch.manual_seed(0)
 train(build_model(run.model), build_task(run), run)
