@@ -51,7 +51,9 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _write_json(tmp / "config.json", to_dict(run))
-    weights = without_tied_names(model.state_dict(), model) if isinstance(model, nn.Module) else model
+    weights = model
+    if isinstance(model, nn.Module):
+        weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
     if optimizer is not None:
         state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()

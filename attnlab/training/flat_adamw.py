@@ -8,15 +8,17 @@ against a whole training step of ~40 ms.
 
 How (per group g of `param_groups`, with parameters p_i of n_i elements at offsets o_i):
 
-    P_g = [p_0 | p_1 | ...]            one (N_g,) tensor;   p_i.data = P_g[o_i : o_i + n_i].view(shape_i)
-    G_g = [grad_0 | grad_1 | ...]      one (N_g,) tensor;   p_i.grad = G_g[o_i : o_i + n_i].view(shape_i)
+    P_g = [p_0 | p_1 | ...]        (N_g,)    p_i.data = P_g[o_i : o_i + n_i].view(shape_i)
+    G_g = [grad_0 | grad_1 | ...]  (N_g,)    p_i.grad = G_g[o_i : o_i + n_i].view(shape_i)
 
 Backward accumulates each parameter's gradient in place into its view of G_g (autograd adds
 into an existing .grad), so after it G_g holds every gradient of the group; `torch.optim.AdamW`
 then steps the P_g (one fused kernel per group), the clip takes the norm of the G_g, and
 `zero_grad` zeroes them. AdamW is elementwise, so this is the same arithmetic, element by
 element, as AdamW over the separate tensors (tested equal). `state_dict` and `load_state_dict`
-speak the separate tensors' format, so checkpoints do not change.
+speak the separate tensors' format, so checkpoints do not change. One difference: a parameter
+that gets no gradient is stepped with a zero one (momentum and weight decay still act on it),
+as AdamW does after `zero_grad(set_to_none=False)`; with None gradients AdamW would skip it.
 
 The model's parameters stay the same Parameter objects (hooks, tied weights and state_dict
 keys untouched); only their storage moves. Build the optimizer after the model reaches its
@@ -53,7 +55,8 @@ class FlatAdamW(torch.optim.AdamW):
         of one buffer G; return P as a Parameter whose .grad is G."""
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) > 1:
-            raise ValueError(f"FlatAdamW: a group mixes dtypes or devices: {sorted(map(str, kinds))}")
+            kinds = sorted(map(str, kinds))
+            raise ValueError(f"FlatAdamW: a group mixes dtypes or devices: {kinds}")
         dtype, device = kinds.pop()
         total = sum(p.numel() for p in params)
         flat = torch.empty(total, dtype=dtype, device=device)  # (N_g,)
@@ -71,16 +74,31 @@ class FlatAdamW(torch.optim.AdamW):
         joined.grad = grad
         return joined
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """AdamW's step over the flat buffers, after gathering any gradient that landed
+        outside them (someone set p.grad to None or to another tensor: see `_reattach`)."""
+        self._reattach()
+        return super().step(closure)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradients. The views stay attached (set_to_none is ignored): the next
-        backward accumulates into them. A view that was detached (p.grad set to None or to
-        another tensor) is attached again."""
-        for group, params, views in zip(self.param_groups, self.members, self.grad_views):
+        backward accumulates into them."""
+        for group in self.param_groups:
             for flat in group["params"]:
                 flat.grad.zero_()
+        self._reattach()
+
+    def _reattach(self) -> None:
+        """Point each p.grad at its view of G_g again, copying in a gradient that backward
+        put elsewhere (a zero one where p.grad was None)."""
+        for params, views in zip(self.members, self.grad_views):
             for p, view in zip(params, views):
-                if p.grad is not view:
-                    p.grad = view
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad is not view:
+                    view.copy_(p.grad)
+                p.grad = view
 
     def state_dict(self) -> dict:
         """The state dict that AdamW over the separate parameters would have."""

@@ -14,7 +14,9 @@ from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.flat_adamw import FlatAdamW
 from attnlab.training.optim import param_groups
 
-CFG = replace(get_preset("gpt2-tiny"), d_model=32, n_layers=2, d_ff=64, max_seq_len=16, vocab_size=20)
+CFG = replace(
+    get_preset("gpt2-tiny"), d_model=32, n_layers=2, d_ff=64, max_seq_len=16, vocab_size=20
+)
 OPTIONS = dict(lr=1e-2, betas=(0.9, 0.99), fused=True)
 
 
@@ -90,6 +92,14 @@ def test_zero_grad_zeroes_and_reattaches_views():
     opt.zero_grad()
     assert model.embed.weight.grad is view
     assert all(g["params"][0].grad.abs().sum() == 0 for g in opt.param_groups)
+
+
+def test_a_gradient_put_outside_the_buffers_still_counts():
+    (ref, ref_opt), (model, opt) = _pair()
+    model.zero_grad(set_to_none=True)  # detaches every view: backward makes new tensors
+    _steps(ref, ref_opt, 2)
+    _steps(model, opt, 2)
+    _assert_same(ref, model)
 
 
 def test_a_checkpoint_of_a_flat_model_reads_back(tmp_path):
