@@ -169,8 +169,8 @@ def _written_out_is_faster(q: Tensor, k: Tensor) -> bool:
     Written out, inductor fuses the scale, mask and softmax (forward and backward) with their
     neighbours and leaves two batched matmuls; SDPA stays one opaque kernel call. That wins for
     one query (a compiled decode step), and on CPU for short sequences: forward + backward,
-    causal, (12, 4, 64, 32): 1.9 against 2.8 ms; (4, 12, 64, 64): 3.6 against 4.0; even at
-    128 keys; at 256 and beyond SDPA's flash kernel (which skips the masked half) wins.
+    causal, (12, 4, 64, 32): 1.9 against 2.8 ms; (4, 12, 64, 64): 3.6 against 4.0; about equal
+    at 128 keys; at 256 and beyond SDPA's flash kernel (which skips the masked half) wins.
 
     Args:
         q: (B, H, T, D).  k: (B, K, S, D).
@@ -178,4 +178,3 @@ def _written_out_is_faster(q: Tensor, k: Tensor) -> bool:
     if not torch.compiler.is_compiling():
         return False
     return q.shape[2] == 1 or (q.device.type == "cpu" and k.shape[2] <= SHORT_KEYS_CPU)
-
