@@ -3,7 +3,7 @@
 Why: for a small model, most of the time of the optimizer step and of the gradient-norm clip
 is spent per tensor (Python, dispatch, one kernel launch each), not per element. Recipe (a)'s
 GPT-2 has 69 parameter tensors and 0.8 M parameters: fused AdamW plus `clip_grad_norm_` took
-2.6-3.2 ms per step over the 69 tensors, 0.7 ms over one flat tensor per group (2 CPU cores),
+2.5-2.9 ms per step over the 69 tensors, 0.7 ms over one flat tensor per group (2 CPU cores),
 against a whole training step of ~40 ms.
 
 How (per group g of `param_groups`, with parameters p_i of n_i elements at offsets o_i):
