@@ -290,9 +290,8 @@ def test_compiled_training_tracks_eager(make_run):
     # what takes a different form inside the compiled graph: GPT-2's gelu_tanh (sigmoid form)
     # and attention over <= 64 keys (written out). FlatAdamW in both runs.
     kw = dict(model={"dropout": 0.0}, steps=4)
-    eager_run, compiled_run = make_run("gpt2-tiny", out="eager", **kw), make_run(
-        "gpt2-tiny", out="compiled", compile=True, **kw
-    )
+    eager_run = make_run("gpt2-tiny", out="eager", **kw)
+    compiled_run = make_run("gpt2-tiny", out="compiled", compile=True, **kw)
     eager = train(*fresh(eager_run), eager_run).losses
     compiled = train(*fresh(compiled_run), compiled_run).losses
     assert compiled == pytest.approx(eager, rel=1e-5)
