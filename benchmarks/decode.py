@@ -11,7 +11,8 @@ Batch 1, a 32-token prompt, 256 new tokens, greedy, fp32 activations. Per model 
                     oneDNN's inner product (FastLinear) if that makes a short generation faster
   (iii) compiled    stream_tokens(step_fn=compile_decode_step(model)): torch.compile(decode_step)
                     on the same static cache, the Linears as GemvLinear (inference/gemv.py),
-                    which inductor turns into fused matrix-vector loops
+                    which inductor turns into fused matrix-vector loops, the weights packed
+                    into one buffer (inference/packing.py)
   (iv)  int8        (ii) after quantize_model(model, "int8"): Linears and head int8, embeddings fp32
   (v)   int4        (ii) after quantize_model(model, "int4", 32)
   (vi)  int8 comp.  (iii) on the int8 model: Int8Linear's one-token form fuses into one int8 GEMV
@@ -297,7 +298,11 @@ def measure_peaks(results: list[dict]) -> None:
 
 
 def compile_decode(model: nn.Module, prompt: list[int], n_new: int):
-    """(generate-with-a-compiled-decode_step function or None, what happened in words)."""
+    """(generate-with-a-compiled-decode_step function or None, what happened in words).
+
+    On a copy: compile_decode_step packs the weights (inference/packing.py), and the eager
+    variants keep the model as it was built."""
+    model = copy.deepcopy(model)
     step = compile_decode_step(model)  # one-token Linears as fused GEMVs (inference/gemv.py)
     fn = partial(run_stream, model, prompt, step_fn=step)
     try:  # the cache's shapes depend on n: warm up (compile) with the timed n

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.inference.generate import decode_step
+from attnlab.inference.packing import pack_weights
 
 
 class GemvLinear(nn.Linear):
@@ -61,11 +62,13 @@ REALIZE_OPCOUNT = 8
 
 
 def compile_decode_step(model: nn.Module, **compile_kwargs) -> Callable:
-    """`use_gemv(model)`, then torch.compile(decode_step): a step_fn for stream_tokens.
+    """`use_gemv(model)` and `pack_weights(model)` (inference/packing.py), then
+    torch.compile(decode_step): a step_fn for stream_tokens.
 
     compile_kwargs go to torch.compile; `options` (inductor settings) are merged over
     {"realize_opcount_threshold": REALIZE_OPCOUNT}.
     """
     use_gemv(model)
+    pack_weights(model)
     options = {"realize_opcount_threshold": REALIZE_OPCOUNT, **compile_kwargs.pop("options", {})}
     return torch.compile(decode_step, options=options, **compile_kwargs)

@@ -1,0 +1,61 @@
+"""A model's weights in one contiguous buffer per dtype, so a decode step reads one stream.
+
+A decode step of batch 1 reads every weight once and does little else (inference/gemv.py), so
+its speed is the speed at which the weights stream from memory. Each tensor is normally its own
+allocation, scattered over the heap; here every parameter and buffer moves into one flat
+buffer per (dtype, device), in the order the modules are registered (for our models, the order
+a step reads them), each start aligned to 64 bytes:
+
+    flat = [ embed | block 0: norm, q, k, v, o, norm, up, down | block 1: ... | final norm ]
+    p.data = flat[offset : offset + p.numel()].view(p.shape)
+
+Measured on the 2-core AMD EPYC (one process, interleaved rounds, medians): a compiled
+GPT-2-small decode step 7% faster (ms per token 20.3 -> 18.9 with the 32-token prefill
+included), and a compiled chain of GEMVs over the same 340 MB of block weights 10% faster
+(26.6 -> 29.3 GB/s), with or without transparent huge pages.
+
+The Parameter objects stay the same (tied weights stay tied, hooks and state_dict keys are
+untouched); only their storage moves, and the values are copied exactly. `.to()` would move the
+tensors out again, so pack after the model reaches its device. While packing, the old and the
+new copies coexist: up to twice the model's memory.
+"""
+
+import torch
+from torch import Tensor, nn
+
+ALIGN_BYTES = 64  # one cache line, one AVX-512 vector
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Move every parameter and buffer of `model` into one flat buffer per (dtype, device).
+
+    Returns the number of tensors moved (a tensor shared by several modules counts once).
+    """
+    holders: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # id -> where it is held
+    tensors: dict[int, Tensor] = {}
+    for module in model.modules():
+        for is_param, table in ((True, module._parameters), (False, module._buffers)):
+            for name, t in table.items():
+                if t is not None:
+                    tensors.setdefault(id(t), t)
+                    holders.setdefault(id(t), []).append((module, name, is_param))
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for key, t in tensors.items():
+        groups.setdefault((t.dtype, t.device), []).append(key)
+    for (dtype, device), keys in groups.items():
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        offsets, total = [], 0
+        for key in keys:
+            offsets.append(total)
+            total += -(-tensors[key].numel() // align) * align  # round up to the alignment
+        flat = torch.empty(total, dtype=dtype, device=device)  # (N,)
+        for key, offset in zip(keys, offsets):
+            t = tensors[key]
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t.detach())
+            for module, name, is_param in holders[key]:
+                if is_param:
+                    module._parameters[name].data = view  # same Parameter, new storage
+                else:
+                    module._buffers[name] = view
+    return len(tensors)
