@@ -552,7 +552,8 @@ def main() -> None:
     print(
         f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s = median of {len(bandwidths)} copies of "
         f"{src.numel() * 4 / GiB:.2g} GiB (dst.copy_(src), 2 x bytes / time), one before and "
-        f"one after every timed call; range {bandwidths[0] / 1e9:.1f}-{bandwidths[-1] / 1e9:.1f} GB/s"
+        f"one after every timed call; range {bandwidths[0] / 1e9:.1f}-"
+        f"{bandwidths[-1] / 1e9:.1f} GB/s"
     )
     print(
         "roofline = bandwidth / (MB/tok): bytes one decode step reads (weights, embeddings one "
