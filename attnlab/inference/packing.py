@@ -3,10 +3,11 @@
 A decode step of batch 1 reads every weight once and does little else (inference/gemv.py), so
 its speed is the speed at which the weights stream from memory. Each tensor is normally its own
 allocation, scattered over the heap; here every parameter and buffer moves into one flat
-buffer per (dtype, device), in the order the modules are registered (for our models, the order
-a step reads them), each start aligned to 64 bytes:
+buffer per (dtype, device), in the order the modules are registered (for our models, nearly the
+order a step reads them: the blocks in turn, the projections in turn), each start aligned to
+64 bytes:
 
-    flat = [ embed | block 0: norm, q, k, v, o, norm, up, down | block 1: ... | final norm ]
+    flat = [ embed | block 0: q, k, v, o, up, down, norms | block 1: ... | final norm | head ]
     p.data = flat[offset : offset + p.numel()].view(p.shape)
 
 Measured on the 2-core AMD EPYC (one process, interleaved rounds, medians): a compiled
