@@ -53,8 +53,9 @@ def prefill(
     """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V),
     or (B, 1, V) with last_only (all generation needs: the next token's logits)."""
     slots = torch.arange(ids.shape[1], device=ids.device)
-    return decoder_of(model)(ids, memory=memory, memory_mask=memory_mask, cache=cache,
-                             slots=slots, last_only=last_only)
+    return decoder_of(model)(
+        ids, memory=memory, memory_mask=memory_mask, cache=cache, slots=slots, last_only=last_only
+    )
 
 
 def decode_step(

@@ -70,10 +70,12 @@ class LatentCache(nn.Module):
     def __init__(self, B: int, S_max: int, r: int, R: int, dtype=torch.float32, device=None):
         super().__init__()
         # Non-persistent: a cache is scratch space, never part of a checkpoint.
-        self.register_buffer("c_kv", torch.zeros(B, S_max, r, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("k_pe", torch.zeros(B, S_max, R, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "c_kv", torch.zeros(B, S_max, r, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "k_pe", torch.zeros(B, S_max, R, dtype=dtype, device=device), persistent=False
+        )
 
     def update(self, c_kv: Tensor, k_pe: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Write the new tokens' latents at `slots` and return the whole buffers.
@@ -128,14 +130,20 @@ class ModelCache(nn.Module):
         self.register_buffer("pos", pos, persistent=False)
 
     @classmethod
-    def for_decoder(cls, decoder: nn.Module, key_valid: Tensor, cross: bool = False,
-                    dtype: torch.dtype | None = None) -> "ModelCache":
+    def for_decoder(
+        cls,
+        decoder: nn.Module,
+        key_valid: Tensor,
+        cross: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> "ModelCache":
         """Preallocate caches shaped for `decoder`'s blocks: each attention makes its own."""
         B, S_max = key_valid.shape
         weight = decoder.embed.weight  # float even when the head is quantized
         dtype = weight.dtype if dtype is None else dtype
-        layers = [blk.self_attn.make_cache(B, S_max, dtype, weight.device)
-                  for blk in decoder.blocks]
+        layers = [
+            blk.self_attn.make_cache(B, S_max, dtype, weight.device) for blk in decoder.blocks
+        ]
         crosses = [CrossKV() for _ in decoder.blocks] if cross else None
         return cls(layers, crosses, key_valid)
 

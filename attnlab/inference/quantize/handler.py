@@ -79,9 +79,7 @@ def make_scheme(scheme: str, group_size: int | None = DEFAULT_GROUP_SIZE) -> Qua
     return QuantScheme("int4", group_size)
 
 
-def linear_names(
-    model: nn.Module, heads: bool = True, group_size: int | None = None
-) -> list[str]:
+def linear_names(model: nn.Module, heads: bool = True, group_size: int | None = None) -> list[str]:
     """Names of the nn.Linear modules to quantize: all of them, or (heads=False) all but the
     LM heads and the Linears tied to another module's weight (BERT's MLM decoder). With an int4
     `group_size`, only those whose in_features it divides: the others stay in float."""
