@@ -257,8 +257,9 @@ def resident_bytes(model: nn.Module) -> int:
     return total
 
 
-def bytes_per_token(model: nn.Module, cfg: ModelConfig, S_max: int) -> int:
-    """Bytes one decode step reads: weights (embeddings one row; a tied head in full) + cache."""
+def bytes_per_token(model: nn.Module, cfg: ModelConfig, S_max: int, kv_bytes: int = 4) -> int:
+    """Bytes one decode step reads: weights (embeddings one row; a tied head in full) + cache
+    (kv_bytes per cached number: 4 for the fp32 caches here)."""
     total = 0
     for m in model.modules():
         if isinstance(m, nn.Embedding):
@@ -266,7 +267,7 @@ def bytes_per_token(model: nn.Module, cfg: ModelConfig, S_max: int) -> int:
         else:
             total += _nbytes(_own_tensors(m))
     a = cfg.attention
-    kv = 2 * cfg.n_layers * (a.n_kv_heads or a.n_heads) * S_max * cfg.head_dim * 4  # fp32 K, V
+    kv = 2 * cfg.n_layers * (a.n_kv_heads or a.n_heads) * S_max * cfg.head_dim * kv_bytes  # K, V
     return total + kv
 
 

@@ -1,0 +1,222 @@
+"""The two GPU checks of the training and inference issues, as one short script for a CUDA machine:
+
+    python benchmarks/gpu_check.py                      # both checks, ~5 min on one H100/H200
+    python benchmarks/gpu_check.py --device cpu --smoke # tiny shapes on CPU: the code paths only
+
+1. Training MFU: the GPT-2-small shape (124M) at batch B x 1024 (default 16, enough to fill the
+   GPU's SMs), bf16 autocast, torch.compile, attnlab's step as benchmarks/train.py times it
+   (FlatAdamW, clip, fused AdamW). MFU = model FLOP/s (6 N + 12 L C T per token, PaLM appendix
+   B) / the bf16 torch.mm peak of an (8192, 8192) product measured in the same run. Target 50%.
+2. Decode: a ~1.1B Llama (TinyLlama's shape: d_model 2048, 22 layers, 32 heads, 4 kv heads,
+   d_ff 5632, vocab 32000) in bf16, batch 1, 32-token prompt, 256 new tokens, greedy: our static
+   cache with `compile_decode_step` and CUDA graphs (inductor's `triton.cudagraphs`, what
+   mode="reduce-overhead" turns on; plain torch.compile if that fails), against transformers'
+   `generate` on the same weights and the memory roofline: bandwidth of a 1 GiB device copy
+   (2 x bytes / time), one before and one after every timed call, over the bytes one decode
+   step reads. Targets: >= 2x transformers, >= 70% of the roofline.
+
+Every timed call ends with torch.cuda.synchronize(); medians over interleaved rounds.
+Prints each figure with its target; exits 1 if one is missed, 2 if a check fails to run.
+Inductor skips CUDA graphs silently when it cannot use them (e.g. an input it would have to
+copy is mutated): TORCH_LOGS=perf_hints prints why. Written and smoke-tested on CPU (--smoke);
+not yet run on a GPU.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from functools import partial
+
+import torch
+from decode import GREEDY, bytes_per_token, llama_110m, quick, to_hf
+from torch import nn
+from train import BETAS, GRAD_CLIP, LR, WEIGHT_DECAY, flops_per_token, matmul_params, model_config
+
+from attnlab.inference.gemv import compile_decode_step
+from attnlab.inference.generate import stream_tokens
+from attnlab.models.build import build_model
+from attnlab.training.loop import trained_tensors
+from attnlab.training.objectives import clm_loss
+from attnlab.training.optim import build_optimizer
+
+TARGET_MFU, TARGET_VS_HF, TARGET_ROOFLINE = 0.50, 2.0, 0.70
+GiB = 2**30
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> tuple[object, float]:
+    """(fn(), seconds), the device's queued work included."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def bf16_peak(device: torch.device, n: int, rounds: int = 10) -> float:
+    """FLOP/s of torch.mm on (n, n) bf16 matrices: the median of `rounds` products."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    torch.mm(a, b)
+    times = [timed(partial(torch.mm, a, b), device)[1] for _ in range(rounds)]
+    return 2 * n**3 / statistics.median(times)
+
+
+def check_training(device: torch.device, batch: int, context: int, smoke: bool) -> float:
+    """Return the MFU of attnlab's compiled bf16 training step on the GPT-2-small shape."""
+    cfg = replace(model_config("gpt2-small"), max_seq_len=context)
+    if smoke:
+        cfg = replace(quick(cfg), attention=replace(cfg.attention, n_heads=4))
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device).train()
+    opt = build_optimizer(model, LR, WEIGHT_DECAY, BETAS, flat=True)  # after .to(): see FlatAdamW
+    forward = torch.compile(model)
+    x, y = (torch.randint(0, cfg.vocab_size, (batch, context), device=device) for _ in range(2))
+
+    def step() -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = clm_loss(forward(x), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(trained_tensors(opt), GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    (first, compile_s) = timed(step, device)
+    for _ in range(2):
+        step()
+    times, peaks = [], []
+    for _ in range(3 if smoke else 10):  # interleaved: a step, then the peak GEMM
+        times.append(timed(step, device)[1])
+        peaks.append(bf16_peak(device, 1024 if smoke else 8192, rounds=3))
+    per_token = flops_per_token(matmul_params(model), cfg.n_layers, cfg.d_model, context)
+    achieved = per_token * batch * context / statistics.median(times)
+    peak = statistics.median(peaks)
+    print(
+        f"training: {cfg.n_layers} layers, d_model {cfg.d_model}, batch {batch} x {context}, "
+        f"bf16 autocast, torch.compile; first step {compile_s:.0f} s (loss {first:.3f}); "
+        f"step {statistics.median(times) * 1e3:.1f} ms, {achieved / 1e12:.1f} TFLOP/s, "
+        f"bf16 mm peak {peak / 1e12:.1f} TFLOP/s"
+    )
+    return achieved / peak
+
+
+def llama_1b():
+    return replace(
+        llama_110m(),
+        d_model=2048,
+        n_layers=22,
+        d_ff=5632,
+        max_seq_len=2048,
+        attention=replace(llama_110m().attention, n_heads=32, n_kv_heads=4),
+    )
+
+
+def generate_ours(model, prompt, n_new, step_fn) -> list[int]:
+    with torch.no_grad():
+        return [int(t) for t in stream_tokens(model, [prompt], n_new, GREEDY, step_fn=step_fn)]
+
+
+def generate_hf(hf, prompt, n_new, device) -> list[int]:
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n_new,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def check_decode(device: torch.device, n_new: int, smoke: bool) -> tuple[float, float]:
+    """Return (ours / transformers tokens/s, ours as a fraction of the roofline)."""
+    cfg = quick(llama_1b()) if smoke else llama_1b()
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device, torch.bfloat16).eval()
+    hf = to_hf(model, cfg).to(device, torch.bfloat16)
+    prompt = torch.randint(cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.tolist()
+    try:
+        step = compile_decode_step(model, options={"triton.cudagraphs": True})  # reduce-overhead
+        how = "CUDA graphs"
+        _, compile_s = timed(partial(generate_ours, model, prompt, n_new, step), device)
+    except Exception as e:  # CUDA graphs refused: say so, and use plain torch.compile
+        print(f"decode: with CUDA graphs: {type(e).__name__}: {e}; plain torch.compile instead")
+        torch._dynamo.reset()
+        step, how = compile_decode_step(model), "default"
+        _, compile_s = timed(partial(generate_ours, model, prompt, n_new, step), device)
+    generate_hf(hf, prompt, 8, device)  # warm-up
+    n = (GiB // 16 if smoke else GiB) // 4
+    src, dst = torch.ones(n, device=device), torch.zeros(n, device=device)
+    dst.copy_(src)
+
+    def bandwidth() -> float:  # the median of 5 copies (one takes < 1 ms on a GPU)
+        return (
+            2
+            * n
+            * 4
+            / statistics.median(timed(partial(dst.copy_, src), device)[1] for _ in range(5))
+        )
+
+    per_token = bytes_per_token(model, cfg, 32 + n_new, kv_bytes=2)
+    ours, theirs, fractions, tokens = [], [], [], {}
+    for _ in range(3):
+        before = bandwidth()
+        tokens["ours"], seconds = timed(partial(generate_ours, model, prompt, n_new, step), device)
+        fractions.append(n_new / seconds / ((before + bandwidth()) / 2 / per_token))
+        ours.append(n_new / seconds)
+        tokens["hf"], seconds = timed(partial(generate_hf, hf, prompt, n_new, device), device)
+        theirs.append(n_new / seconds)
+    same = next((i for i, (a, b) in enumerate(zip(tokens["ours"], tokens["hf"])) if a != b), n_new)
+    ours_s, hf_s = statistics.median(ours), statistics.median(theirs)
+    print(
+        f"decode: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, bf16, "
+        f"{per_token / 1e9:.2f} GB read per token; compile ({how}) + {n_new} tokens "
+        f"{compile_s:.0f} s; ours {ours_s:.1f} tok/s, transformers {hf_s:.1f} tok/s; "
+        f"leading tokens equal: {same}/{n_new}"
+    )
+    return ours_s / hf_s, statistics.median(fractions)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: the code paths only")
+    parser.add_argument("--batch", type=int, default=16, help="training sequences per step")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--only", choices=["training", "decode"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"attnlab GPU checks: torch {torch.__version__}, {name}")
+    results = []
+    try:
+        if args.only in (None, "training"):
+            mfu = check_training(
+                device, 2 if args.smoke else args.batch, 64 if args.smoke else 1024, args.smoke
+            )
+            results.append(("training MFU vs the bf16 mm peak", mfu, TARGET_MFU))
+        if args.only in (None, "decode"):
+            vs_hf, roof = check_decode(device, 16 if args.smoke else args.new_tokens, args.smoke)
+            results.append(("decode tokens/s, ours / transformers", vs_hf, TARGET_VS_HF))
+            results.append(("decode, fraction of the roofline", roof, TARGET_ROOFLINE))
+    except Exception as e:
+        print(f"check failed: {type(e).__name__}: {e}")
+        return 2
+    for label, value, target in results:
+        print(
+            f"   {label:<42}{value:>8.2f}  >= {target:g}  {'PASS' if value >= target else 'MISS'}"
+        )
+    return int(any(value < target for _, value, target in results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
