@@ -127,7 +127,7 @@ def run_stream(model: nn.Module, prompt: list[int], n_new: int, step_fn=None) ->
 
 
 def run_hf(hf_model: nn.Module, prompt: list[int], n_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf_model.device)
     with torch.no_grad():
         out = hf_model.generate(
             ids,

@@ -30,12 +30,11 @@ from dataclasses import replace
 from functools import partial
 
 import torch
-from decode import GREEDY, bytes_per_token, llama_110m, quick, to_hf
+from decode import bytes_per_token, llama_110m, quick, run_hf, run_stream, to_hf
 from torch import nn
 from train import BETAS, GRAD_CLIP, LR, WEIGHT_DECAY, flops_per_token, matmul_params, model_config
 
 from attnlab.inference.gemv import compile_decode_step
-from attnlab.inference.generate import stream_tokens
 from attnlab.models.build import build_model
 from attnlab.training.loop import trained_tensors
 from attnlab.training.objectives import clm_loss
@@ -117,25 +116,6 @@ def llama_1b():
     )
 
 
-def generate_ours(model, prompt, n_new, step_fn) -> list[int]:
-    with torch.no_grad():
-        return [int(t) for t in stream_tokens(model, [prompt], n_new, GREEDY, step_fn=step_fn)]
-
-
-def generate_hf(hf, prompt, n_new, device) -> list[int]:
-    ids = torch.tensor([prompt], device=device)
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n_new,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def check_decode(device: torch.device, n_new: int, smoke: bool) -> tuple[float, float]:
     """Return (ours / transformers tokens/s, ours as a fraction of the roofline)."""
     cfg = quick(llama_1b()) if smoke else llama_1b()
@@ -147,13 +127,13 @@ def check_decode(device: torch.device, n_new: int, smoke: bool) -> tuple[float, 
     try:
         step = compile_decode_step(model, options={"triton.cudagraphs": True})  # reduce-overhead
         how = "CUDA graphs"
-        _, compile_s = timed(partial(generate_ours, model, prompt, n_new, step), device)
+        _, compile_s = timed(partial(run_stream, model, prompt, n_new, step), device)
     except Exception as e:  # CUDA graphs refused: say so, and use plain torch.compile
         print(f"decode: with CUDA graphs: {type(e).__name__}: {e}; plain torch.compile instead")
         torch._dynamo.reset()
         step, how = compile_decode_step(model), "default"
-        _, compile_s = timed(partial(generate_ours, model, prompt, n_new, step), device)
-    generate_hf(hf, prompt, 8, device)  # warm-up
+        _, compile_s = timed(partial(run_stream, model, prompt, n_new, step), device)
+    run_hf(hf, prompt, 8)  # warm-up
     n = (GiB // 16 if smoke else GiB) // 4
     src, dst = torch.ones(n, device=device), torch.zeros(n, device=device)
     dst.copy_(src)
@@ -170,10 +150,10 @@ def check_decode(device: torch.device, n_new: int, smoke: bool) -> tuple[float, 
     ours, theirs, fractions, tokens = [], [], [], {}
     for _ in range(3):
         before = bandwidth()
-        tokens["ours"], seconds = timed(partial(generate_ours, model, prompt, n_new, step), device)
+        tokens["ours"], seconds = timed(partial(run_stream, model, prompt, n_new, step), device)
         fractions.append(n_new / seconds / ((before + bandwidth()) / 2 / per_token))
         ours.append(n_new / seconds)
-        tokens["hf"], seconds = timed(partial(generate_hf, hf, prompt, n_new, device), device)
+        tokens["hf"], seconds = timed(partial(run_hf, hf, prompt, n_new), device)
         theirs.append(n_new / seconds)
     same = next((i for i, (a, b) in enumerate(zip(tokens["ours"], tokens["hf"])) if a != b), n_new)
     ours_s, hf_s = statistics.median(ours), statistics.median(theirs)
