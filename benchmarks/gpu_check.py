@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import replace
 from functools import partial
 
@@ -177,25 +178,28 @@ def main() -> int:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"attnlab GPU checks: torch {torch.__version__}, {name}")
-    results = []
-    try:
-        if args.only in (None, "training"):
-            mfu = check_training(
-                device, 2 if args.smoke else args.batch, 64 if args.smoke else 1024, args.smoke
-            )
+    results, failed = [], False
+    if args.only in (None, "training"):
+        try:
+            batch, context = (2, 64) if args.smoke else (args.batch, 1024)
+            mfu = check_training(device, batch, context, args.smoke)
             results.append(("training MFU vs the bf16 mm peak", mfu, TARGET_MFU))
-        if args.only in (None, "decode"):
+        except Exception:  # report it, and still run the other check
+            traceback.print_exc()
+            failed = True
+    if args.only in (None, "decode"):
+        try:
             vs_hf, roof = check_decode(device, 16 if args.smoke else args.new_tokens, args.smoke)
             results.append(("decode tokens/s, ours / transformers", vs_hf, TARGET_VS_HF))
             results.append(("decode, fraction of the roofline", roof, TARGET_ROOFLINE))
-    except Exception as e:
-        print(f"check failed: {type(e).__name__}: {e}")
-        return 2
+        except Exception:
+            traceback.print_exc()
+            failed = True
     for label, value, target in results:
         print(
             f"   {label:<42}{value:>8.2f}  >= {target:g}  {'PASS' if value >= target else 'MISS'}"
         )
-    return int(any(value < target for _, value, target in results))
+    return 2 if failed else int(any(value < target for _, value, target in results))
 
 
 if __name__ == "__main__":
