@@ -354,7 +354,7 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
         if "compiled" not in k:  # (compiled ones were warmed up with n_new while compiling)
             fn(8)  # warm-up (threads, the int4 kernel layout); eager shapes don't matter
 
-    tokens, times, call_bw = {}, {k: [] for k in variants}, {k: [] for k in variants}
+    tokens, times, call_bw = {}, {}, {}  # name -> tokens; seconds per call; W per call
 
     def bracketed(k: str, fn) -> float:
         """Time one call between two copies; keep both copies' W, and their mean for k."""

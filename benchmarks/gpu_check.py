@@ -107,13 +107,11 @@ def check_training(device: torch.device, batch: int, context: int, smoke: bool) 
 
 
 def llama_1b():
+    """TinyLlama-1.1B's shape: the 110M Llama of decode.py, widened and deepened."""
+    small = llama_110m()
+    attention = replace(small.attention, n_heads=32, n_kv_heads=4)
     return replace(
-        llama_110m(),
-        d_model=2048,
-        n_layers=22,
-        d_ff=5632,
-        max_seq_len=2048,
-        attention=replace(llama_110m().attention, n_heads=32, n_kv_heads=4),
+        small, d_model=2048, n_layers=22, d_ff=5632, max_seq_len=2048, attention=attention
     )
 
 

@@ -32,31 +32,26 @@ def pack_weights(model: nn.Module) -> int:
 
     Returns the number of tensors moved (a tensor shared by several modules counts once).
     """
-    holders: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # id -> where it is held
-    tensors: dict[int, Tensor] = {}
+    held: dict[int, tuple[Tensor, list[tuple[nn.Module, str]]]] = {}  # id -> (tensor, holders)
     for module in model.modules():
-        for is_param, table in ((True, module._parameters), (False, module._buffers)):
-            for name, t in table.items():
-                if t is not None:
-                    tensors.setdefault(id(t), t)
-                    holders.setdefault(id(t), []).append((module, name, is_param))
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for key, t in tensors.items():
-        groups.setdefault((t.dtype, t.device), []).append(key)
-    for (dtype, device), keys in groups.items():
-        align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-        offsets, total = [], 0
-        for key in keys:
-            offsets.append(total)
-            total += -(-tensors[key].numel() // align) * align  # round up to the alignment
-        flat = torch.empty(total, dtype=dtype, device=device)  # (N,)
-        for key, offset in zip(keys, offsets):
-            t = tensors[key]
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                held.setdefault(id(t), (t, []))[1].append((module, name))
+    groups: dict[tuple[torch.dtype, torch.device], list] = {}
+    for t, holders in held.values():
+        groups.setdefault((t.dtype, t.device), []).append((t, holders))
+    for (dtype, device), members in groups.items():
+        align = max(1, ALIGN_BYTES // dtype.itemsize)
+        sizes = [-(-t.numel() // align) * align for t, _ in members]  # rounded up to `align`
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)  # (N,)
+        offset = 0
+        for (t, holders), size in zip(members, sizes):
             view = flat[offset : offset + t.numel()].view(t.shape)
             view.copy_(t.detach())
-            for module, name, is_param in holders[key]:
-                if is_param:
+            offset += size
+            for module, name in holders:
+                if name in module._parameters:
                     module._parameters[name].data = view  # same Parameter, new storage
                 else:
                     module._buffers[name] = view
-    return len(tensors)
+    return len(held)
