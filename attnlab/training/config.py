@@ -55,6 +55,8 @@ class TrainConfig:
     distributed: "ddp" or "fsdp" when launched by torchrun (one process per GPU or CPU worker;
         see training/distributed.py); "none" for a single process.
     sample_tokens: length of the text sample drawn at each evaluation; 0 draws none.
+    keep_freed_memory: on CPU, have malloc keep freed memory in the process instead of handing
+        it back, so large tensors are not page-faulted in again every step (host_memory.py).
     """
 
     steps: int = 2000
@@ -83,6 +85,7 @@ class TrainConfig:
     distributed: Literal["none", "ddp", "fsdp"] = "none"
     out_dir: str = "runs/default"
     progress: bool = True
+    keep_freed_memory: bool = True
 
     def __post_init__(self):
         check_literals(self)

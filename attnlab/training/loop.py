@@ -29,6 +29,7 @@ from attnlab.training.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.training.checks import check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_, resolve_device
+from attnlab.training.host_memory import keep_freed_memory
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 from attnlab.viz.loss import load_metrics, plot_loss
@@ -70,6 +71,8 @@ def train(
     check_run(run, task)
     ranks = distributed.start(cfg.distributed, cfg.device)  # one process: rank 0 of 1
     device, out = ranks.device, Path(cfg.out_dir)
+    if device.type == "cpu" and cfg.keep_freed_memory:
+        keep_freed_memory()  # for the whole process, from here on
     torch.manual_seed(cfg.seed + ranks.rank)  # dropout masks differ across ranks
     model = ranks.wrap(model.to(device).train())  # DDP, FSDP2 or the model itself
     betas, one_process = (cfg.beta1, cfg.beta2), ranks.kind == "none"
