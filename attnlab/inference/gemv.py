@@ -19,13 +19,11 @@ summation order differs (~1e-6 relative).
 Shapes: (..., K) in, (..., N) out; W (N, K).
 """
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.inference.generate import decode_step
+from attnlab.inference.compiled_step import BoundDecodeStep
 from attnlab.inference.packing import pack_weights
 
 
@@ -61,9 +59,10 @@ def use_gemv(model: nn.Module) -> int:
 REALIZE_OPCOUNT = 8
 
 
-def compile_decode_step(model: nn.Module, **compile_kwargs) -> Callable:
-    """`use_gemv(model)` and `pack_weights(model)` (inference/packing.py), then
-    torch.compile(decode_step): a step_fn for stream_tokens.
+def compile_decode_step(model: nn.Module, **compile_kwargs) -> BoundDecodeStep:
+    """`use_gemv(model)` and `pack_weights(model)` (inference/packing.py), then decode_step
+    compiled for this model: a step_fn for stream_tokens (see inference/compiled_step.py, which
+    also says what must not change in the model afterwards).
 
     compile_kwargs go to torch.compile; `options` (inductor settings) are merged over
     {"realize_opcount_threshold": REALIZE_OPCOUNT}.
@@ -71,4 +70,4 @@ def compile_decode_step(model: nn.Module, **compile_kwargs) -> Callable:
     use_gemv(model)
     pack_weights(model)
     options = {"realize_opcount_threshold": REALIZE_OPCOUNT, **compile_kwargs.pop("options", {})}
-    return torch.compile(decode_step, options=options, **compile_kwargs)
+    return BoundDecodeStep(model, options, **compile_kwargs)

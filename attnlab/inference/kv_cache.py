@@ -147,6 +147,13 @@ class ModelCache(nn.Module):
         crosses = [CrossKV() for _ in decoder.blocks] if cross else None
         return cls(layers, crosses, key_valid)
 
+    def layout(self) -> tuple:
+        """What a compiled decode step specializes on: each buffer's shape, dtype and device,
+        and each cross-attention K/V's shape (None until computed)."""
+        buffers = tuple((b.shape, b.dtype, b.device) for b in self.buffers())
+        cross = tuple(None if c.k is None else c.k.shape for c in self.cross or ())
+        return buffers, cross
+
     def reorder(self, index: Tensor) -> None:
         """Keep rows `index` (beam search): every buffer is gathered along the batch dimension."""
         for layer in self.layers:
