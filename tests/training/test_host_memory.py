@@ -10,12 +10,13 @@ import pytest
 
 # Allocates and frees a 256 MB tensor, then prints how much of it is still resident (MB).
 PROBE = """
+import os
 import torch
 from attnlab.training.host_memory import keep_freed_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 1e6
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 took = keep_freed_memory() if {keep} else False
 before = rss_mb()
