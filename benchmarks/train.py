@@ -460,30 +460,29 @@ def print_targets(results: list[dict]) -> None:
     for label, (r, ours, plain) in pairs.items():
         v = r["step_ms"][ours] / r["step_ms"][plain] if r else None
         line(label, v, f"<= {TARGET_RATIO:.3f}", v is not None and v <= TARGET_RATIO, "{:.3f}")
-    v = achieved_gflops(g, "ours") / g["peak_gflops"]["mm fp32"] if g else None
-    line(
-        "gpt2-small ours MFU vs the torch.mm fp32 peak",
-        v,
-        f">= {TARGET_MFU_DEFAULT:.0%}",
-        v is not None and v >= TARGET_MFU_DEFAULT,
-        "{:.1%}",
-    )
-    v = achieved_gflops(g, "ours+fast") / own_peak(g) if g else None
-    line(
-        "gpt2-small ours+fast MFU vs the fastest fp32 peak",
-        v,
-        f">= {TARGET_MFU_FAST:.0%}",
-        v is not None and v >= TARGET_MFU_FAST,
-        "{:.1%}",
-    )
-    v = achieved_gflops(g16, "ours") / own_peak(g16) if g16 else None
-    line(
-        "gpt2-small ours bf16 MFU vs the torch.mm bf16 peak",
-        v,
-        f">= {TARGET_MFU_BF16:.0%}",
-        v is not None and v >= TARGET_MFU_BF16,
-        "{:.1%}",
-    )
+    mfus = {  # label -> (result, impl, peak of that result, target)
+        "gpt2-small ours MFU vs the torch.mm fp32 peak": (
+            g,
+            "ours",
+            lambda r: r["peak_gflops"]["mm fp32"],
+            TARGET_MFU_DEFAULT,
+        ),
+        "gpt2-small ours+fast MFU vs the fastest fp32 peak": (
+            g,
+            "ours+fast",
+            own_peak,
+            TARGET_MFU_FAST,
+        ),
+        "gpt2-small ours bf16 MFU vs the torch.mm bf16 peak": (
+            g16,
+            "ours",
+            own_peak,
+            TARGET_MFU_BF16,
+        ),
+    }
+    for label, (r, impl, peak, target) in mfus.items():
+        v = achieved_gflops(r, impl) / peak(r) if r else None
+        line(label, v, f">= {target:.0%}", v is not None and v >= target, "{:.1%}")
 
 
 def main() -> None:
