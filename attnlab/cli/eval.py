@@ -10,9 +10,15 @@ from attnlab.training.tasks import build_task
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (e.g. runs/x/checkpoints/best)")
-    p.add_argument("--batches", type=int, default=None,
-                   help="validation batches (default: the run's train.eval_batches)")
+    p.add_argument(
+        "--ckpt", required=True, help="checkpoint directory (e.g. runs/x/checkpoints/best)"
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="validation batches (default: the run's train.eval_batches)",
+    )
     p.add_argument("--device", default="auto")
 
 

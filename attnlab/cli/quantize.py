@@ -33,9 +33,7 @@ def run(args: argparse.Namespace) -> int:
     kept = "embeddings stay float" if args.heads else "embeddings and the LM head stay float"
     print(f"quantized {report.n_quantized} Linear layers to {report.scheme} ({kept})")
     if report.kept_float:
-        print(
-            f"kept in float, in_features not divisible by the group size: {report.kept_float}"
-        )
+        print(f"kept in float, in_features not divisible by the group size: {report.kept_float}")
     print(
         f"logit error vs fp32 on random inputs: max {e.max_abs:.4g}, mean {e.mean_abs:.4g} "
         f"(float logits' std {e.logit_std:.4g}); top-1 agreement {e.top1_agreement:.1%}"

@@ -113,8 +113,12 @@ def sdpa_attention(
         mask = _with_causal(mask, T, S, q.device)
     attn_mask = mask
     if bias is not None:
-        attn_mask = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale)
+        attn_mask = (
+            bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        )
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale
+    )
     if mask is not None:
         # SDPA leaves NaN in rows that may attend to nothing; the eager path's convention is zeros.
         out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # (B, H, T, D)

@@ -49,9 +49,15 @@ class DecoderBlock(nn.Module):
         placement: "pre" or "post".  dropout: residual dropout.
     """
 
-    def __init__(self, self_attn: Attention, ffn: nn.Module, norms: list[nn.Module],
-                 cross_attn: Attention | None = None, placement: Placement = "pre",
-                 dropout: float = 0.0):
+    def __init__(
+        self,
+        self_attn: Attention,
+        ffn: nn.Module,
+        norms: list[nn.Module],
+        cross_attn: Attention | None = None,
+        placement: Placement = "pre",
+        dropout: float = 0.0,
+    ):
         super().__init__()
         expected = 2 if cross_attn is None else 3
         if len(norms) != expected:
@@ -79,18 +85,35 @@ class DecoderBlock(nn.Module):
         pos, k_pos, cache, slots: see `Attention.forward`; cross_cache: the cross-attention's.
         """
         res = iter(self.residuals)
-        x = next(res)(x, lambda h: self.self_attn(
-            h, mask, is_causal=is_causal, positions=positions, q_pos=pos, k_pos=k_pos,
-            cache=cache, slots=slots))
+        x = next(res)(
+            x,
+            lambda h: self.self_attn(
+                h,
+                mask,
+                is_causal=is_causal,
+                positions=positions,
+                q_pos=pos,
+                k_pos=k_pos,
+                cache=cache,
+                slots=slots,
+            ),
+        )
         if self.cross_attn is not None:
-            x = next(res)(x, lambda h: self.cross_attn(
-                h, memory_mask, memory=memory, cache=cross_cache))
+            x = next(res)(
+                x, lambda h: self.cross_attn(h, memory_mask, memory=memory, cache=cross_cache)
+            )
         return next(res)(x, self.ffn)  # (B, T, C)
 
 
 class EncoderBlock(DecoderBlock):
     """Self-attention then feed-forward (no cross-attention): BERT, the 2017 encoder, ViT."""
 
-    def __init__(self, self_attn: Attention, ffn: nn.Module, norms: list[nn.Module],
-                 placement: Placement = "pre", dropout: float = 0.0):
+    def __init__(
+        self,
+        self_attn: Attention,
+        ffn: nn.Module,
+        norms: list[nn.Module],
+        placement: Placement = "pre",
+        dropout: float = 0.0,
+    ):
         super().__init__(self_attn, ffn, norms, None, placement, dropout)

@@ -63,8 +63,14 @@ class MLP(nn.Module):
         bias: biases on both projections.  dropout: on the hidden activations.
     """
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True,
-                 dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.act = _activation(activation)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
@@ -84,8 +90,14 @@ class GatedMLP(nn.Module):
         dropout: on the gated hidden activations.
     """
 
-    def __init__(self, d_model: int, d_ff: int | None = None, activation: str = "silu",
-                 bias: bool = False, dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int | None = None,
+        activation: str = "silu",
+        bias: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         d_ff = gated_d_ff(d_model) if d_ff is None else d_ff
         self.act = _activation(activation)

@@ -55,9 +55,7 @@ def padding_mask(attention_mask: Tensor, T: int | None = None) -> Tensor:
         (B, 1, 1, S) bool (or (B, 1, T, S) when T is given).
     """
     if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must be (B, S), got shape {tuple(attention_mask.shape)}"
-        )
+        raise ValueError(f"attention_mask must be (B, S), got shape {tuple(attention_mask.shape)}")
     m = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
     return m if T is None else m.expand(-1, -1, T, -1)
 

@@ -39,12 +39,18 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         "none": lambda: NoPosition(),
         "sinusoidal": lambda: SinusoidalPosition(cfg.d_model, cfg.max_seq_len),
         "learned": lambda: LearnedPosition(cfg.max_seq_len, cfg.d_model),
-        "rope": lambda: _rope_class(cfg)(cfg.rope_head_dim, cfg.max_seq_len, cfg.rope.theta,
-                                         cfg.rope.layout, cfg.rope.partial_rotary,
-                                         cfg.rope.scaling),
+        "rope": lambda: _rope_class(cfg)(
+            cfg.rope_head_dim,
+            cfg.max_seq_len,
+            cfg.rope.theta,
+            cfg.rope.layout,
+            cfg.rope.partial_rotary,
+            cfg.rope.scaling,
+        ),
         "alibi": lambda: ALiBi(a.n_heads),
-        "t5_bias": lambda: T5Bias(a.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance,
-                                  bidirectional=not causal),
+        "t5_bias": lambda: T5Bias(
+            a.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance, bidirectional=not causal
+        ),
     }
     # Position tables are computed, not learned: build them on the CPU even inside a meta-device
     # build, so a model whose weights are assigned later has nothing left to recompute.
@@ -63,14 +69,32 @@ def build_attention(cfg: ModelConfig, cross: bool = False) -> nn.Module:
     a = cfg.attention
     if a.kind == "mla":
         return MultiHeadLatentAttention(
-            cfg.d_model, a.n_heads, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim,
-            a.v_head_dim, a.q_lora_rank, out_bias=a.out_bias, dropout=cfg.dropout,
-            scale=a.softmax_scale, backend=a.backend, norm_eps=cfg.norm_eps,
+            cfg.d_model,
+            a.n_heads,
+            a.kv_lora_rank,
+            a.qk_rope_head_dim,
+            a.qk_nope_head_dim,
+            a.v_head_dim,
+            a.q_lora_rank,
+            out_bias=a.out_bias,
+            dropout=cfg.dropout,
+            scale=a.softmax_scale,
+            backend=a.backend,
+            norm_eps=cfg.norm_eps,
         )
     return Attention(
-        cfg.d_model, a.n_heads, a.n_kv_heads, a.head_dim, qkv_bias=a.qkv_bias,
-        out_bias=a.out_bias, qk_norm=a.qk_norm, dropout=cfg.dropout, scale=a.softmax_scale,
-        backend=a.backend, cross=cross, norm_eps=cfg.norm_eps,
+        cfg.d_model,
+        a.n_heads,
+        a.n_kv_heads,
+        a.head_dim,
+        qkv_bias=a.qkv_bias,
+        out_bias=a.out_bias,
+        qk_norm=a.qk_norm,
+        dropout=cfg.dropout,
+        scale=a.softmax_scale,
+        backend=a.backend,
+        cross=cross,
+        norm_eps=cfg.norm_eps,
     )
 
 
@@ -89,11 +113,13 @@ def build_block(cfg: ModelConfig, causal: bool, cross: bool = False) -> nn.Modul
     """An EncoderBlock (causal=False) or a DecoderBlock, with cross-attention if `cross`."""
     norms = [build_norm_for(cfg) for _ in range(3 if cross else 2)]
     if not causal:
-        return EncoderBlock(build_attention(cfg), build_ffn(cfg), norms, cfg.norm_placement,
-                            cfg.dropout)
+        return EncoderBlock(
+            build_attention(cfg), build_ffn(cfg), norms, cfg.norm_placement, cfg.dropout
+        )
     cross_attn = build_attention(cfg, cross=True) if cross else None
-    return DecoderBlock(build_attention(cfg), build_ffn(cfg), norms, cross_attn,
-                        cfg.norm_placement, cfg.dropout)
+    return DecoderBlock(
+        build_attention(cfg), build_ffn(cfg), norms, cross_attn, cfg.norm_placement, cfg.dropout
+    )
 
 
 def _final_norm(cfg: ModelConfig) -> nn.Module:
@@ -104,8 +130,15 @@ def build_encoder(cfg: ModelConfig, embed: TokenEmbedding) -> Encoder:
     blocks = [build_block(cfg, causal=False) for _ in range(cfg.n_layers)]
     types = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
     embed_norm = build_norm_for(cfg) if cfg.embed_norm else None
-    return Encoder(embed, build_positions(cfg, causal=False), blocks, _final_norm(cfg), types,
-                   embed_norm, cfg.dropout)
+    return Encoder(
+        embed,
+        build_positions(cfg, causal=False),
+        blocks,
+        _final_norm(cfg),
+        types,
+        embed_norm,
+        cfg.dropout,
+    )
 
 
 def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross: bool) -> DecoderLM:
@@ -114,15 +147,24 @@ def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross:
     if cfg.tie_embeddings:
         tie_weights(head, embed)
     head_scale = cfg.d_model**-0.5 if cfg.head_rescale else 1.0
-    return DecoderLM(embed, build_positions(cfg, causal=True), blocks, _final_norm(cfg), head,
-                     cfg.dropout, cfg.attention.sliding_window, head_scale)
+    return DecoderLM(
+        embed,
+        build_positions(cfg, causal=True),
+        blocks,
+        _final_norm(cfg),
+        head,
+        cfg.dropout,
+        cfg.attention.sliding_window,
+        head_scale,
+    )
 
 
 def build_vision_encoder(cfg: ModelConfig) -> VisionEncoder:
     """A ViT with the text model's width, attention, norm and FFN settings (cfg.vision set)."""
     v = cfg.vision
-    patches = PatchEmbedding(v.image_size, v.patch_size, v.in_channels, cfg.d_model, v.patchify,
-                             v.position, v.cls_token)
+    patches = PatchEmbedding(
+        v.image_size, v.patch_size, v.in_channels, cfg.d_model, v.patchify, v.position, v.cls_token
+    )
     blocks = [build_block(cfg, causal=False) for _ in range(v.n_layers)]
     norm = _final_norm(cfg) if v.n_layers else nn.Identity()
     return VisionEncoder(patches, blocks, norm, cfg.dropout)
@@ -131,11 +173,13 @@ def build_vision_encoder(cfg: ModelConfig) -> VisionEncoder:
 def build_vlm(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
     """A vision-language model: the ViT joined to the decoder as cfg.vision.connect says."""
     if cfg.vision.connect == "cross_attention":
-        return VisionEncoderDecoder(build_vision_encoder(cfg),
-                                    build_decoder(cfg, embed, cfg.n_layers, cross=True))
+        return VisionEncoderDecoder(
+            build_vision_encoder(cfg), build_decoder(cfg, embed, cfg.n_layers, cross=True)
+        )
     projector = nn.Linear(cfg.d_model, cfg.d_model)
-    return PrefixVisionLM(build_vision_encoder(cfg), projector,
-                          build_decoder(cfg, embed, cfg.n_layers, cross=False))
+    return PrefixVisionLM(
+        build_vision_encoder(cfg), projector, build_decoder(cfg, embed, cfg.n_layers, cross=False)
+    )
 
 
 def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
@@ -151,19 +195,23 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
         EncoderDecoder ("encoder_decoder"), or VisionEncoderDecoder / PrefixVisionLM ("vlm").
     """
     if n_labels is not None and cfg.arch != "encoder":
-        raise ValueError(f"n_labels={n_labels} builds a classifier, which needs arch='encoder', "
-                         f"not arch={cfg.arch!r}")
+        raise ValueError(
+            f"n_labels={n_labels} builds a classifier, which needs arch='encoder', "
+            f"not arch={cfg.arch!r}"
+        )
     embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings)
     if cfg.arch == "decoder":
         model = build_decoder(cfg, embed, cfg.n_layers, cross=False)
     elif cfg.arch == "encoder_decoder":
-        model = EncoderDecoder(build_encoder(cfg, embed),
-                               build_decoder(cfg, embed, cfg.decoder_layers, cross=True))
+        model = EncoderDecoder(
+            build_encoder(cfg, embed), build_decoder(cfg, embed, cfg.decoder_layers, cross=True)
+        )
     elif cfg.arch == "vlm":
         model = build_vlm(cfg, embed)
     elif n_labels is not None:
-        model = EncoderForClassification(build_encoder(cfg, embed), cfg.d_model, n_labels,
-                                         cfg.dropout)
+        model = EncoderForClassification(
+            build_encoder(cfg, embed), cfg.d_model, n_labels, cfg.dropout
+        )
     else:
         act = ACTIVATIONS[cfg.activation]
         head = MLMHead(cfg.d_model, cfg.vocab_size, build_norm_for(cfg), act)

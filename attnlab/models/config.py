@@ -57,8 +57,16 @@ class AttentionConfig:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     def _check_mla(self) -> None:
-        dims = {k: getattr(self, k) for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-                                              "qk_nope_head_dim", "v_head_dim")}
+        dims = {
+            k: getattr(self, k)
+            for k in (
+                "kv_lora_rank",
+                "q_lora_rank",
+                "qk_rope_head_dim",
+                "qk_nope_head_dim",
+                "v_head_dim",
+            )
+        }
         given = {k: v for k, v in dims.items() if v is not None}
         if self.kind == "standard":
             if given:
@@ -70,8 +78,11 @@ class AttentionConfig:
         small = {k: v for k, v in given.items() if v < 1}
         if small:
             raise ValueError(f"MLA widths must be >= 1, got {small}")
-        unused = {k: getattr(self, k) for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm")
-                  if getattr(self, k) not in (None, False)}
+        unused = {
+            k: getattr(self, k)
+            for k in ("n_kv_heads", "head_dim", "qkv_bias", "qk_norm")
+            if getattr(self, k) not in (None, False)
+        }
         if unused:
             raise ValueError(f"kind='mla' sets its own key/value shapes; {unused} do not apply")
 
@@ -190,7 +201,9 @@ class ModelConfig:
                 )
         self._check_mla()
         if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
-            raise ValueError(f"geglu gates with gelu or gelu_tanh, not activation={self.activation!r}")
+            raise ValueError(
+                f"geglu gates with gelu or gelu_tanh, not activation={self.activation!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_vision()
@@ -204,21 +217,28 @@ class ModelConfig:
         ranks = {"kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank}
         wide = {k: v for k, v in ranks.items() if v is not None and v > self.d_model}
         if wide:
-            raise ValueError(f"MLA ranks compress the model width: {wide} exceed "
-                             f"d_model={self.d_model}")
+            raise ValueError(
+                f"MLA ranks compress the model width: {wide} exceed d_model={self.d_model}"
+            )
 
     def _check_vision(self) -> None:
         if (self.arch == "vlm") != (self.vision is not None):
-            raise ValueError(f"arch={self.arch!r} with vision={self.vision}: a 'vlm' model needs "
-                             "a vision config, and only a 'vlm' model takes one")
+            raise ValueError(
+                f"arch={self.arch!r} with vision={self.vision}: a 'vlm' model needs "
+                "a vision config, and only a 'vlm' model takes one"
+            )
         if self.vision is None or self.vision.connect != "prefix":
             return
         if self.max_seq_len <= self.vision.n_tokens:
-            raise ValueError(f"a prefix vlm puts {self.vision.n_tokens} image tokens before the "
-                             f"text, so max_seq_len={self.max_seq_len} leaves no room for text")
+            raise ValueError(
+                f"a prefix vlm puts {self.vision.n_tokens} image tokens before the "
+                f"text, so max_seq_len={self.max_seq_len} leaves no room for text"
+            )
         if self.attention.sliding_window is not None:
-            raise ValueError("a prefix vlm sees its whole image prefix; "
-                             f"sliding_window={self.attention.sliding_window} is not supported")
+            raise ValueError(
+                "a prefix vlm sees its whole image prefix; "
+                f"sliding_window={self.attention.sliding_window} is not supported"
+            )
 
     @property
     def head_dim(self) -> int:

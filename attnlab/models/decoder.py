@@ -28,7 +28,9 @@ def self_attention_mask(
     """
     if attention_mask is None and window is None:
         return None, True
-    mask = causal_mask(T, S, device) if window is None else sliding_window_mask(T, window, S, device)
+    mask = (
+        causal_mask(T, S, device) if window is None else sliding_window_mask(T, window, S, device)
+    )
     if attention_mask is not None:
         mask = mask & padding_mask(attention_mask)  # (B, 1, T, S)
     return mask, False
@@ -64,9 +66,17 @@ class DecoderLM(nn.Module):
         head_scale: multiplies the final hidden state (T5 v1.0's tied head: d_model^-0.5).
     """
 
-    def __init__(self, embed: nn.Embedding, positions: PositionScheme, blocks: list[nn.Module],
-                 norm: nn.Module, head: nn.Linear, dropout: float = 0.0,
-                 window: int | None = None, head_scale: float = 1.0):
+    def __init__(
+        self,
+        embed: nn.Embedding,
+        positions: PositionScheme,
+        blocks: list[nn.Module],
+        norm: nn.Module,
+        head: nn.Linear,
+        dropout: float = 0.0,
+        window: int | None = None,
+        head_scale: float = 1.0,
+    ):
         super().__init__()
         self.embed, self.positions = embed, positions
         self.blocks = nn.ModuleList(blocks)
@@ -115,11 +125,19 @@ class DecoderLM(nn.Module):
         cross_mask = None if memory_mask is None else padding_mask(memory_mask)  # (B, 1, 1, M)
         x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, mask, is_causal=is_causal, positions=self.positions, pos=pos,
-                      k_pos=k_pos, memory=memory, memory_mask=cross_mask,
-                      cache=None if cache is None else cache.layers[i],
-                      cross_cache=None if cache is None or cache.cross is None else cache.cross[i],
-                      slots=slots)
+            x = block(
+                x,
+                mask,
+                is_causal=is_causal,
+                positions=self.positions,
+                pos=pos,
+                k_pos=k_pos,
+                memory=memory,
+                memory_mask=cross_mask,
+                cache=None if cache is None else cache.layers[i],
+                cross_cache=None if cache is None or cache.cross is None else cache.cross[i],
+                slots=slots,
+            )
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.norm(x)  # (B, T, C)

@@ -21,9 +21,16 @@ class Encoder(nn.Module):
         dropout: on the embeddings.
     """
 
-    def __init__(self, embed: nn.Embedding, positions: PositionScheme, blocks: list[nn.Module],
-                 norm: nn.Module, type_embed: nn.Embedding | None = None,
-                 embed_norm: nn.Module | None = None, dropout: float = 0.0):
+    def __init__(
+        self,
+        embed: nn.Embedding,
+        positions: PositionScheme,
+        blocks: list[nn.Module],
+        norm: nn.Module,
+        type_embed: nn.Embedding | None = None,
+        embed_norm: nn.Module | None = None,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.embed, self.positions, self.type_embed = embed, positions, type_embed
         self.embed_norm = nn.Identity() if embed_norm is None else embed_norm
@@ -31,8 +38,12 @@ class Encoder(nn.Module):
         self.norm = norm
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
         """ids: (B, T); attention_mask: (B, T) True = real token -> hidden states (B, T, C)."""
         T = ids.shape[1]
         pos = torch.arange(T, device=ids.device)
@@ -67,8 +78,12 @@ class EncoderForMLM(nn.Module):
         super().__init__()
         self.encoder, self.head = encoder, head
 
-    def forward(self, ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
         """ids: (B, T) -> logits (B, T, V)."""
         return self.head(self.encoder(ids, attention_mask, token_type_ids))
 
@@ -89,8 +104,12 @@ class EncoderForClassification(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.classifier = nn.Linear(d_model, n_labels)
 
-    def forward(self, ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
         """ids: (B, T) -> class logits (B, N)."""
         h = self.encoder(ids, attention_mask, token_type_ids)  # (B, T, C)
         pooled = torch.tanh(self.pooler(h[:, 0]))  # (B, C): the first ([CLS]) token

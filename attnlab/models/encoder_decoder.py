@@ -23,13 +23,23 @@ class EncoderDecoder(nn.Module):
         """src: (B, M) ids; src_mask: (B, M) True = real token -> memory (B, M, C)."""
         return self.encoder(src, src_mask)
 
-    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None,
-               tgt_mask: Tensor | None = None) -> Tensor:
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+    ) -> Tensor:
         """tgt: (B, T) ids, memory: (B, M, C) -> logits (B, T, V). (Cached decoding calls
         `self.decoder` with a cache directly: see inference/generate.py.)"""
         return self.decoder(tgt, tgt_mask, memory=memory, memory_mask=src_mask)
 
-    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+    ) -> Tensor:
         """src: (B, M), tgt: (B, T) ids; masks True = real token -> logits (B, T, V)."""
         return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)

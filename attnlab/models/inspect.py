@@ -43,7 +43,9 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    stacks = [m.blocks for m in model.modules() if isinstance(getattr(m, "blocks", None), nn.ModuleList)]
+    stacks = [
+        m.blocks for m in model.modules() if isinstance(getattr(m, "blocks", None), nn.ModuleList)
+    ]
     return [block for stack in stacks for block in stack]
 
 
@@ -57,12 +59,16 @@ def _embedding_params(model: nn.Module) -> int:
 
 def flops_per_token(model: nn.Module, cfg: ModelConfig, context: int) -> int:
     """Forward FLOPs per token at `context` keys (encoder-decoder: per source+target token pair)."""
-    linear = sum(2 * m.in_features * m.out_features for m in model.modules()
-                 if isinstance(m, nn.Linear))
+    linear = sum(
+        2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear)
+    )
     H = cfg.attention.n_heads
     qk_dim, v_dim = _score_widths(cfg)
-    attn_layers = {"decoder": cfg.n_layers, "encoder": cfg.n_layers,
-                   "encoder_decoder": cfg.n_layers + 2 * cfg.decoder_layers}[cfg.arch]
+    attn_layers = {
+        "decoder": cfg.n_layers,
+        "encoder": cfg.n_layers,
+        "encoder_decoder": cfg.n_layers + 2 * cfg.decoder_layers,
+    }[cfg.arch]
     return linear + attn_layers * 2 * H * (qk_dim + v_dim) * context
 
 
@@ -107,14 +113,19 @@ def format_stats(name: str, cfg: ModelConfig, s: ModelStats) -> str:
     blocks = sorted(set(s.block_params))
     per_block = ", ".join(f"{b:,}" for b in blocks)
     rows = [
-        ("model", f"{name} ({cfg.arch}, {len(s.block_params)} blocks, d_model {cfg.d_model}, "
-                  f"{_attention_summary(cfg)})"),
+        (
+            "model",
+            f"{name} ({cfg.arch}, {len(s.block_params)} blocks, d_model {cfg.d_model}, "
+            f"{_attention_summary(cfg)})",
+        ),
         ("parameters", f"{s.total_params:,} ({s.total_params / 1e6:,.1f}M)"),
         ("  embeddings", f"{s.embedding_params:,}"),
         ("  per block", per_block),
         ("  other", f"{s.total_params - s.embedding_params - sum(s.block_params):,}"),
-        (f"forward FLOPs/token @ {s.context}", f"{s.flops_per_token:,} "
-                                               f"({s.flops_per_token / 1e9:,.2f} GFLOP)"),
+        (
+            f"forward FLOPs/token @ {s.context}",
+            f"{s.flops_per_token:,} ({s.flops_per_token / 1e9:,.2f} GFLOP)",
+        ),
         ("KV cache / token fp32", f"{s.kv_bytes_per_token['fp32']:,} B"),
         ("KV cache / token bf16", f"{s.kv_bytes_per_token['bf16']:,} B"),
     ]
@@ -126,9 +137,11 @@ def _attention_summary(cfg: ModelConfig) -> str:
     a = cfg.attention
     if a.kind == "mla":
         q = "" if a.q_lora_rank is None else f", q latent {a.q_lora_rank}"
-        return (f"{a.n_heads} heads MLA: kv latent {a.kv_lora_rank} + rope key "
-                f"{a.qk_rope_head_dim}{q}, qk {a.qk_nope_head_dim}+{a.qk_rope_head_dim}, "
-                f"v {a.v_head_dim}")
+        return (
+            f"{a.n_heads} heads MLA: kv latent {a.kv_lora_rank} + rope key "
+            f"{a.qk_rope_head_dim}{q}, qk {a.qk_nope_head_dim}+{a.qk_rope_head_dim}, "
+            f"v {a.v_head_dim}"
+        )
     return f"{a.n_heads} heads / {cfg.n_kv_heads} kv, head_dim {cfg.head_dim}"
 
 
@@ -160,9 +173,16 @@ def kv_variants(cfg: ModelConfig) -> dict[str, ModelConfig]:
     variants, base = {}, a
     if a.kind == "mla":
         variants["MLA"] = cfg
-        base = replace(a, kind="standard", kv_lora_rank=None, q_lora_rank=None,
-                       qk_rope_head_dim=None, qk_nope_head_dim=None, v_head_dim=None,
-                       head_dim=a.qk_nope_head_dim)
+        base = replace(
+            a,
+            kind="standard",
+            kv_lora_rank=None,
+            q_lora_rank=None,
+            qk_rope_head_dim=None,
+            qk_nope_head_dim=None,
+            v_head_dim=None,
+            head_dim=a.qk_nope_head_dim,
+        )
     heads = {"MHA": H, "GQA": _gqa_heads(H, cfg.n_kv_heads), "MQA": 1}
     return variants | {
         name: replace(cfg, attention=replace(base, n_kv_heads=k))

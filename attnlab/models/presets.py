@@ -21,32 +21,67 @@ def transformer_base() -> ModelConfig:
     third; we keep the tied model the paper describes in §3.4.
     """
     return ModelConfig(
-        arch="encoder_decoder", d_model=512, n_layers=6, vocab_size=37000, max_seq_len=512,
+        arch="encoder_decoder",
+        d_model=512,
+        n_layers=6,
+        vocab_size=37000,
+        max_seq_len=512,
         attention=AttentionConfig(n_heads=8, qkv_bias=True, out_bias=True),
-        position="sinusoidal", norm="layernorm", norm_placement="post", norm_eps=1e-6,
-        ffn="mlp", activation="relu", d_ff=2048, ffn_bias=True, dropout=0.1,
-        scale_embeddings=True, init="xavier",
+        position="sinusoidal",
+        norm="layernorm",
+        norm_placement="post",
+        norm_eps=1e-6,
+        ffn="mlp",
+        activation="relu",
+        d_ff=2048,
+        ffn_bias=True,
+        dropout=0.1,
+        scale_embeddings=True,
+        init="xavier",
     )
 
 
 def transformer_big() -> ModelConfig:
     """Vaswani et al. 2017, Table 3 "big": d_model 1024, 16 heads, d_ff 4096 (paper: 213M)."""
     return ModelConfig(
-        arch="encoder_decoder", d_model=1024, n_layers=6, vocab_size=37000, max_seq_len=512,
+        arch="encoder_decoder",
+        d_model=1024,
+        n_layers=6,
+        vocab_size=37000,
+        max_seq_len=512,
         attention=AttentionConfig(n_heads=16, qkv_bias=True, out_bias=True),
-        position="sinusoidal", norm="layernorm", norm_placement="post", norm_eps=1e-6,
-        ffn="mlp", activation="relu", d_ff=4096, ffn_bias=True, dropout=0.3,
-        scale_embeddings=True, init="xavier",
+        position="sinusoidal",
+        norm="layernorm",
+        norm_placement="post",
+        norm_eps=1e-6,
+        ffn="mlp",
+        activation="relu",
+        d_ff=4096,
+        ffn_bias=True,
+        dropout=0.3,
+        scale_embeddings=True,
+        init="xavier",
     )
 
 
 def transformer_tiny() -> ModelConfig:
     """A CPU-sized 2017 Transformer (2+2 layers, d_model 64) for tests and the reverse task."""
     return ModelConfig(
-        arch="encoder_decoder", d_model=64, n_layers=2, vocab_size=128, max_seq_len=128,
+        arch="encoder_decoder",
+        d_model=64,
+        n_layers=2,
+        vocab_size=128,
+        max_seq_len=128,
         attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
-        position="sinusoidal", norm="layernorm", norm_placement="post", norm_eps=1e-6,
-        ffn="mlp", activation="relu", d_ff=256, ffn_bias=True, scale_embeddings=True,
+        position="sinusoidal",
+        norm="layernorm",
+        norm_placement="post",
+        norm_eps=1e-6,
+        ffn="mlp",
+        activation="relu",
+        d_ff=256,
+        ffn_bias=True,
+        scale_embeddings=True,
         init="xavier",
     )
 
@@ -54,11 +89,24 @@ def transformer_tiny() -> ModelConfig:
 # --- BERT (encoder) -------------------------------------------------------------------------
 def _bert(d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
     return ModelConfig(
-        arch="encoder", d_model=d_model, n_layers=n_layers, vocab_size=30522, max_seq_len=512,
+        arch="encoder",
+        d_model=d_model,
+        n_layers=n_layers,
+        vocab_size=30522,
+        max_seq_len=512,
         attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
-        position="learned", norm="layernorm", norm_placement="post", norm_eps=1e-12,
-        ffn="mlp", activation="gelu", d_ff=4 * d_model, ffn_bias=True, dropout=0.1,
-        embed_norm=True, type_vocab_size=2, init="trunc_normal",
+        position="learned",
+        norm="layernorm",
+        norm_placement="post",
+        norm_eps=1e-12,
+        ffn="mlp",
+        activation="gelu",
+        d_ff=4 * d_model,
+        ffn_bias=True,
+        dropout=0.1,
+        embed_norm=True,
+        type_vocab_size=2,
+        init="trunc_normal",
     )
 
 
@@ -80,10 +128,22 @@ def bert_tiny() -> ModelConfig:
 # --- GPT-2 (decoder, learned positions, LayerNorm, GELU-tanh, tied) ------------------------
 def _gpt2(d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
     return ModelConfig(
-        arch="decoder", d_model=d_model, n_layers=n_layers, vocab_size=50257, max_seq_len=1024,
+        arch="decoder",
+        d_model=d_model,
+        n_layers=n_layers,
+        vocab_size=50257,
+        max_seq_len=1024,
         attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
-        position="learned", norm="layernorm", norm_eps=1e-5, ffn="mlp", activation="gelu_tanh",
-        d_ff=4 * d_model, ffn_bias=True, dropout=0.1, tie_embeddings=True, init="gpt2",
+        position="learned",
+        norm="layernorm",
+        norm_eps=1e-5,
+        ffn="mlp",
+        activation="gelu_tanh",
+        d_ff=4 * d_model,
+        ffn_bias=True,
+        dropout=0.1,
+        tie_embeddings=True,
+        init="gpt2",
     )
 
 
@@ -113,17 +173,32 @@ def gpt2_tiny() -> ModelConfig:
 
 
 # --- Llama family (decoder, RoPE, RMSNorm, SwiGLU, untied) ----------------------------------
-def _llama(d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab_size, max_seq_len, theta,
-           norm_eps, **extra) -> ModelConfig:
-    attention = AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads,
-                                qkv_bias=extra.pop("qkv_bias", False),
-                                sliding_window=extra.pop("sliding_window", None))
+def _llama(
+    d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab_size, max_seq_len, theta, norm_eps, **extra
+) -> ModelConfig:
+    attention = AttentionConfig(
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        qkv_bias=extra.pop("qkv_bias", False),
+        sliding_window=extra.pop("sliding_window", None),
+    )
     return ModelConfig(
-        arch="decoder", d_model=d_model, n_layers=n_layers, vocab_size=vocab_size,
-        max_seq_len=max_seq_len, attention=attention, position="rope",
+        arch="decoder",
+        d_model=d_model,
+        n_layers=n_layers,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        attention=attention,
+        position="rope",
         rope=RopeConfig(theta=theta, scaling=extra.pop("rope_scaling", None)),
-        norm="rmsnorm", norm_eps=norm_eps, ffn="swiglu", d_ff=d_ff, ffn_bias=False,
-        tie_embeddings=extra.pop("tie_embeddings", False), init="gpt2", **extra,
+        norm="rmsnorm",
+        norm_eps=norm_eps,
+        ffn="swiglu",
+        d_ff=d_ff,
+        ffn_bias=False,
+        tie_embeddings=extra.pop("tie_embeddings", False),
+        init="gpt2",
+        **extra,
     )
 
 
@@ -145,8 +220,9 @@ def mistral_7b() -> ModelConfig:
 
 def qwen2_0_5b() -> ModelConfig:
     """Qwen2-0.5B (qkv bias, tied): huggingface.co/Qwen/Qwen2-0.5B/config.json."""
-    return _llama(896, 24, 14, 2, 4864, 151936, 32768, 1000000.0, 1e-6, qkv_bias=True,
-                  tie_embeddings=True)
+    return _llama(
+        896, 24, 14, 2, 4864, 151936, 32768, 1000000.0, 1e-6, qkv_bias=True, tie_embeddings=True
+    )
 
 
 def llama_tiny() -> ModelConfig:
@@ -167,17 +243,45 @@ def llama3_tiny() -> ModelConfig:
 
 
 # --- DeepSeek MLA (Llama-style decoder with Multi-head Latent Attention) --------------------
-def _mla(d_model, n_layers, n_heads, kv_lora_rank, q_lora_rank, rope_dim, nope_dim, v_dim, d_ff,
-         vocab_size, max_seq_len) -> ModelConfig:
-    attention = AttentionConfig(n_heads=n_heads, kind="mla", kv_lora_rank=kv_lora_rank,
-                                q_lora_rank=q_lora_rank, qk_rope_head_dim=rope_dim,
-                                qk_nope_head_dim=nope_dim, v_head_dim=v_dim)
+def _mla(
+    d_model,
+    n_layers,
+    n_heads,
+    kv_lora_rank,
+    q_lora_rank,
+    rope_dim,
+    nope_dim,
+    v_dim,
+    d_ff,
+    vocab_size,
+    max_seq_len,
+) -> ModelConfig:
+    attention = AttentionConfig(
+        n_heads=n_heads,
+        kind="mla",
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=nope_dim,
+        v_head_dim=v_dim,
+    )
     # DeepSeek's checkpoints lay the rope part out in interleaved pairs (rope_interleave=true).
     return ModelConfig(
-        arch="decoder", d_model=d_model, n_layers=n_layers, vocab_size=vocab_size,
-        max_seq_len=max_seq_len, attention=attention, position="rope",
-        rope=RopeConfig(theta=10000.0, layout="interleaved"), norm="rmsnorm", norm_eps=1e-6,
-        ffn="swiglu", d_ff=d_ff, ffn_bias=False, tie_embeddings=False, init="gpt2",
+        arch="decoder",
+        d_model=d_model,
+        n_layers=n_layers,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        attention=attention,
+        position="rope",
+        rope=RopeConfig(theta=10000.0, layout="interleaved"),
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        ffn="swiglu",
+        d_ff=d_ff,
+        ffn_bias=False,
+        tie_embeddings=False,
+        init="gpt2",
     )
 
 
@@ -198,15 +302,38 @@ def mla_tiny() -> ModelConfig:
 
 
 # --- T5 (encoder-decoder, relative bias, RMSNorm without bias, unscaled attention) ---------
-def _t5(d_model, n_layers, n_heads, head_dim, d_ff, ffn, activation, tied, vocab=32128,
-        n_decoder_layers=None) -> ModelConfig:
+def _t5(
+    d_model,
+    n_layers,
+    n_heads,
+    head_dim,
+    d_ff,
+    ffn,
+    activation,
+    tied,
+    vocab=32128,
+    n_decoder_layers=None,
+) -> ModelConfig:
     return ModelConfig(
-        arch="encoder_decoder", d_model=d_model, n_layers=n_layers, vocab_size=vocab,
-        max_seq_len=512, n_decoder_layers=n_decoder_layers,
+        arch="encoder_decoder",
+        d_model=d_model,
+        n_layers=n_layers,
+        vocab_size=vocab,
+        max_seq_len=512,
+        n_decoder_layers=n_decoder_layers,
         attention=AttentionConfig(n_heads=n_heads, head_dim=head_dim, softmax_scale=1.0),
-        position="t5_bias", norm="rmsnorm", norm_eps=1e-6, ffn=ffn, activation=activation,
-        d_ff=d_ff, ffn_bias=False, dropout=0.1, tie_embeddings=tied, head_rescale=tied,
-        init="trunc_normal", init_std=0.05,
+        position="t5_bias",
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        ffn=ffn,
+        activation=activation,
+        d_ff=d_ff,
+        ffn_bias=False,
+        dropout=0.1,
+        tie_embeddings=tied,
+        head_rescale=tied,
+        init="trunc_normal",
+        init_std=0.05,
     )
 
 
@@ -240,12 +367,23 @@ def _vlm(connect: str) -> ModelConfig:
     from the task's tokenizer. (At d_model 64 the toy scene tasks sometimes stall for over a
     thousand steps at "some object's cell" before binding the asked-for word to its patch.)"""
     return ModelConfig(
-        arch="vlm", d_model=128, n_layers=2, vocab_size=64, max_seq_len=64,
-        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True), position="learned",
-        norm="layernorm", norm_eps=1e-6, ffn="mlp", activation="gelu", d_ff=256, ffn_bias=True,
+        arch="vlm",
+        d_model=128,
+        n_layers=2,
+        vocab_size=64,
+        max_seq_len=64,
+        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
+        position="learned",
+        norm="layernorm",
+        norm_eps=1e-6,
+        ffn="mlp",
+        activation="gelu",
+        d_ff=256,
+        ffn_bias=True,
         init="trunc_normal",
-        vision=VisionConfig(image_size=32, patch_size=8, n_layers=1, position="sinusoidal_2d",
-                            connect=connect),
+        vision=VisionConfig(
+            image_size=32, patch_size=8, n_layers=1, position="sinusoidal_2d", connect=connect
+        ),
     )
 
 

@@ -38,11 +38,15 @@ def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     for name, tensor in state_dict.items():
         if tuple(expected[name].shape) != tuple(tensor.shape):
-            raise ValueError(f"shape mismatch for {name!r}: the model has "
-                             f"{tuple(expected[name].shape)}, the weights {tuple(tensor.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name!r}: the model has "
+                f"{tuple(expected[name].shape)}, the weights {tuple(tensor.shape)}"
+            )
     model.load_state_dict(state_dict, strict=True, assign=True)
     for names in groups:
         first = model.get_parameter(names[0])

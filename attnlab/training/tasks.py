@@ -185,8 +185,15 @@ class Seq2SeqTask:
     def translate(self, model, batch: dict) -> list[str]:
         max_new = self.run.data.synthetic_max_len + 1
         starts = [[self.bos]] * batch["src"].shape[0]
-        rows = generate(model, starts, max_new, GREEDY, stop_tokens=[self.eos],
-                        source=batch["src"], source_mask=batch["src_mask"])
+        rows = generate(
+            model,
+            starts,
+            max_new,
+            GREEDY,
+            stop_tokens=[self.eos],
+            source=batch["src"],
+            source_mask=batch["src_mask"],
+        )
         return [self.tokenizer.decode([t for t in row if t != self.eos]) for row in rows]
 
     @torch.no_grad()

@@ -8,15 +8,34 @@ from attnlab.cli.__main__ import main
 def test_eval_reports_exact_match(tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    args = ["train", "--preset", "transformer-tiny", "--data.task", "seq2seq",
-            "--data.source", "synthetic:copy", "--data.synthetic_n_val", "16",
-            "--train.steps", "2", "--train.batch_size", "4", "--train.progress", "false",
-            "--train.out_dir", str(out), "--train.device", "cpu"]
+    args = [
+        "train",
+        "--preset",
+        "transformer-tiny",
+        "--data.task",
+        "seq2seq",
+        "--data.source",
+        "synthetic:copy",
+        "--data.synthetic_n_val",
+        "16",
+        "--train.steps",
+        "2",
+        "--train.batch_size",
+        "4",
+        "--train.progress",
+        "false",
+        "--train.out_dir",
+        str(out),
+        "--train.device",
+        "cpu",
+    ]
     assert main(args) == 0
     capsys.readouterr()
     assert main(["eval", "--ckpt", str(out / "checkpoints" / "latest_unused")]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
-    assert main(["eval", "--ckpt", str(out / "checkpoints" / "step_000002"), "--device", "cpu"]) == 0
+    assert (
+        main(["eval", "--ckpt", str(out / "checkpoints" / "step_000002"), "--device", "cpu"]) == 0
+    )
     printed = dict(line.split() for line in capsys.readouterr().out.strip().splitlines())
     assert set(printed) == {"val_loss", "val_exact_match"}
     assert 0.0 <= float(printed["val_exact_match"]) <= 1.0
