@@ -57,6 +57,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import ctypes  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
@@ -389,7 +390,7 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
         paired = [n_new / s / (w / per_token) for s, w in zip(times[k], call_bw[k])]
         rows[k] = dict(
             tok_s=n_new / (median_ms(times[k]) / 1e3),
-            paired=sorted(paired)[len(paired) // 2],  # fraction of the call's own roofline
+            paired=statistics.median(paired),  # fraction of the call's own roofline
             peak=None,  # filled in by measure_peaks
             same=same,
             resident=resident_bytes(models[weights]),

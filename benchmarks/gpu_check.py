@@ -37,7 +37,7 @@ from train import BETAS, GRAD_CLIP, LR, WEIGHT_DECAY, flops_per_token, matmul_pa
 
 from attnlab.inference.gemv import compile_decode_step
 from attnlab.models.build import build_model
-from attnlab.training.loop import trained_tensors
+from attnlab.training.loop import compile_model, trained_tensors
 from attnlab.training.objectives import clm_loss
 from attnlab.training.optim import build_optimizer
 
@@ -75,7 +75,7 @@ def check_training(device: torch.device, batch: int, context: int, smoke: bool) 
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
     opt = build_optimizer(model, LR, WEIGHT_DECAY, BETAS, flat=True)  # after .to(): see FlatAdamW
-    forward = torch.compile(model)
+    forward = compile_model(model, device)  # as the training loop compiles
     x, y = (torch.randint(0, cfg.vocab_size, (batch, context), device=device) for _ in range(2))
 
     def step() -> float:
@@ -138,12 +138,8 @@ def check_decode(device: torch.device, n_new: int, smoke: bool) -> tuple[float, 
     dst.copy_(src)
 
     def bandwidth() -> float:  # the median of 5 copies (one takes < 1 ms on a GPU)
-        return (
-            2
-            * n
-            * 4
-            / statistics.median(timed(partial(dst.copy_, src), device)[1] for _ in range(5))
-        )
+        seconds = statistics.median(timed(partial(dst.copy_, src), device)[1] for _ in range(5))
+        return 2 * n * 4 / seconds  # read + write
 
     per_token = bytes_per_token(model, cfg, 32 + n_new, kv_bytes=2)
     ours, theirs, fractions, tokens = [], [], [], {}

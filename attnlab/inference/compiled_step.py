@@ -67,8 +67,8 @@ class BoundDecodeStep:
                 f"{type(model).__name__} first"
             )
         mask = None if memory_mask is None else (memory_mask.shape, memory_mask.dtype)
-        signature = (token.shape, token.device, slot.shape, cache.layout(), mask)
-        signature += (torch.is_grad_enabled(),)
+        grad = torch.is_grad_enabled()
+        signature = (token.shape, token.device, slot.shape, cache.layout(), mask, grad)
         step = self.compiled.get(signature)
         if step is None:
             step = torch.compile(
