@@ -33,12 +33,20 @@ from functools import partial
 import torch
 from decode import bytes_per_token, llama_110m, quick, run_hf, run_stream, to_hf
 from torch import nn
-from train import BETAS, GRAD_CLIP, LR, WEIGHT_DECAY, flops_per_token, matmul_params, model_config
+from train import (
+    BETAS,
+    GRAD_CLIP,
+    LR,
+    WEIGHT_DECAY,
+    flops_per_token,
+    lm_loss,
+    matmul_params,
+    model_config,
+)
 
 from attnlab.inference.gemv import compile_decode_step
 from attnlab.models.build import build_model
-from attnlab.training.loop import compile_model, trained_tensors
-from attnlab.training.objectives import clm_loss
+from attnlab.training.loop import compile_loss, trained_tensors
 from attnlab.training.optim import build_optimizer
 
 TARGET_MFU, TARGET_VS_HF, TARGET_ROOFLINE = 0.50, 2.0, 0.70
@@ -75,12 +83,12 @@ def check_training(device: torch.device, batch: int, context: int, smoke: bool) 
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
     opt = build_optimizer(model, LR, WEIGHT_DECAY, BETAS, flat=True)  # after .to(): see FlatAdamW
-    forward = compile_model(model, device)  # as the training loop compiles
+    loss_of = compile_loss(lm_loss, model, device)  # as the training loop compiles
     x, y = (torch.randint(0, cfg.vocab_size, (batch, context), device=device) for _ in range(2))
 
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = clm_loss(forward(x), y)
+            loss = loss_of({"x": x, "y": y})
         loss.backward()
         nn.utils.clip_grad_norm_(trained_tensors(opt), GRAD_CLIP)
         opt.step()

@@ -8,10 +8,11 @@ Two shapes, each in fp32 and bf16 autocast, eager and torch.compile'd:
   gpt2-small  the "gpt2" preset (124M), dropout 0; batch 4 x 256
 
 Candidates, timed in the same rounds (one step of each per round, the order rotating):
-  ours        attnlab's model and the step of attnlab.training.loop.train: lr set, forward,
-              clm_loss, backward, loss.item(), clip_grad_norm_, fused AdamW over one flat
-              buffer per group (build_optimizer(flat=True)); compiled as the loop compiles
-              (compile_model: on CPU with inductor's C++ wrapper)
+  ours        attnlab's model and the step of attnlab.training.loop.train: lr set, forward and
+              clm_loss (LMTask.loss), backward, loss.item(), clip_grad_norm_, fused AdamW over
+              one flat buffer per group (build_optimizer(flat=True)); compiled as the loop
+              compiles (compile_loss: model and loss in one graph, on CPU with inductor's C++
+              wrapper)
   ours+fast   the same after attnlab.components.fast_linear.enable_fast_linear (fp32 only:
               under autocast FastLinear is nn.Linear)
   plain       the ~100-line single-file GPT below (nanoGPT style: one fused qkv Linear,
@@ -50,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +62,7 @@ from attnlab.components.fast_linear import enable_fast_linear, onednn_linear
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.training.host_memory import keep_freed_memory
-from attnlab.training.loop import compile_model, trained_tensors
+from attnlab.training.loop import compile_loss, trained_tensors
 from attnlab.training.objectives import clm_loss
 from attnlab.training.optim import build_optimizer
 
@@ -148,9 +150,13 @@ def autocast(precision: str):
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def plain_step(forward, model: nn.Module, opt, x: Tensor, y: Tensor, precision: str) -> float:
+def plain_loss(forward, batch: dict) -> Tensor:
+    return F.cross_entropy(forward(batch["x"]).float().flatten(0, 1), batch["y"].flatten())
+
+
+def plain_step(loss_of, model: nn.Module, opt, x: Tensor, y: Tensor, precision: str) -> float:
     with autocast(precision):
-        loss = F.cross_entropy(forward(x).float().flatten(0, 1), y.flatten())
+        loss = loss_of({"x": x, "y": y})
     loss.backward()
     value = loss.item()
     nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
@@ -160,12 +166,17 @@ def plain_step(forward, model: nn.Module, opt, x: Tensor, y: Tensor, precision: 
 
 
 # --- attnlab: one step of attnlab.training.loop.train (grad_accum 1, GradScaler disabled) -----
-def ours_step(forward, model: nn.Module, opt, x: Tensor, y: Tensor, precision: str) -> float:
+def lm_loss(model: nn.Module, batch: dict) -> Tensor:
+    """LMTask.loss."""
+    return clm_loss(model(batch["x"]), batch["y"])
+
+
+def ours_step(loss_of, model: nn.Module, opt, x: Tensor, y: Tensor, precision: str) -> float:
     for group in opt.param_groups:
         group["lr"] = LR  # the loop sets the schedule's lr every step
     loss_sum = torch.zeros(())
     with autocast(precision):
-        loss = clm_loss(forward(x), y)  # LMTask.loss
+        loss = loss_of({"x": x, "y": y})
     loss.backward()
     loss_sum += loss.detach()
     value = loss_sum.item()
@@ -180,12 +191,12 @@ class Candidate:
     """A model with its optimizer and its step function: call it to take one training step."""
 
     step: Callable
-    forward: Callable  # the model, or torch.compile(model) as the loop does with compile=True
+    loss_of: Callable  # batch -> loss, compiled or not
     model: nn.Module
     opt: torch.optim.Optimizer
 
     def __call__(self, x: Tensor, y: Tensor, precision: str) -> float:
-        return self.step(self.forward, self.model, self.opt, x, y, precision)
+        return self.step(self.loss_of, self.model, self.opt, x, y, precision)
 
 
 # --- FLOPs and peaks --------------------------------------------------------------------------
@@ -274,11 +285,15 @@ def build_candidates(shape: str, precision: str, mode: str, log: io.StringIO) ->
         model.train()
         if name.startswith("plain"):
             forward = torch.compile(model) if name == "plain" and mode == "compiled" else model
-            candidates[name] = Candidate(plain_step, forward, model, plain_optimizer(model))
+            loss_of = partial(plain_loss, forward)
+            candidates[name] = Candidate(plain_step, loss_of, model, plain_optimizer(model))
         else:
             opt = build_optimizer(model, LR, WEIGHT_DECAY, BETAS, flat=True)
-            forward = compile_model(model, torch.device("cpu")) if mode == "compiled" else model
-            candidates[name] = Candidate(ours_step, forward, model, opt)
+            if mode == "compiled":
+                loss_of = compile_loss(lm_loss, model, torch.device("cpu"))
+            else:
+                loss_of = partial(lm_loss, model)
+            candidates[name] = Candidate(ours_step, loss_of, model, opt)
     return candidates
 
 
