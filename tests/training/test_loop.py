@@ -285,13 +285,15 @@ def test_cuda_mixed_precision_tracks_fp32(make_run, precision):
 
 
 @needs_compiler
-def test_compiled_training_tracks_eager(make_run):
-    # compile=True as the loop runs it on CPU (compile_model: inductor's C++ wrapper), with
-    # what takes a different form inside the compiled graph: GPT-2's gelu_tanh (sigmoid form)
-    # and attention over <= 64 keys (written out). FlatAdamW in both runs.
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "transformer-tiny"])
+def test_compiled_training_tracks_eager(make_run, preset):
+    # compile=True as the loop runs it on CPU (compile_loss: model and task loss in one graph,
+    # inductor's C++ wrapper), for each family's objective (CLM, MLM, seq2seq with label
+    # smoothing), with what takes a different form inside the compiled graph: GPT-2's
+    # gelu_tanh (sigmoid form) and attention over <= 64 keys (written out). FlatAdamW in both.
     kw = dict(model={"dropout": 0.0}, steps=4)
-    eager_run = make_run("gpt2-tiny", out="eager", **kw)
-    compiled_run = make_run("gpt2-tiny", out="compiled", compile=True, **kw)
+    eager_run = make_run(preset, out="eager", **kw)
+    compiled_run = make_run(preset, out="compiled", compile=True, **kw)
     eager = train(*fresh(eager_run), eager_run).losses
     compiled = train(*fresh(compiled_run), compiled_run).losses
     assert compiled == pytest.approx(eager, rel=1e-5)
