@@ -1,4 +1,5 @@
-"""Evaluate a checkpoint: loss and perplexity (LM), masked-token accuracy (MLM), exact match (seq2seq)."""
+"""Evaluate a checkpoint: loss and perplexity (LM), masked-token accuracy (MLM), exact match
+(seq2seq)."""
 
 import argparse
 

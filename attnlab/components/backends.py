@@ -1,4 +1,5 @@
-"""Scaled dot-product attention, two ways: written out ("eager") and PyTorch's fused kernel ("sdpa").
+"""Scaled dot-product attention, two ways: written out ("eager") and PyTorch's fused kernel
+("sdpa").
 
     Attention(Q, K, V) = softmax(Q K^T * scale + bias, masked) V        (Vaswani et al. 2017, eq. 1)
 

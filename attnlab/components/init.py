@@ -1,8 +1,9 @@
 """Weight initialisation schemes.
 
-- "gpt2": normal(0, 0.02) everywhere, biases zero, and the projections that write into the residual
-  stream (attention `o_proj`, FFN `down_proj`) scaled by 1/sqrt(2 * n_layers), because each block
-  adds two such outputs and the sum's variance would otherwise grow with depth (Radford et al. 2019).
+- "gpt2": normal(0, 0.02) everywhere, biases zero, and the projections that write into the
+  residual stream (attention `o_proj`, FFN `down_proj`) scaled by 1/sqrt(2 * n_layers), because
+  each block adds two such outputs and the sum's variance would otherwise grow with depth
+  (Radford et al. 2019).
 - "xavier": Glorot-uniform linear weights as in the 2017 Transformer's reference code; embeddings
   normal(0, d_model^-0.5), which the sqrt(d_model) embedding scale brings back to unit variance.
 - "trunc_normal": normal(0, 0.02) truncated at two standard deviations (BERT, ViT).

@@ -1,7 +1,8 @@
 """Attention masks, one convention everywhere: boolean, True = may attend (as PyTorch SDPA).
 
 Every builder returns a tensor that broadcasts against scores shaped (B, H, T, S):
-(T, S) when all rows share it, (B, 1, T, S) when it depends on the batch row. Combine masks with `&`.
+(T, S) when all rows share it, (B, 1, T, S) when it depends on the batch row. Combine masks with
+`&`.
 
     causal (T=S=4)    sliding window 2    prefix-LM, prefix 2    padding [1 1 1 0]
     # . . .           # . . .             # # . .                # # # .
@@ -112,7 +113,7 @@ def check_mask(mask: Tensor, B: int, H: int, T: int, S: int) -> None:
 
 
 def format_mask(mask: Tensor, on: str = "#", off: str = ".") -> str:
-    """Draw a 2-D mask as a text grid, one row per query (rows of a batched mask: pass mask[b, 0])."""
+    """Draw a 2-D mask as a text grid, one row per query (of a batched mask: pass mask[b, 0])."""
     if mask.dim() != 2:
         raise ValueError(f"format_mask draws a 2-D (T, S) mask, got shape {tuple(mask.shape)}")
     return "\n".join(" ".join(on if v else off for v in row) for row in mask.tolist())

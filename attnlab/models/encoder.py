@@ -17,7 +17,8 @@ class Encoder(nn.Module):
     Args:
         embed: TokenEmbedding.  positions: the position scheme.  blocks: EncoderBlocks.
         norm: final norm (pre-norm stacks) or Identity.
-        type_embed: segment embeddings (BERT) or None.  embed_norm: norm after embedding, or Identity.
+        type_embed: segment embeddings (BERT) or None.
+        embed_norm: norm after embedding, or Identity.
         dropout: on the embeddings.
     """
 

@@ -208,7 +208,10 @@ def llama2_7b() -> ModelConfig:
 
 
 def llama3_8b() -> ModelConfig:
-    """Llama 3 8B (GQA 8 kv heads, theta 500k): huggingface.co/meta-llama/Meta-Llama-3-8B/config.json."""
+    """Llama 3 8B (GQA 8 kv heads, theta 500k).
+
+    huggingface.co/meta-llama/Meta-Llama-3-8B/config.json
+    """
     return _llama(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0, 1e-5)
 
 
@@ -338,7 +341,10 @@ def _t5(
 
 
 def t5_small() -> ModelConfig:
-    """Raffel et al. 2020, T5-small (v1.0, ReLU, tied): huggingface.co/google-t5/t5-small/config.json."""
+    """Raffel et al. 2020, T5-small (v1.0, ReLU, tied).
+
+    huggingface.co/google-t5/t5-small/config.json
+    """
     return _t5(512, 6, 8, 64, 2048, "mlp", "relu", tied=True)
 
 
