@@ -143,11 +143,11 @@ def plain_optimizer(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=True)
 
 
-def autocast(precision: str):
-    """The loop's precision context: none for fp32, CPU autocast for bf16."""
+def autocast(precision: str, device: torch.device):
+    """The loop's precision context: none for fp32, autocast to bf16 for bf16."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def plain_loss(forward, batch: dict) -> Tensor:
@@ -155,7 +155,7 @@ def plain_loss(forward, batch: dict) -> Tensor:
 
 
 def plain_step(loss_of, model: nn.Module, opt, x: Tensor, y: Tensor, precision: str) -> float:
-    with autocast(precision):
+    with autocast(precision, x.device):
         loss = loss_of({"x": x, "y": y})
     loss.backward()
     value = loss.item()
@@ -174,8 +174,8 @@ def lm_loss(model: nn.Module, batch: dict) -> Tensor:
 def ours_step(loss_of, model: nn.Module, opt, x: Tensor, y: Tensor, precision: str) -> float:
     for group in opt.param_groups:
         group["lr"] = LR  # the loop sets the schedule's lr every step
-    loss_sum = torch.zeros(())
-    with autocast(precision):
+    loss_sum = torch.zeros((), device=x.device)
+    with autocast(precision, x.device):
         loss = loss_of({"x": x, "y": y})
     loss.backward()
     loss_sum += loss.detach()
