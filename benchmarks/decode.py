@@ -70,7 +70,7 @@ from torch import nn  # noqa: E402
 from attnlab.components.fast_linear import enable_fast_linear  # noqa: E402
 from attnlab.inference.gemv import compile_decode_step  # noqa: E402
 from attnlab.inference.generate import generate, stream_tokens  # noqa: E402
-from attnlab.inference.quantize import Int4Linear, quantize_model  # noqa: E402
+from attnlab.quantize import Int4Linear, quantize_model  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
 from attnlab.models.build import build_model  # noqa: E402
 from attnlab.models.config import AttentionConfig, ModelConfig  # noqa: E402

@@ -351,7 +351,7 @@ def _checkpoint_rows(opts: RankAnalysis, text: list[str]) -> list[RankRow]:
     from attnlab.configs import from_dict
     from attnlab.models.build import build_model
     from attnlab.models.config import ModelConfig
-    from attnlab.training.checkpoint import load_pretrained
+    from attnlab.checkpoint import load_pretrained
 
     trained, tokenizer, run = load_pretrained(opts.ckpt)
     cfg = from_dict(ModelConfig, run["model"])

@@ -17,7 +17,7 @@ import torch
 
 from attnlab.cli.generate import resolve_checkpoint
 from attnlab.configs import from_dict
-from attnlab.training.checkpoint import load_pretrained
+from attnlab.checkpoint import load_pretrained
 from attnlab.training.config import RunConfig
 from attnlab.training.embodied import SceneTask, answer, make_scene, question, render
 from attnlab.viz.patch_attention import patch_attention, plot_patch_attention

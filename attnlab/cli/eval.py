@@ -4,7 +4,7 @@
 import argparse
 
 from attnlab.configs import from_dict
-from attnlab.training.checkpoint import load_pretrained
+from attnlab.checkpoint import load_pretrained
 from attnlab.training.config import RunConfig
 from attnlab.training.loop import resolve_device
 from attnlab.training.tasks import build_task

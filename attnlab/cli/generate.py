@@ -21,7 +21,7 @@ from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
-from attnlab.training.checkpoint import LATEST, load_pretrained
+from attnlab.checkpoint import LATEST, load_pretrained
 
 SECTION = "sampling"
 DEFAULTS = {k: p.default for k, p in inspect.signature(generate_text).parameters.items()}

@@ -2,7 +2,7 @@
 
 import argparse
 
-from attnlab.inference.quantize.handler import DEFAULT_GROUP_SIZE, SCHEMES, quantize_checkpoint
+from attnlab.quantize.handler import DEFAULT_GROUP_SIZE, SCHEMES, quantize_checkpoint
 
 MB = 1e6
 

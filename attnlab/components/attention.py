@@ -155,7 +155,7 @@ class Attention(nn.Module):
 
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
         """A `KVCache` for this layer's self-attention: (B, K, S_max, D) keys and values."""
-        from attnlab.inference.kv_cache import KVCache  # inference builds on components
+        from attnlab.components.kv_cache import KVCache  # inference builds on components
 
         return KVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)
 

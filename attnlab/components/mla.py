@@ -195,6 +195,6 @@ class MultiHeadLatentAttention(nn.Module):
 
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
         """A `LatentCache` for this layer: c_kv (B, S_max, r) and k_pe (B, S_max, R) only."""
-        from attnlab.inference.kv_cache import LatentCache  # inference builds on components
+        from attnlab.components.kv_cache import LatentCache  # inference builds on components
 
         return LatentCache(B, S_max, self.kv_lora_rank, self.qk_rope_head_dim, dtype, device)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.inference.generate import decode_step, decoder_of, prefill
-from attnlab.inference.kv_cache import ModelCache
+from attnlab.components.kv_cache import ModelCache
 
 
 @dataclass(frozen=True)

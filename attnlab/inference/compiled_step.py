@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.inference.generate import decode_step
-from attnlab.inference.kv_cache import ModelCache
+from attnlab.components.kv_cache import ModelCache
 
 
 class BoundDecodeStep:

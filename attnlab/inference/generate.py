@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.embedding import check_token_ids
-from attnlab.inference.kv_cache import ModelCache
+from attnlab.components.kv_cache import ModelCache
 from attnlab.inference.sampling import SamplingConfig, sample
 
 DEFAULT_SAMPLING = SamplingConfig()  # frozen, so one shared default instance is safe
@@ -210,7 +210,7 @@ def generate_text(
     tokenizer's <eos>, after a stop string, or after `max_new_tokens`.
 
     Args:
-        tokenizer: attnlab.training.tokenizer.Tokenizer (encode, decode, token_id).
+        tokenizer: attnlab.tokenizer.Tokenizer (encode, decode, token_id).
         sampling, seed: how tokens are drawn (num_beams == 1).
         num_beams: > 1 runs beam search (deterministic: leave `sampling` at its defaults).
         length_penalty: beam search's length exponent.

@@ -1,7 +1,7 @@
 """Whole checkpoint directories in either format, and conversion between them.
 
     attnlab directory:  config.json {"model": ModelConfig, ["n_labels": N]} + model.safetensors
-                        (+ tokenizer.json), as training/checkpoint.py writes it
+                        (+ tokenizer.json), as checkpoint.py writes it
     HF directory:       config.json {"model_type": ..., "architectures": [...]} + model.safetensors
                         (or shards) (+ tokenizer.json)
 
@@ -23,7 +23,7 @@ from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
 from attnlab.models.encoder import EncoderForClassification
 from attnlab.models.weights import load_weights
-from attnlab.training.tokenizer import Tokenizer
+from attnlab.tokenizer import Tokenizer
 
 Format = Literal["hf", "attnlab"]
 FORMATS = ("hf", "attnlab")
@@ -60,7 +60,7 @@ def load_attnlab(path: str | Path, device: str = "cpu"):
 def save_attnlab(
     model: nn.Module, cfg: ModelConfig, path: str | Path, tokenizer: Tokenizer | None = None
 ) -> Path:
-    """Write an attnlab checkpoint directory that `training.checkpoint.load_pretrained` reads
+    """Write an attnlab checkpoint directory that `attnlab.checkpoint.load_pretrained` reads
     (a classifier also records its n_labels)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from attnlab.interop.check import Report, check
 from attnlab.interop.convert import detect_format, load_any
 from attnlab.interop.hf import common
-from attnlab.training.tokenizer import Tokenizer
+from attnlab.tokenizer import Tokenizer
 
 IDS = re.compile(r"^\s*\d+(?:[\s,]+\d+)*\s*$")
 

@@ -106,7 +106,7 @@ class DecoderLM(nn.Module):
                 cache's positions of `slots`).
             memory: (B, M, C) encoder output, for blocks with cross-attention.
             memory_mask: (B, M) True = real memory token.
-            cache: a ModelCache (inference/kv_cache.py), or None.
+            cache: a ModelCache (components/kv_cache.py), or None.
             slots: (T,) cache slots of `ids`, with a cache.
             last_only: the logits of the last position only (generation's prefill needs no
                 more, and the head is the largest matmul: GPT-2's is 768 x 50257).

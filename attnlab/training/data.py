@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from attnlab.training.config import DataConfig
-from attnlab.training.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokenizer
+from attnlab.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokenizer
 
 STDLIB_SKIP = (
     "site-packages",

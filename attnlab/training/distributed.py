@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from attnlab.components.blocks import DecoderBlock  # EncoderBlock is a subclass
-from attnlab.training.checkpoint import load_weights, with_tied_names, without_tied_names
+from attnlab.checkpoint import load_weights, with_tied_names, without_tied_names
 
 Kind = Literal["none", "ddp", "fsdp"]
 

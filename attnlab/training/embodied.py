@@ -35,7 +35,7 @@ from attnlab.models.vision import greedy_generate
 from attnlab.training.config import RunConfig
 from attnlab.training.data import pad_batch
 from attnlab.training.objectives import IGNORE_INDEX, cross_entropy
-from attnlab.training.tokenizer import SPECIAL_TOKENS, Tokenizer
+from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 HELD_OUT_SEED = 1_000_000_000  # held-out scenes: seeds from here up; training seeds below
 EVAL_CHUNK = 250  # held-out scenes per evaluation forward pass

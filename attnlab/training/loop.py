@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from attnlab.configs import to_dict
 from attnlab.training import distributed
-from attnlab.training.checkpoint import CheckpointDir, read_checkpoint
+from attnlab.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.training.checks import check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_, resolve_device

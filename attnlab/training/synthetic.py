@@ -7,7 +7,7 @@ character tokenizer serve. Everything is drawn from a seeded torch.Generator.
 
 import torch
 
-from attnlab.training.tokenizer import Tokenizer, train_char_tokenizer
+from attnlab.tokenizer import Tokenizer, train_char_tokenizer
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyz0123456789"
 TASKS = {

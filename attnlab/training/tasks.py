@@ -21,7 +21,7 @@ from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, p
 from attnlab.training.embodied import SceneTask
 from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
-from attnlab.training.tokenizer import Tokenizer
+from attnlab.tokenizer import Tokenizer
 
 EVAL_SEED = 1234
 SAMPLE_SETTINGS = SamplingConfig(temperature=0.8, top_k=50)

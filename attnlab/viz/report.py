@@ -104,7 +104,7 @@ def _encode(text: str, tokenizer, vocab_size: int, max_len: int) -> tuple[torch.
 def load_for_viz(opts: AttentionViz) -> tuple[nn.Module, object, str]:
     """(model in eval mode, tokenizer or None, a name for titles)."""
     if opts.ckpt is not None:
-        from attnlab.training.checkpoint import load_pretrained
+        from attnlab.checkpoint import load_pretrained
 
         model, tokenizer, _ = load_pretrained(opts.ckpt)
         return model, tokenizer, Path(opts.ckpt).name

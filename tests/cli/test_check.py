@@ -10,7 +10,7 @@ from attnlab.interop.convert import save_attnlab
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import llama_tiny
-from attnlab.training.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import train_char_tokenizer
 
 
 @pytest.fixture

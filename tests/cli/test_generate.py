@@ -8,7 +8,7 @@ import torch
 from attnlab.cli.__main__ import main
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
-from attnlab.training.checkpoint import load_pretrained
+from attnlab.checkpoint import load_pretrained
 
 SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 PROMPT = "ROMEO:"

@@ -5,13 +5,13 @@ import torch
 
 from attnlab.cli.__main__ import main
 from attnlab.inference.generate import generate
-from attnlab.inference.quantize import Int4Linear, Int8Linear, load_quantized, read_scheme
+from attnlab.quantize import Int4Linear, Int8Linear, load_quantized, read_scheme
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.training.checkpoint import save_checkpoint
+from attnlab.checkpoint import save_checkpoint
 from attnlab.training.config import RunConfig
-from attnlab.training.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import train_char_tokenizer
 
 
 @pytest.fixture

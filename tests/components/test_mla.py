@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.components.positions import ALiBi, RoPE
-from attnlab.inference.kv_cache import LatentCache
+from attnlab.components.kv_cache import LatentCache
 
 ATOL = 1e-5  # fp32, max abs difference
 HF_ATOL = 1e-4

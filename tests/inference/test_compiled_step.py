@@ -11,7 +11,7 @@ from torch import nn
 
 from attnlab.inference.gemv import compile_decode_step
 from attnlab.inference.generate import generate, stream_tokens
-from attnlab.inference.quantize import quantize_model
+from attnlab.quantize import quantize_model
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset

@@ -18,7 +18,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig
 from attnlab.models.presets import get_preset
-from attnlab.training.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import train_char_tokenizer
 
 GREEDY = SamplingConfig(temperature=0.0)
 VOCAB = 23

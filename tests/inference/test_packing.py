@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from attnlab.inference.packing import ALIGN_BYTES, pack_weights
-from attnlab.inference.quantize import quantize_model
+from attnlab.quantize import quantize_model
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 

@@ -9,8 +9,8 @@ from attnlab.interop.convert import convert, detect_format, load_any, load_attnl
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import bert_tiny, llama_tiny
-from attnlab.training.checkpoint import load_pretrained
-from attnlab.training.tokenizer import train_char_tokenizer
+from attnlab.checkpoint import load_pretrained
+from attnlab.tokenizer import train_char_tokenizer
 from tests.interop.helpers import padded_batch, same_state
 
 

@@ -16,7 +16,7 @@ from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig, VisionConfig
 from attnlab.models.presets import VISION_PRESETS, get_preset
 from attnlab.models.vision import PrefixVisionLM, VisionEncoderDecoder, greedy_generate
-from attnlab.training.checkpoint import load_pretrained, save_checkpoint
+from attnlab.checkpoint import load_pretrained, save_checkpoint
 from attnlab.training.config import RunConfig
 
 B, T, V = 2, 6, 40

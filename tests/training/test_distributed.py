@@ -26,7 +26,7 @@ from attnlab.configs import to_dict
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.training import distributed
-from attnlab.training.checkpoint import (
+from attnlab.checkpoint import (
     CheckpointDir,
     read_checkpoint,
     save_checkpoint,

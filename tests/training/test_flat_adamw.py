@@ -9,7 +9,7 @@ from torch import nn
 
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.training.checkpoint import read_checkpoint, save_checkpoint
+from attnlab.checkpoint import read_checkpoint, save_checkpoint
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.flat_adamw import FlatAdamW
 from attnlab.training.optim import param_groups

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab.models.build import build_model
-from attnlab.training.checkpoint import CheckpointDir, load_checkpoint
+from attnlab.checkpoint import CheckpointDir, load_checkpoint
 from attnlab.training.loop import TrainingDiverged, train
 from attnlab.training.tasks import build_task
 from tests.compile_helpers import needs_compiler
@@ -72,7 +72,7 @@ SIGKILL_SCRIPT = """
 import json, os, signal, sys
 import torch
 torch.set_num_threads(1)
-import attnlab.training.checkpoint as ckpt
+import attnlab.checkpoint as ckpt
 from attnlab.configs import from_dict
 from attnlab.models.build import build_model
 from attnlab.training.config import RunConfig

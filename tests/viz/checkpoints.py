@@ -11,7 +11,7 @@ from safetensors.torch import save_model
 from attnlab.configs import to_dict
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.training.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import train_char_tokenizer
 
 TEXT = "def attention(q, k, v):\n    return softmax(q @ k.T) @ v\n"
 

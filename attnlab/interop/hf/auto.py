@@ -14,7 +14,7 @@ from torch import nn
 
 from attnlab.interop.hf import bert, common, gpt2, llama, t5
 from attnlab.models.config import ModelConfig
-from attnlab.training.tokenizer import Tokenizer
+from attnlab.tokenizer import Tokenizer
 
 # HF architecture name -> the module that converts it.
 ARCHITECTURES: dict[str, ModuleType] = {

@@ -12,7 +12,7 @@ from attnlab.interop.hf import gpt2, load_hf, load_tokenizer, save_hf, save_toke
 from attnlab.interop.hf.common import read_state_dict
 from attnlab.models.build import build_model
 from attnlab.models.presets import bert_tiny, get_preset, gpt2_tiny, llama_tiny, t5_tiny
-from attnlab.training.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import train_char_tokenizer
 from tests.interop.helpers import padded_batch, same_state
 
 

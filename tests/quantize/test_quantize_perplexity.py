@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.inference.quantize import quantize_model
+from attnlab.quantize import quantize_model
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.tasks import build_task
 
-SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 EVAL_BATCHES = 16  # x 16 sequences x 64 characters, the same seeded batches for every model
 MAX_RISE = {"int8": 0.01, "int4": 0.05}
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.training.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
+from attnlab.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.optim import build_optimizer
 

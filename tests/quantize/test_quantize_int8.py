@@ -1,4 +1,4 @@
-"""Int8 weight-only quantization (attnlab/inference/quantize/int8.py).
+"""Int8 weight-only quantization (attnlab/quantize/int8.py).
 
 Documented tolerance, "int8 ~ float": each output of Int8Linear differs from the float Linear's
 by at most sum_k |x_k| * scale_n / 2 (every weight is off by at most half its row's scale), which
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab.inference.quantize.int8 import (
+from attnlab.quantize.int8 import (
     Int8Linear,
     dequantize_int8,
     int8_kernel_available,

@@ -191,11 +191,11 @@ def load_pretrained(path: str | Path, device: str = "cpu"):
     quantized checkpoint (written by `attnlab quantize`) loads with its quantized layers.
     """
     from attnlab.configs import from_dict
-    from attnlab.inference.quantize.handler import load_quantized, read_scheme
+    from attnlab.quantize.handler import load_quantized, read_scheme
     from attnlab.models.build import build_model
     from attnlab.models.config import ModelConfig
     from attnlab.models.weights import load_safetensors
-    from attnlab.training.tokenizer import Tokenizer
+    from attnlab.tokenizer import Tokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():

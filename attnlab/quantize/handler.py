@@ -39,8 +39,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 
-from attnlab.inference.quantize.int4 import GROUP_SIZES, Int4Linear, pack_int4, quantize_int4
-from attnlab.inference.quantize.int8 import Int8Linear, quantize_int8
+from attnlab.quantize.int4 import GROUP_SIZES, Int4Linear, pack_int4, quantize_int4
+from attnlab.quantize.int8 import Int8Linear, quantize_int8
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.weights import load_weights, shared_groups
 
@@ -252,7 +252,7 @@ def load_quantized(
     from attnlab.configs import from_dict
     from attnlab.models.build import build_model
     from attnlab.models.config import ModelConfig
-    from attnlab.training.tokenizer import Tokenizer
+    from attnlab.tokenizer import Tokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
@@ -330,7 +330,7 @@ def quantize_checkpoint(
 
     The error is measured on `n_inputs` random sequences of min(seq_len, max_seq_len) tokens.
     """
-    from attnlab.training.checkpoint import load_pretrained
+    from attnlab.checkpoint import load_pretrained
 
     ckpt = Path(ckpt)
     if Path(out).resolve() == ckpt.resolve():

@@ -1,6 +1,6 @@
 """Weight-only quantization: int8 per output channel, int4 group-wise; see handler.py."""
 
-from attnlab.inference.quantize.handler import (
+from attnlab.quantize.handler import (
     DEFAULT_GROUP_SIZE,
     SCHEMES,
     LogitError,
@@ -18,8 +18,8 @@ from attnlab.inference.quantize.handler import (
     save_quantized,
     swap_modules,
 )
-from attnlab.inference.quantize.int4 import Int4Linear, dequantize_int4, quantize_int4
-from attnlab.inference.quantize.int8 import Int8Linear, dequantize_int8, quantize_int8
+from attnlab.quantize.int4 import Int4Linear, dequantize_int4, quantize_int4
+from attnlab.quantize.int8 import Int8Linear, dequantize_int8, quantize_int8
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",

@@ -1,5 +1,5 @@
 """quantize_state_dict / swap_modules / quantize_model, and quantized checkpoints
-(attnlab/inference/quantize/handler.py): which layers, the two steps composing, the scheme in the
+(attnlab/quantize/handler.py): which layers, the two steps composing, the scheme in the
 safetensors metadata, and clear errors for the wrong scheme."""
 
 import json
@@ -13,7 +13,7 @@ from torch import nn
 
 from attnlab.configs import to_dict
 from attnlab.inference.generate import generate
-from attnlab.inference.quantize import (
+from attnlab.quantize import (
     Int4Linear,
     Int8Linear,
     float_misfits,
@@ -30,7 +30,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.models.weights import load_weights
-from attnlab.training.checkpoint import save_checkpoint
+from attnlab.checkpoint import save_checkpoint
 from attnlab.training.config import RunConfig
 
 QUANT = {"int8": Int8Linear, "int4": Int4Linear}

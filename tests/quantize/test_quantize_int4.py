@@ -1,4 +1,4 @@
-"""Int4 group-wise asymmetric quantization (attnlab/inference/quantize/int4.py).
+"""Int4 group-wise asymmetric quantization (attnlab/quantize/int4.py).
 
 Packing is a bijection (exact round trips), every weight is within half its group's scale of
 its dequantized value, and the fused CPU kernel (in its own blocked layout, built from ours)
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab.inference.quantize.int4 import (
+from attnlab.quantize.int4 import (
     Int4Linear,
     dequantize_int4,
     int4_kernel_available,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from attnlab.training.tokenizer import (
+from attnlab.tokenizer import (
     SPECIAL_TOKENS,
     Tokenizer,
     train_bpe_tokenizer,
