@@ -330,6 +330,7 @@ def test_cross_attention_without_memory_raises():
         attn(torch.randn(2, 5, 32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "T, sdpa_in_graph",
     [(1, False), (SHORT_KEYS_CPU, False), (SHORT_KEYS_CPU + 1, True)],

@@ -38,6 +38,7 @@ def test_gelu_exact_and_tanh():
     assert (ACTIVATIONS["gelu"](x) - ACTIVATIONS["gelu_tanh"](x)).abs().max() > 1e-5  # distinct
 
 
+@pytest.mark.slow
 def test_gelu_tanh_compiled_is_the_same_function():
     # Inside torch.compile gelu_tanh takes its sigmoid form: values and gradients must still
     # be F.gelu's. aot_eager traces it as inductor would (is_compiling() is True) and runs

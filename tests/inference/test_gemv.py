@@ -39,6 +39,7 @@ def test_use_gemv_changes_only_the_class():
         assert torch.equal(model(ids), before)  # eager: F.linear, bit for bit
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("bias", [True, False])
 def test_compiled_one_row_gemv_equals_f_linear(bias):
@@ -65,6 +66,7 @@ def test_compiled_decoding_gives_the_eager_tokens(preset):
     assert torch.stack(tokens, 1).tolist() == eager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows, form", [(1, "gemv"), (4, "linear")])
 def test_the_traced_graph_has_the_gemv_form_for_one_row_only(rows, form):
     with torch.no_grad():

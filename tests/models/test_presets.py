@@ -184,12 +184,52 @@ def test_t5_v1_1_small_parameter_count():
     assert hf in (T5_V1_1_SMALL_PUBLISHED, T5_V1_1_SMALL_PUBLISHED - cfg.vocab_size * cfg.d_model)
 
 
+def vaswani_count(n_layers: int, d_model: int, d_ff: int, vocab: int) -> int:
+    """The 2017 model's parameters, read off the paper (Vaswani et al. 2017).
+
+    §3.2.2: W_Q, W_K, W_V (h heads of d_k = d_model / h) and W_O, each d_model x d_model; §3.3:
+    two linear layers d_model -> d_ff -> d_model; §3.1: LayerNorm after every sub-layer; §3.4 and
+    §5.1: one shared ~37,000-token vocabulary whose matrix serves both embeddings and the
+    pre-softmax projection (counted once). Every projection has a bias, every LayerNorm a gain
+    and a bias; sinusoidal positions (§3.5) have no parameters.
+    """
+    attention = 4 * (d_model * d_model + d_model)
+    ffn = (d_model * d_ff + d_ff) + (d_ff * d_model + d_model)
+    norm = 2 * d_model
+    encoder_layer = attention + ffn + 2 * norm
+    decoder_layer = 2 * attention + ffn + 3 * norm  # self-attention and encoder-decoder attention
+    return n_layers * (encoder_layer + decoder_layer) + vocab * d_model
+
+
 @pytest.mark.parametrize(
-    ("name", "paper"), [("transformer-base", 65_000_000), ("transformer-big", 213_000_000)]
+    ("name", "d_model", "d_ff", "expected"),
+    [("transformer-base", 512, 2048, 63_082_496), ("transformer-big", 1024, 4096, 214_245_376)],
 )
-def test_vaswani_table3_parameter_counts(name, paper):
-    """Vaswani et al. 2017, Table 3 reports 65M (base) and 213M (big), counted unspecified."""
-    assert math.isclose(ours(name), paper, rel_tol=0.05)
+def test_vaswani_presets_are_the_papers_architecture(name, d_model, d_ff, expected):
+    assert vaswani_count(6, d_model, d_ff, 37_000) == expected
+    assert ours(name) == expected
+
+
+# The paper's "65M" is not reachable from its own description: the non-embedding part is
+# 44.14M, so 65M needs a ~40.7k vocabulary while "big" (176.36M + V x 1024 = 213M) needs ~35.8k;
+# no single vocabulary gives both, and §5.1's ~37k (3-way tied) gives 63.08M, 2.95% short. Within
+# 2% of 65M needs V >= 38.2k, which is not "about 37000"; so the preset stays as the paper
+# describes it, and this gap is recorded rather than hidden by a wider tolerance.
+BASE_GAP = "Table 3's 65M is 2.95% above the described model (63.08M, see vaswani_count)"
+
+
+@pytest.mark.parametrize(
+    ("name", "paper"),
+    [
+        pytest.param(
+            "transformer-base", 65_000_000, marks=pytest.mark.xfail(strict=True, reason=BASE_GAP)
+        ),
+        ("transformer-big", 213_000_000),
+    ],
+)
+def test_vaswani_table3_parameter_counts_within_2_percent(name, paper):
+    """Vaswani et al. 2017, Table 3 reports 65M (base) and 213M (big); the spec allows 2%."""
+    assert math.isclose(ours(name), paper, rel_tol=0.02)
 
 
 def test_published_counts_without_transformers():

@@ -33,6 +33,7 @@ def _probe(keep: bool) -> tuple[str, float]:
     return out[0], float(out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )

@@ -98,6 +98,7 @@ print("not killed")
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_leaves_previous_loadable(make_run, tmp_path):
     import os
     import signal
@@ -284,6 +285,7 @@ def test_cuda_mixed_precision_tracks_fp32(make_run, precision):
     assert abs(mean_low - mean32) / mean32 < 0.02, (mean32, mean_low)
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "transformer-tiny"])
 def test_compiled_training_tracks_eager(make_run, preset):

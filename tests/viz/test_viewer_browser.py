@@ -103,6 +103,7 @@ def check_highlight(page, selector: str, expected: torch.Tensor) -> None:
         assert alpha(color) == pytest.approx(w / peak if w > 0 else 0.0, abs=0.01), (color, w)
 
 
+@pytest.mark.slow
 def test_viewer_shows_the_captured_weights(browser_page, viewer):
     path, maps, tokens = viewer
     page = browser_page

@@ -100,6 +100,12 @@ def _rope_params(hf: dict) -> dict:
 
 
 def scaling_from_hf(params: dict, max_positions: int) -> RopeScaling | None:
+    """HF rope parameters -> RopeScaling; `max_positions` is config.json's max_position_embeddings.
+
+    Dynamic NTK takes `max_positions` as the original length and ignores any
+    `original_max_position_embeddings`, exactly as transformers does
+    (`_compute_dynamic_ntk_parameters` and the rotary embedding's `original_max_seq_len`).
+    """
     kind = params["rope_type"]
     original = params.get("original_max_position_embeddings", max_positions)
     factor = params.get("factor")
@@ -108,7 +114,7 @@ def scaling_from_hf(params: dict, max_positions: int) -> RopeScaling | None:
     if kind == "linear":
         return RopeScaling("linear", factor, original)
     if kind == "dynamic":
-        return RopeScaling("dynamic", factor, original)
+        return RopeScaling("dynamic", factor, max_positions)
     if kind == "llama3":
         return RopeScaling(
             "llama3",
@@ -136,12 +142,15 @@ def scaling_from_hf(params: dict, max_positions: int) -> RopeScaling | None:
 
 
 def scaling_to_hf(s: RopeScaling | None) -> dict:
+    """RopeScaling -> HF rope parameters (dynamic NTK's length goes in max_position_embeddings)."""
     if s is None:
         return {"rope_type": "default"}
     if s.kind == "ntk":
         raise ValueError("HF has no static NTK RoPE scaling (only 'dynamic'); cannot save it")
     out = {"rope_type": s.kind, "factor": s.factor}
-    if s.kind != "linear":  # linear interpolation does not use the original length
+    # Linear interpolation does not use the original length; HF's dynamic NTK reads it from
+    # max_position_embeddings (see config_to_hf) and warns about the key.
+    if s.kind not in ("linear", "dynamic"):
         out["original_max_position_embeddings"] = s.original_max_seq_len
     if s.kind == "llama3":
         out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
@@ -269,6 +278,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> an HF config.json dict for llama, mistral or qwen2 (see `family_of`)."""
     check_config(cfg)
     family = family_of(cfg)
+    # HF's dynamic NTK scales past max_position_embeddings, so that field carries our original
+    # length; like every RoPE model, HF runs past max_position_embeddings without complaint.
+    scaling = cfg.rope.scaling
+    dynamic = scaling is not None and scaling.kind == "dynamic"
+    max_positions = scaling.original_max_seq_len if dynamic else cfg.max_seq_len
     act = (
         "silu"
         if cfg.ffn == "swiglu"
@@ -284,7 +298,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": act,
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_theta": cfg.rope.theta, **scaling_to_hf(cfg.rope.scaling)},
         "tie_word_embeddings": cfg.tie_embeddings,
