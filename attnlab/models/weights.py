@@ -21,6 +21,22 @@ def shared_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
+def without_tied_names(weights: dict, model: nn.Module) -> dict:
+    """`weights` with a tied matrix under its first name only, so that it is stored once."""
+    drop = {name for names in shared_groups(model) for name in names[1:]}
+    return {k: v for k, v in weights.items() if k not in drop}
+
+
+def with_tied_names(weights: dict, model: nn.Module) -> dict:
+    """`weights` with a tied matrix under all of its names (it is stored under any one)."""
+    weights = dict(weights)
+    for names in shared_groups(model):
+        stored = [n for n in names if n in weights]
+        if stored:
+            weights.update({n: weights[stored[0]] for n in names if n not in weights})
+    return weights
+
+
 def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
     """Assign `state_dict` to `model` (possibly on meta); every parameter must be given once.
 
@@ -28,12 +44,7 @@ def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
         ValueError listing missing and unexpected names, or a name with its two shapes.
     """
     groups = shared_groups(model)
-    state_dict = dict(state_dict)
-    for names in groups:  # a tied tensor may be stored under any one of its names
-        present = [n for n in names if n in state_dict]
-        for n in names:
-            if present and n not in state_dict:
-                state_dict[n] = state_dict[present[0]]
+    state_dict = with_tied_names(state_dict, model)  # a tied tensor may be stored under any name
     expected = model.state_dict()  # parameters (tied ones under every name) and saved buffers
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))

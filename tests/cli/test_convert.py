@@ -2,8 +2,8 @@
 
 import torch
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.__main__ import main
-from attnlab.interop.convert import load_any
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import gpt2_tiny
@@ -41,7 +41,8 @@ def test_hf_to_attnlab_and_back(tmp_path, capsys):
         )
         == 0
     )
-    again, cfg, _ = load_any(tmp_path / "hf2")
+    loaded = open_checkpoint(tmp_path / "hf2")
+    again, cfg = loaded.model, loaded.config
     assert cfg == gpt2_tiny()
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
 
