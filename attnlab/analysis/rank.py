@@ -296,7 +296,8 @@ class RankAnalysis:
     ckpt: str | None = field(
         default=None,
         metadata={
-            "help": "checkpoint: also measure its trained weights and the same config at init"
+            "help": "checkpoint (or a run's out_dir): also measure its trained weights and the "
+            "same config at init"
         },
     )
     text: str | None = field(

@@ -20,7 +20,7 @@ the checkpoint's metadata records which was done.
 A quantized checkpoint is a directory like a training checkpoint, loadable on its own:
 
     config.json         the run config, as saved by training (the model is rebuilt from it)
-    tokenizer.json      copied from the float checkpoint, when it has one
+    tokenizer.json      the float checkpoint's tokenizer, when it has one
     model.safetensors   quantized tensors; the scheme lives in the file's metadata:
                         {"quantization": "int8"} or {"quantization": "int4", "group_size": "32"},
                         and {"heads": "quantized"} or {"heads": "float"} (absent: float)

@@ -39,7 +39,10 @@ class AttentionViz:
 
     ckpt: str | None = field(
         default=None,
-        metadata={"help": "checkpoint directory (default: a randomly initialised --preset)"},
+        metadata={
+            "help": "checkpoint directory, a run's out_dir (its latest) or an HF directory "
+            "(default: a randomly initialised --preset)"
+        },
     )
     preset: str = field(
         default="transformer-tiny",
