@@ -50,12 +50,12 @@ def answer_scene(
         device: where the model runs.
     """
     loaded = open_checkpoint(ckpt, device)
-    model, run = loaded.model, from_dict(RunConfig, loaded.run)
-    if run.data.task not in ("vqa", "vla"):
+    task = loaded.run.get("data", {}).get("task")  # a model-only checkpoint has no data section
+    if task not in ("vqa", "vla"):
         raise ValueError(
-            f"checkpoint {str(ckpt)!r} was trained on task {run.data.task!r}, "
-            "not on scenes ('vqa' or 'vla')"
+            f"checkpoint {str(ckpt)!r} was trained on task {task!r}, not on scenes ('vqa' or 'vla')"
         )
+    model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = SceneTask(run)
     scene = make_scene(seed, task.form, task.grid)
     got = task.answers(model, [scene], device)[0]
