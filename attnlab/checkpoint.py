@@ -252,18 +252,16 @@ def open_checkpoint(
             f"{str(path)!r} is not a checkpoint (no {CONFIG}; give a checkpoint directory, "
             "or a run directory whose checkpoints/latest names one)"
         )
-    config = json.loads((path / CONFIG).read_text())
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path / CONFIG)!r} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{str(path / CONFIG)!r} must hold a JSON object")
     if is_hf_config(config):
         if scheme is not None:
             raise ValueError(f"{str(path)!r} is an HF directory, but {scheme} was asked for")
-        model, cfg = load_hf(path, layout=layout, dtype=dtype)
-        run: dict = {"model": to_dict(cfg)}
-        if isinstance(model, EncoderForClassification):
-            run["n_labels"] = model.classifier.out_features
-        tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
-        return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+        return _open_hf(path, device, layout, dtype)
     if layout != "half":
         raise ValueError(
             f"layout={layout!r} applies to HF checkpoints; {str(path)!r} records its own"
@@ -272,23 +270,42 @@ def open_checkpoint(
         raise ValueError(f"{str(path / CONFIG)!r} has no 'model' section (nor an HF model_type)")
     if not (path / WEIGHTS).is_file():
         raise ValueError(f"{str(path)!r} is not a checkpoint (no {WEIGHTS})")
-    cfg = from_dict(ModelConfig, config["model"])
     found = _expected_scheme(path / WEIGHTS, scheme, group_size)
+    return _open_attnlab(path, config, found, device, dtype)
+
+
+def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Loaded:
+    """An HF directory through its family converter (interop.hf); run = {"model": ...}."""
+    model, cfg = load_hf(path, layout=layout, dtype=dtype)
+    run: dict = {"model": to_dict(cfg)}
+    if isinstance(model, EncoderForClassification):
+        run["n_labels"] = model.classifier.out_features
+    tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
+    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+
+
+def _open_attnlab(
+    path: Path, run: dict, scheme: QuantScheme | None, device, dtype: torch.dtype | None
+) -> Loaded:
+    """Build the model of `run` on meta (a classifier when it has n_labels; the quantized
+    Linears of `scheme`), then assign the tensors of model.safetensors."""
+    cfg = from_dict(ModelConfig, run["model"])
     with torch.device("meta"):
-        model = build_model(cfg, n_labels=config.get("n_labels"))
-    if found is not None:  # the same Linears as when it was quantized, still empty
+        model = build_model(cfg, n_labels=run.get("n_labels"))
+    if scheme is not None:  # the same Linears as when it was quantized, still empty
         heads = read_heads_quantized(path / WEIGHTS)
-        names = linear_names(model, heads, found.group_size)
-        swap_modules(model, found.name, found.group_size, names)
+        names = linear_names(model, heads, scheme.group_size)
+        swap_modules(model, scheme.name, scheme.group_size, names)
     load_weights(model, load_file(str(path / WEIGHTS), device=str(device)))
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
-    return Loaded(model.to(device).eval(), cfg, tokenizer, config, path)
+    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
 
 
 def _expected_scheme(file: Path, scheme: str | None, group_size: int | None) -> QuantScheme | None:
-    """The scheme in `file`'s metadata, checked against the one asked for (if any)."""
+    """The scheme in `file`'s metadata (None: float weights), checked against the one asked
+    for (if any)."""
     found = read_scheme(file)
     if scheme is None:
         return found

@@ -112,6 +112,9 @@ def test_bad_directories_name_what_is_missing(tmp_path):
     (tmp_path / "odd" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="has no 'model' section"):
         open_checkpoint(tmp_path / "odd")
+    (tmp_path / "odd" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json' is not valid JSON"):
+        open_checkpoint(tmp_path / "odd")
     cfg = get_preset("gpt2-tiny")
     save_pretrained(tmp_path / "m", build_model(cfg), cfg)
     (tmp_path / "m" / "model.safetensors").unlink()
