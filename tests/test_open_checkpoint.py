@@ -122,3 +122,29 @@ def test_bad_directories_name_what_is_missing(tmp_path):
         open_checkpoint(tmp_path / "m")
     with pytest.raises(ValueError, match="layout='interleaved' applies to HF"):
         open_checkpoint(tmp_path / "m", layout="interleaved")
+
+
+@pytest.mark.hf
+def test_a_transformers_classifier_through_both_saves_matches_transformers(tmp_path):
+    """HF directory -> open -> save_pretrained -> open: logits equal transformers' own."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = T.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    hf = T.BertForSequenceClassification(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    first = open_checkpoint(tmp_path / "hf")
+    save_pretrained(tmp_path / "ours", first.model, first.config)
+    again = open_checkpoint(tmp_path / "ours")
+    assert isinstance(again.model, EncoderForClassification) and again.run["n_labels"] == 3
+    ids = torch.randint(100, (2, 9))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        torch.testing.assert_close(again.model(ids), expected, rtol=0, atol=1e-4)
