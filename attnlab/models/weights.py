@@ -5,11 +5,12 @@ Build on "meta" (shapes only, no memory), read the tensors (safetensors, memory-
 name at a time, which would silently untie shared ones (embedding = LM head, the encoder and
 decoder embedding of T5), so the groups of names that share a tensor are recorded first and
 re-linked after. A safetensors file stores a shared tensor once, under one of its names.
+
+`shared_groups` is the one place that finds tied names; `with_tied_names` / `without_tied_names`
+spread a stored tensor to all of them or keep it under one (attnlab.checkpoint reads and writes
+files with them, and opens checkpoints through `load_weights`).
 """
 
-from pathlib import Path
-
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 
@@ -65,8 +66,3 @@ def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
             owner, _, attr = n.rpartition(".")
             setattr(model.get_submodule(owner), attr, first)
     return model
-
-
-def load_safetensors(model: nn.Module, path: str | Path, device: str = "cpu") -> nn.Module:
-    """Load a model.safetensors file into `model` (see load_weights)."""
-    return load_weights(model, load_file(str(path), device=device))
