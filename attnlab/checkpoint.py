@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from attnlab.configs import from_dict, to_dict
@@ -332,8 +332,9 @@ def save_pretrained(
     """Write a model-only checkpoint directory that `open_checkpoint` reads.
 
     config.json holds `run` (default: none but the model) with its "model" section set to
-    `config` and, for a classifier, "n_labels"; model.safetensors stores a tied tensor once,
-    with `metadata` (a quantized model's scheme); tokenizer.json is written when given.
+    `config` and, for a classifier, "n_labels"; model.safetensors stores a tied tensor once
+    (under its first name, as save_checkpoint does), with `metadata` (a quantized model's
+    scheme); tokenizer.json is written when given.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -341,7 +342,8 @@ def save_pretrained(
     if isinstance(model, EncoderForClassification):
         run["n_labels"] = model.classifier.out_features
     _write_json(path / CONFIG, run)
-    save_model(model, str(path / WEIGHTS), metadata=metadata)  # tied tensors once
+    weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / WEIGHTS), metadata)
     if tokenizer is not None:
         tokenizer.save(path / TOKENIZER)
     return path
