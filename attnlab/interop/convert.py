@@ -12,7 +12,7 @@ and back are what `attnlab convert` runs.
 from pathlib import Path
 from typing import Literal
 
-from attnlab.checkpoint import open_checkpoint, save_pretrained
+from attnlab.checkpoint import open_checkpoint, resolve_checkpoint, save_pretrained
 from attnlab.interop.hf import common
 from attnlab.interop.hf.auto import save_hf
 
@@ -40,7 +40,7 @@ def convert(
 
     Args:
         src_format, dst_format: "hf" or "attnlab" (they may be equal: a re-save).
-        src, dst: directories.
+        src, dst: directories (src may be a run directory: its latest checkpoint).
         layout: the RoPE layout of the attnlab model read from or written to an HF Llama-family
             checkpoint (the q/k rows are permuted; HF itself is always "half").
 
@@ -50,6 +50,7 @@ def convert(
     for name, fmt in (("from", src_format), ("to", dst_format)):
         if fmt not in FORMATS:
             raise ValueError(f"--{name} format {fmt!r} is not one of {FORMATS}")
+    src = resolve_checkpoint(src)  # a run directory: its latest checkpoint
     found = detect_format(src)
     if found != src_format:
         raise ValueError(f"{str(src)!r} is an {found} checkpoint, not {src_format}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, resolve_checkpoint
 from attnlab.interop.check import Report, check
 from attnlab.interop.convert import detect_format
 from attnlab.interop.hf import common
@@ -74,6 +74,7 @@ def check_dirs(
 ) -> Report:
     """Load both directories (see the module docstring) and `check` them on `inputs`."""
     under_test = open_checkpoint(model_dir, layout=layout)
+    reference_dir = resolve_checkpoint(reference_dir)  # a run directory: its latest checkpoint
     if detect_format(reference_dir) == "hf":
         reference = load_transformers(reference_dir)
         ref_tokenizer = None
