@@ -32,6 +32,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from attnlab.checkpoint import open_checkpoint
+from attnlab.models.build import build_model
+from attnlab.viz.attention_maps import run_attention
+from attnlab.viz.capture import attention_layers
+
 ENERGY = 0.99  # fraction of sum(sigma^2) the energy rank keeps
 RANDOM_WIDTH = 64  # C, the width of the random inputs X (n, C)
 
@@ -198,9 +203,6 @@ def model_rank_table(
         ids: (1, n) token ids.
         source: label prefix ("init", "trained").
     """
-    from attnlab.viz.attention_maps import run_attention
-    from attnlab.viz.capture import attention_layers
-
     maps = run_attention(model.eval(), ids)
     layers = attention_layers(model)
     rows = []
@@ -294,7 +296,8 @@ class RankAnalysis:
     ckpt: str | None = field(
         default=None,
         metadata={
-            "help": "checkpoint: also measure its trained weights and the same config at init"
+            "help": "checkpoint (or a run's out_dir): also measure its trained weights and the "
+            "same config at init"
         },
     )
     text: str | None = field(
@@ -348,13 +351,8 @@ def rank_analysis(opts: RankAnalysis) -> tuple[list[RankRow], str]:
 
 
 def _checkpoint_rows(opts: RankAnalysis, text: list[str]) -> list[RankRow]:
-    from attnlab.configs import from_dict
-    from attnlab.models.build import build_model
-    from attnlab.models.config import ModelConfig
-    from attnlab.checkpoint import load_pretrained
-
-    trained, tokenizer, run = load_pretrained(opts.ckpt)
-    cfg = from_dict(ModelConfig, run["model"])
+    loaded = open_checkpoint(opts.ckpt)
+    trained, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.config
     torch.manual_seed(opts.seed)
     init = build_model(cfg).eval()
     ns = [n for n in opts.n if n <= cfg.max_seq_len]

@@ -5,8 +5,9 @@ A thin wrapper over attnlab/analysis/rank.py; flags come from its RankAnalysis d
 
 import argparse
 
-from attnlab.analysis.rank import RankAnalysis, rank_analysis
+from attnlab.analysis.rank import RankAnalysis, random_spectra, rank_analysis
 from attnlab.cli.viz import add_dataclass_flags, options_from_args
+from attnlab.viz.rank import plot_rank
 
 ANALYSES = {
     "rank": (
@@ -28,9 +29,6 @@ def run(args: argparse.Namespace) -> int:
     rows, report = rank_analysis(opts)
     print(report)
     if opts.plot:
-        from attnlab.analysis.rank import random_spectra
-        from attnlab.viz.rank import plot_rank
-
         d_k = min(opts.d_k)
         spectra = random_spectra(list(opts.n), d_k, opts.seed, opts.causal)
         plot_rank(rows, spectra, d_k, out=opts.plot)

@@ -15,9 +15,8 @@ import matplotlib.image
 import numpy as np
 import torch
 
-from attnlab.cli.generate import resolve_checkpoint
+from attnlab.checkpoint import open_checkpoint
 from attnlab.configs import from_dict
-from attnlab.checkpoint import load_pretrained
 from attnlab.training.config import RunConfig
 from attnlab.training.embodied import SceneTask, answer, make_scene, question, render
 from attnlab.viz.patch_attention import patch_attention, plot_patch_attention
@@ -50,13 +49,13 @@ def answer_scene(
         seed: the scene's seed.  out: directory for scene.png and attention.png.
         device: where the model runs.
     """
-    model, _, saved = load_pretrained(resolve_checkpoint(ckpt), device)
-    run = from_dict(RunConfig, saved)
-    if run.data.task not in ("vqa", "vla"):
+    loaded = open_checkpoint(ckpt, device)
+    task = loaded.run.get("data", {}).get("task")  # a model-only checkpoint has no data section
+    if task not in ("vqa", "vla"):
         raise ValueError(
-            f"checkpoint {str(ckpt)!r} was trained on task {run.data.task!r}, "
-            "not on scenes ('vqa' or 'vla')"
+            f"checkpoint {str(ckpt)!r} was trained on task {task!r}, not on scenes ('vqa' or 'vla')"
         )
+    model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = SceneTask(run)
     scene = make_scene(seed, task.form, task.grid)
     got = task.answers(model, [scene], device)[0]

@@ -3,8 +3,8 @@
 
 import argparse
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.configs import from_dict
-from attnlab.checkpoint import load_pretrained
 from attnlab.training.config import RunConfig
 from attnlab.training.loop import resolve_device
 from attnlab.training.tasks import build_task
@@ -12,7 +12,9 @@ from attnlab.training.tasks import build_task
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--ckpt", required=True, help="checkpoint directory (e.g. runs/x/checkpoints/best)"
+        "--ckpt",
+        required=True,
+        help="checkpoint directory (e.g. runs/x/checkpoints/best), or a run's out_dir (its latest)",
     )
     p.add_argument(
         "--batches",
@@ -26,8 +28,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "auto") -> dict:
     """Load a checkpoint, rebuild its task from the saved run config and evaluate on validation."""
     device = resolve_device(device)
-    model, _, saved = load_pretrained(path, str(device))
-    run = from_dict(RunConfig, saved)
+    loaded = open_checkpoint(path, str(device))
+    if "n_labels" in loaded.run:
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a sequence classifier ({loaded.run['n_labels']} labels); "
+            "attnlab eval scores the LM, MLM and seq2seq tasks of a training run and has no "
+            "labelled data for it"
+        )
+    model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = build_task(run)
     return task.evaluate(model, batches or run.train.eval_batches, device)
 

@@ -13,15 +13,14 @@ generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 import argparse
 import inspect
 import sys
-from pathlib import Path
 
 import torch
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
-from attnlab.checkpoint import LATEST, load_pretrained
 
 SECTION = "sampling"
 DEFAULTS = {k: p.default for k, p in inspect.signature(generate_text).parameters.items()}
@@ -97,17 +96,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         )
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or the latest one under a run's out_dir or checkpoints/."""
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        if (root / LATEST).is_file():
-            return root / (root / LATEST).read_text().strip()
-    return path  # load_pretrained says what is missing
-
-
 def run(args: argparse.Namespace) -> int:
     configs, _ = apply_config_flags({SECTION: SamplingConfig()}, args)
     device = args.device
@@ -120,7 +108,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.prompt is None:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
-    model, tokenizer, saved = load_pretrained(resolve_checkpoint(args.ckpt), device)
+    loaded = open_checkpoint(args.ckpt, device)
+    model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
+    if "n_labels" in saved:
+        raise ValueError(
+            f"checkpoint {args.ckpt!r} is a sequence classifier ({saved['n_labels']} labels) "
+            "with no LM head to generate from; use `attnlab viz attention --ckpt` to look at it"
+        )
     task = saved.get("data", {}).get("task")
     if task in ("vqa", "vla"):
         raise ValueError(

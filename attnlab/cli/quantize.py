@@ -2,13 +2,18 @@
 
 import argparse
 
-from attnlab.quantize.handler import DEFAULT_GROUP_SIZE, SCHEMES, quantize_checkpoint
+from attnlab.inference.quantized import quantize_checkpoint
+from attnlab.quantize.handler import DEFAULT_GROUP_SIZE, SCHEMES
 
 MB = 1e6
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="float checkpoint directory (config.json, ...)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="float checkpoint directory, or a run's out_dir or checkpoints/ (its latest)",
+    )
     p.add_argument("--scheme", required=True, choices=SCHEMES, help="int8 or int4 (weight-only)")
     p.add_argument(
         "--group-size",

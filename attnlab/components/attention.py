@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
+from attnlab.components.kv_cache import KVCache
 from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
 from attnlab.components.positions.base import NoPosition, PositionScheme
@@ -155,8 +156,6 @@ class Attention(nn.Module):
 
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
         """A `KVCache` for this layer's self-attention: (B, K, S_max, D) keys and values."""
-        from attnlab.components.kv_cache import KVCache  # inference builds on components
-
         return KVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
+from attnlab.components.kv_cache import LatentCache
 from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
 from attnlab.components.positions.base import NoPosition, PositionScheme
@@ -195,6 +196,4 @@ class MultiHeadLatentAttention(nn.Module):
 
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
         """A `LatentCache` for this layer: c_kv (B, S_max, r) and k_pe (B, S_max, R) only."""
-        from attnlab.components.kv_cache import LatentCache  # inference builds on components
-
         return LatentCache(B, S_max, self.kv_lora_rank, self.qk_rope_head_dim, dtype, device)

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnlab.checkpoint import open_checkpoint, resolve_checkpoint
 from attnlab.interop.check import Report, check
-from attnlab.interop.convert import detect_format, load_any
+from attnlab.interop.convert import detect_format
 from attnlab.interop.hf import common
 from attnlab.tokenizer import Tokenizer
 
@@ -72,13 +73,15 @@ def check_dirs(
     layout: str = "half",
 ) -> Report:
     """Load both directories (see the module docstring) and `check` them on `inputs`."""
-    model, _, tokenizer = load_any(model_dir, layout=layout)
+    under_test = open_checkpoint(model_dir, layout=layout)
+    reference_dir = resolve_checkpoint(reference_dir)  # a run directory: its latest checkpoint
     if detect_format(reference_dir) == "hf":
         reference = load_transformers(reference_dir)
         ref_tokenizer = None
         if (Path(reference_dir) / "tokenizer.json").is_file():
             ref_tokenizer = Tokenizer.from_file(reference_dir)
     else:
-        reference, _, ref_tokenizer = load_any(reference_dir)
-    ids, mask = parse_inputs(inputs, tokenizer or ref_tokenizer)
-    return check(model, reference, ids, mask, atol=atol)
+        loaded = open_checkpoint(reference_dir)
+        reference, ref_tokenizer = loaded.model, loaded.tokenizer
+    ids, mask = parse_inputs(inputs, under_test.tokenizer or ref_tokenizer)
+    return check(under_test.model, reference, ids, mask, atol=atol)

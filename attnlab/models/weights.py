@@ -5,11 +5,12 @@ Build on "meta" (shapes only, no memory), read the tensors (safetensors, memory-
 name at a time, which would silently untie shared ones (embedding = LM head, the encoder and
 decoder embedding of T5), so the groups of names that share a tensor are recorded first and
 re-linked after. A safetensors file stores a shared tensor once, under one of its names.
+
+`shared_groups` is the one place that finds tied names; `with_tied_names` / `without_tied_names`
+spread a stored tensor to all of them or keep it under one (attnlab.checkpoint reads and writes
+files with them, and opens checkpoints through `load_weights`).
 """
 
-from pathlib import Path
-
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 
@@ -21,6 +22,22 @@ def shared_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
+def without_tied_names(weights: dict, model: nn.Module) -> dict:
+    """`weights` with a tied matrix under its first name only, so that it is stored once."""
+    drop = {name for names in shared_groups(model) for name in names[1:]}
+    return {k: v for k, v in weights.items() if k not in drop}
+
+
+def with_tied_names(weights: dict, model: nn.Module) -> dict:
+    """`weights` with a tied matrix under all of its names (it is stored under any one)."""
+    weights = dict(weights)
+    for names in shared_groups(model):
+        stored = [n for n in names if n in weights]
+        if stored:
+            weights.update({n: weights[stored[0]] for n in names if n not in weights})
+    return weights
+
+
 def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
     """Assign `state_dict` to `model` (possibly on meta); every parameter must be given once.
 
@@ -28,12 +45,7 @@ def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
         ValueError listing missing and unexpected names, or a name with its two shapes.
     """
     groups = shared_groups(model)
-    state_dict = dict(state_dict)
-    for names in groups:  # a tied tensor may be stored under any one of its names
-        present = [n for n in names if n in state_dict]
-        for n in names:
-            if present and n not in state_dict:
-                state_dict[n] = state_dict[present[0]]
+    state_dict = with_tied_names(state_dict, model)  # a tied tensor may be stored under any name
     expected = model.state_dict()  # parameters (tied ones under every name) and saved buffers
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
@@ -54,8 +66,3 @@ def load_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
             owner, _, attr = n.rpartition(".")
             setattr(model.get_submodule(owner), attr, first)
     return model
-
-
-def load_safetensors(model: nn.Module, path: str | Path, device: str = "cpu") -> nn.Module:
-    """Load a model.safetensors file into `model` (see load_weights)."""
-    return load_weights(model, load_file(str(path), device=device))

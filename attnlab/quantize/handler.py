@@ -3,8 +3,9 @@
     float state dict ──quantize_state_dict──> quantized state dict ──┐
     model (built on meta) ──swap_modules──> Int8Linear / Int4Linear ─┴─ load_weights(assign=True)
 
-`quantize_model` runs both steps on a model in memory; `load_quantized` runs the second on a
-model built on the meta device, from a quantized checkpoint.
+`quantize_model` runs both steps on a model in memory; `attnlab.checkpoint.open_checkpoint` runs
+the second on a model built on the meta device, from a quantized checkpoint (and
+`attnlab.inference.quantized` writes one).
 
 What is quantized: every nn.Linear, the LM heads included; embeddings never (a lookup reads one
 row per token, so they cost nothing per decoded token). The head is the largest single matrix a
@@ -19,37 +20,34 @@ the checkpoint's metadata records which was done.
 A quantized checkpoint is a directory like a training checkpoint, loadable on its own:
 
     config.json         the run config, as saved by training (the model is rebuilt from it)
-    tokenizer.json      copied from the float checkpoint, when it has one
+    tokenizer.json      the float checkpoint's tokenizer, when it has one
     model.safetensors   quantized tensors; the scheme lives in the file's metadata:
                         {"quantization": "int8"} or {"quantization": "int4", "group_size": "32"},
                         and {"heads": "quantized"} or {"heads": "float"} (absent: float)
 
 The file name is the same as a float checkpoint's: the metadata, not the name, says what is
-inside, and `load_quantized` refuses a file whose scheme is not the one asked for.
+inside, and `open_checkpoint(path, scheme=...)` refuses a file whose scheme is not the one asked
+for.
 """
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 
-from attnlab.quantize.int4 import GROUP_SIZES, Int4Linear, pack_int4, quantize_int4
-from attnlab.quantize.int8 import Int8Linear, quantize_int8
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.weights import load_weights, shared_groups
+from attnlab.quantize.int4 import GROUP_SIZES, Int4Linear, pack_int4, quantize_int4
+from attnlab.quantize.int8 import Int8Linear, quantize_int8
 
 Scheme = Literal["int8", "int4"]
 SCHEMES: tuple[str, ...] = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32  # int4 only; int8 has one scale per output channel
 METADATA_KEY = "quantization"
 HEADS_KEY = "heads"  # metadata: "quantized" or "float" (files written before it: float)
-WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -209,78 +207,6 @@ def read_heads_quantized(path: str | Path) -> bool:
         return (f.metadata() or {}).get(HEADS_KEY) == "quantized"
 
 
-def save_quantized(
-    model: nn.Module,
-    path: str | Path,
-    scheme: Scheme,
-    group_size: int | None,
-    run: dict,
-    tokenizer: str | Path | None = None,
-) -> Path:
-    """Write a quantized checkpoint directory: config.json, model.safetensors, tokenizer.json.
-
-    Args:
-        model: already quantized with this scheme.  run: the run config dict (config.json).
-        tokenizer: a tokenizer.json to copy beside the weights, or None.
-    """
-    s = make_scheme(scheme, group_size)
-    # A float Linear the scheme could have quantized is a head kept in float (heads=False).
-    heads = not linear_names(model, group_size=s.group_size)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(run, indent=2))
-    save_model(model, str(path / WEIGHTS), metadata=scheme_metadata(s, heads))  # tied tensors once
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, path / "tokenizer.json")
-    return path
-
-
-def load_quantized(
-    path: str | Path,
-    scheme: Scheme | None = None,
-    group_size: int | None = None,
-    device: str = "cpu",
-):
-    """A quantized checkpoint directory -> (model in eval mode, tokenizer or None, run dict).
-
-    Args:
-        scheme, group_size: what the caller expects; None accepts what the file holds.
-
-    Raises:
-        ValueError naming both schemes when the file holds another one (or float weights).
-    """
-    from attnlab.configs import from_dict
-    from attnlab.models.build import build_model
-    from attnlab.models.config import ModelConfig
-    from attnlab.tokenizer import Tokenizer
-
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
-        raise ValueError(f"{str(path)!r} is not a checkpoint (needs config.json and {WEIGHTS})")
-    found = read_scheme(path / WEIGHTS)
-    if group_size is None and found is not None:
-        group_size = found.group_size  # "int4" without a group size accepts the file's
-    wanted = None if scheme is None else make_scheme(scheme, group_size)
-    if found is None:
-        raise ValueError(
-            f"{str(path / WEIGHTS)!r} holds unquantized (float) weights, but "
-            f"{wanted or 'a quantized scheme'} was asked for; use load_pretrained"
-        )
-    if wanted is not None and wanted != found:
-        raise ValueError(
-            f"{str(path / WEIGHTS)!r} holds {found} weights, but {wanted} was asked for"
-        )
-    run = json.loads((path / "config.json").read_text())
-    with torch.device("meta"):
-        model = build_model(from_dict(ModelConfig, run["model"]))
-    heads = read_heads_quantized(path / WEIGHTS)
-    names = linear_names(model, heads, found.group_size)
-    swap_modules(model, found.name, found.group_size, names)
-    load_weights(model, load_file(str(path / WEIGHTS), device=device))
-    tokenizer = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
-    return model.to(device).eval(), tokenizer, run
-
-
 @dataclass(frozen=True)
 class LogitError:
     """How far a quantized model's logits are from the float model's on the same inputs."""
@@ -304,61 +230,3 @@ def logit_error(reference: Tensor, quantized: Tensor) -> LogitError:
 def random_inputs(vocab_size: int, n: int, T: int, seed: int = 0) -> Tensor:
     """(n, T) token ids drawn uniformly (seeded) for logit comparisons."""
     return torch.randint(vocab_size, (n, T), generator=torch.Generator().manual_seed(seed))
-
-
-@dataclass(frozen=True)
-class QuantizeReport:
-    scheme: str
-    error: LogitError
-    float_bytes: int  # the float checkpoint's model.safetensors
-    quantized_bytes: int  # the quantized checkpoint's model.safetensors
-    n_quantized: int  # Linear layers quantized
-    kept_float: dict[str, int]  # {name: in_features} of Linears int4's group size does not fit
-
-
-def quantize_checkpoint(
-    ckpt: str | Path,
-    out: str | Path,
-    scheme: Scheme,
-    group_size: int | None = DEFAULT_GROUP_SIZE,
-    n_inputs: int = 4,
-    seq_len: int = 64,
-    seed: int = 0,
-    heads: bool = True,
-) -> QuantizeReport:
-    """Quantize a float checkpoint directory into `out`, measuring the logit error.
-
-    The error is measured on `n_inputs` random sequences of min(seq_len, max_seq_len) tokens.
-    """
-    from attnlab.checkpoint import load_pretrained
-
-    ckpt = Path(ckpt)
-    if Path(out).resolve() == ckpt.resolve():
-        raise ValueError(f"--out must differ from --ckpt (both {str(ckpt)!r})")
-    s = make_scheme(scheme, group_size)
-    found = read_scheme(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
-    if found is not None:
-        raise ValueError(f"{str(ckpt)!r} is already quantized ({found}); quantize a float one")
-    model, _, run = load_pretrained(ckpt)
-    cfg = run["model"]
-    ids = random_inputs(cfg["vocab_size"], n_inputs, min(seq_len, cfg["max_seq_len"]), seed)
-    # An encoder-decoder reads the same ids as source and target.
-    args = (ids, ids) if cfg["arch"] == "encoder_decoder" else (ids,)
-    with torch.no_grad():
-        reference = model(*args)  # (n, T, V)
-        names = linear_names(model, heads, s.group_size)
-        kept_float = float_misfits(model, heads, s.group_size)
-        quantize_model(model, s.name, s.group_size, heads)
-        error = logit_error(reference, model(*args))
-    tokenizer = ckpt / "tokenizer.json"
-    save_quantized(
-        model, out, s.name, s.group_size, run, tokenizer if tokenizer.is_file() else None
-    )
-    return QuantizeReport(
-        str(s),
-        error,
-        (ckpt / WEIGHTS).stat().st_size,
-        (Path(out) / WEIGHTS).stat().st_size,
-        len(names),
-        kept_float,
-    )

@@ -40,8 +40,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from attnlab.checkpoint import copy_weights
 from attnlab.components.blocks import DecoderBlock  # EncoderBlock is a subclass
-from attnlab.checkpoint import load_weights, with_tied_names, without_tied_names
+from attnlab.models.weights import with_tied_names, without_tied_names
 
 Kind = Literal["none", "ddp", "fsdp"]
 
@@ -180,7 +181,7 @@ class Ranks:
         optimizer (rank 0 broadcasts; each rank keeps its shard). Other ranks pass None."""
         inner = self.unwrap(model)
         if self.kind == "none":
-            load_weights(model, weights)
+            copy_weights(model, weights)
             optimizer.load_state_dict(optim_state)
             return
         if self.main:

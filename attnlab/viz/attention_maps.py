@@ -16,7 +16,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from attnlab.viz.capture import AttentionMaps, capture_attention
+from attnlab.models.encoder_decoder import EncoderDecoder
+from attnlab.viz.capture import AttentionMaps, attention_layers, capture_attention
 from attnlab.viz.figures import finish
 
 ANNOTATE_MAX = 12  # write the values into the cells up to this many tokens per axis
@@ -33,9 +34,6 @@ def display_token(token: str) -> str:
 
 def model_kind(model: nn.Module) -> str:
     """ "decoder", "encoder" or "encoder_decoder", from the modules the model holds."""
-    from attnlab.models.encoder_decoder import EncoderDecoder
-    from attnlab.viz.capture import attention_layers
-
     if isinstance(model, EncoderDecoder):
         return "encoder_decoder"
     return "decoder" if "decoder_self" in attention_layers(model) else "encoder"

@@ -30,6 +30,8 @@ from typing import Literal
 from torch import Tensor, nn
 
 from attnlab.components.attention import Attention
+from attnlab.components.blocks import EncoderBlock
+from attnlab.models.decoder import DecoderLM
 
 Kind = Literal["encoder_self", "decoder_self", "cross"]
 KINDS: tuple[str, ...] = ("encoder_self", "decoder_self", "cross")
@@ -41,9 +43,6 @@ def attention_layers(model: nn.Module) -> dict[str, list[Attention]]:
     A `DecoderLM`'s blocks give "decoder_self" and, with cross-attention, "cross"; any other
     stack of `EncoderBlock`s (`Encoder`, the ViT of a vision model) gives "encoder_self".
     """
-    from attnlab.components.blocks import EncoderBlock
-    from attnlab.models.decoder import DecoderLM
-
     found: dict[str, list[Attention]] = {}
     for module in model.modules():
         blocks = getattr(module, "blocks", None)

@@ -1,5 +1,8 @@
 """Pictures of the rank analysis (the numbers come from attnlab/analysis/rank.py).
 
+The rows are attnlab.analysis.rank.RankRow records; they are read by field only, and not
+imported, because the analysis builds on viz (it captures attention with viz.capture).
+
 plot_rank draws rank against sequence length n: one panel per d_k for the random-weight rows,
 the singular-value spectra of one random head, and one panel per weight source (init, trained)
 for rows measured on a model.
@@ -11,7 +14,6 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from attnlab.analysis.rank import RankRow
 from attnlab.viz.figures import finish
 
 
@@ -24,7 +26,7 @@ def _log_axes(ax, ns: list[int]) -> None:
     ax.grid(alpha=0.3, which="both")
 
 
-def _random_panel(ax, rows: list[RankRow], d_k: int) -> None:
+def _random_panel(ax, rows: list, d_k: int) -> None:
     rows = [r for r in rows if r.d_k == d_k]
     ns = sorted({r.n for r in rows})
     heads = sorted({r.n_heads for r in rows})
@@ -69,7 +71,7 @@ def _random_panel(ax, rows: list[RankRow], d_k: int) -> None:
     ax.legend(fontsize=7)
 
 
-def _model_panel(ax, rows: list[RankRow], source: str) -> None:
+def _model_panel(ax, rows: list, source: str) -> None:
     rows = [r for r in rows if r.source.startswith(source + " ")]
     ns = sorted({r.n for r in rows})
     ax.plot(ns, ns, color="0.6", ls="--", lw=1, label="n (full rank)")
@@ -96,7 +98,7 @@ def _model_panel(ax, rows: list[RankRow], source: str) -> None:
 
 
 def plot_rank(
-    rows: list[RankRow],
+    rows: list,
     spectra: dict[int, np.ndarray] | None = None,
     spectra_d_k: int | None = None,
     out: str | Path | None = None,

@@ -14,7 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.components.embedding import TokenEmbedding
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.viz import positions as p
 from attnlab.viz.attention_maps import (
     attention_grid,
     model_kind,
@@ -22,6 +26,8 @@ from attnlab.viz.attention_maps import (
     plot_attention_head,
     run_attention,
 )
+from attnlab.viz.loss import load_metrics, plot_loss
+from attnlab.viz.masks import mask_grids, plot_masks
 from attnlab.viz.viewer import write_viewer
 
 DEFAULT_TEXT = "the cat sat on the mat"
@@ -33,7 +39,10 @@ class AttentionViz:
 
     ckpt: str | None = field(
         default=None,
-        metadata={"help": "checkpoint directory (default: a randomly initialised --preset)"},
+        metadata={
+            "help": "checkpoint directory, a run's out_dir (its latest) or an HF directory "
+            "(default: a randomly initialised --preset)"
+        },
     )
     preset: str = field(
         default="transformer-tiny",
@@ -104,13 +113,8 @@ def _encode(text: str, tokenizer, vocab_size: int, max_len: int) -> tuple[torch.
 def load_for_viz(opts: AttentionViz) -> tuple[nn.Module, object, str]:
     """(model in eval mode, tokenizer or None, a name for titles)."""
     if opts.ckpt is not None:
-        from attnlab.checkpoint import load_pretrained
-
-        model, tokenizer, _ = load_pretrained(opts.ckpt)
-        return model, tokenizer, Path(opts.ckpt).name
-    from attnlab.models.build import build_model
-    from attnlab.models.presets import get_preset
-
+        loaded = open_checkpoint(opts.ckpt)
+        return loaded.model, loaded.tokenizer, Path(opts.ckpt).name
     torch.manual_seed(opts.seed)
     return build_model(get_preset(opts.preset)).eval(), None, f"{opts.preset} (random weights)"
 
@@ -172,8 +176,6 @@ def _max_len(model: nn.Module) -> int:
 
 def position_pictures(opts: PositionViz, out: str | Path) -> list[Path]:
     """Sinusoid heatmap and curves, RoPE score against distance, ALiBi biases, T5 buckets."""
-    from attnlab.viz import positions as p
-
     out = Path(out)
     paths = [
         out / name
@@ -197,8 +199,6 @@ def position_pictures(opts: PositionViz, out: str | Path) -> list[Path]:
 
 def mask_pictures(opts: MaskViz, out: str | Path) -> list[Path]:
     """Every mask kind in one figure."""
-    from attnlab.viz.masks import mask_grids, plot_masks
-
     path = Path(out) / "masks.png"
     grids = mask_grids(opts.seq_len, opts.n_padding, opts.window, opts.prefix)
     plot_masks(grids, out=path)
@@ -207,8 +207,6 @@ def mask_pictures(opts: MaskViz, out: str | Path) -> list[Path]:
 
 def loss_pictures(opts: LossViz, out: str | Path) -> list[Path]:
     """Loss curves (and lr) of a run."""
-    from attnlab.viz.loss import load_metrics, plot_loss
-
     path = Path(out) / "loss.png"
     plot_loss(load_metrics(opts.metrics), path, title=str(opts.metrics))
     return [path]

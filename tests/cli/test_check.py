@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from attnlab.checkpoint import save_pretrained
 from attnlab.cli.__main__ import main
-from attnlab.interop.convert import save_attnlab
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import llama_tiny
@@ -18,8 +18,8 @@ def dirs(tmp_path):
     torch.manual_seed(0)
     model = build_model(llama_tiny()).eval()
     tok = train_char_tokenizer(["the cat sat on the mat"])
-    save_attnlab(model, llama_tiny(), tmp_path / "ours", tok)
-    save_attnlab(model, replace(llama_tiny(), norm_eps=0.5), tmp_path / "buggy", tok)  # planted
+    save_pretrained(tmp_path / "ours", model, llama_tiny(), tok)
+    save_pretrained(tmp_path / "buggy", model, replace(llama_tiny(), norm_eps=0.5), tok)  # planted
     return tmp_path
 
 

@@ -2,11 +2,12 @@
 
 import torch
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.__main__ import main
-from attnlab.interop.convert import load_any
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import gpt2_tiny
+from tests.viz.checkpoints import make_checkpoint
 
 
 def test_hf_to_attnlab_and_back(tmp_path, capsys):
@@ -41,7 +42,8 @@ def test_hf_to_attnlab_and_back(tmp_path, capsys):
         )
         == 0
     )
-    again, cfg, _ = load_any(tmp_path / "hf2")
+    loaded = open_checkpoint(tmp_path / "hf2")
+    again, cfg = loaded.model, loaded.config
     assert cfg == gpt2_tiny()
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
 
@@ -79,3 +81,20 @@ def test_errors_exit_2_with_the_reason(tmp_path, capsys):
         == 2
     )
     assert "is an hf checkpoint, not attnlab" in capsys.readouterr().err
+
+
+def test_a_run_directory_converts_its_latest_checkpoint(tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "run" / "checkpoints" / "step_000003", "gpt2-tiny")
+    (ckpt.parent / "latest").write_text(ckpt.name)
+    argv = [
+        "convert",
+        "--from",
+        "attnlab",
+        str(tmp_path / "run"),
+        "--to",
+        "hf",
+        str(tmp_path / "hf"),
+    ]
+    assert main(argv) == 0
+    a, b = open_checkpoint(ckpt).model, open_checkpoint(tmp_path / "hf").model
+    assert all(torch.equal(b.state_dict()[k], v) for k, v in a.state_dict().items())

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attnlab.cli.__main__ import main
+from tests.viz.checkpoints import make_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +65,11 @@ def test_train_then_answer_a_scene(tmp_path, capsys, monkeypatch):
 def test_missing_checkpoint_is_an_error(tmp_path, capsys):
     assert main(["embodied", "--ckpt", str(tmp_path / "nothing"), "--seed", "1"]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_a_classifier_is_refused_in_one_line(tmp_path, capsys):
+    """A model-only checkpoint (a BERT classifier) has no scene task: one line, exit 2."""
+    ckpt = make_checkpoint(tmp_path / "clf", "bert-tiny", n_labels=3)
+    assert main(["embodied", "--ckpt", str(ckpt), "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained on task None, not on scenes" in err

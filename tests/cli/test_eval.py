@@ -3,6 +3,7 @@
 import torch
 
 from attnlab.cli.__main__ import main
+from tests.viz.checkpoints import make_checkpoint
 
 
 def test_eval_reports_exact_match(tmp_path, capsys):
@@ -39,3 +40,11 @@ def test_eval_reports_exact_match(tmp_path, capsys):
     printed = dict(line.split() for line in capsys.readouterr().out.strip().splitlines())
     assert set(printed) == {"val_loss", "val_exact_match"}
     assert 0.0 <= float(printed["val_exact_match"]) <= 1.0
+
+
+def test_a_classifier_is_refused_in_one_line(tmp_path, capsys):
+    """Issue 18: a BERT classifier opens, and eval says why it has nothing to score it on."""
+    ckpt = make_checkpoint(tmp_path / "clf", "bert-tiny", n_labels=3)
+    assert main(["eval", "--ckpt", str(ckpt), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sequence classifier (3 labels)" in err

@@ -5,10 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
-from attnlab.checkpoint import load_pretrained
+from tests.viz.checkpoints import make_checkpoint
 
 SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 PROMPT = "ROMEO:"
@@ -96,7 +97,8 @@ def test_generate_makes_five_tokens_as_the_library_does(run_dir, capsys):
         "0",
     )
     assert code == 0
-    model, tok, _ = load_pretrained(checkpoint(run_dir))
+    loaded = open_checkpoint(checkpoint(run_dir))
+    model, tok = loaded.model, loaded.tokenizer
     eos = tok.token_id("<eos>")
     new = generate(model, [tok.encode(PROMPT)], 5, SamplingConfig(), stop_tokens=[eos], seed=0)[0]
     assert len(new) == 5 or new[-1] == eos
@@ -131,7 +133,8 @@ def test_sampling_flags_come_from_sampling_config(run_dir, capsys):
         for flag, seed in (("--temperature", "1"), ("--sampling.temperature", "2"))
     ]
     assert outs[0] == outs[1]
-    model, tok, _ = load_pretrained(checkpoint(run_dir))
+    loaded = open_checkpoint(checkpoint(run_dir))
+    model, tok = loaded.model, loaded.tokenizer
     greedy = generate(
         model,
         [tok.encode(PROMPT)],
@@ -198,3 +201,11 @@ def test_a_note_says_when_the_output_passes_the_trained_context(run_dir, capsys)
     code, _, err = cli(capsys, *base, "--max-new-tokens", "11")  # 13 > 12
     assert code == 0
     assert "trained on windows of 12 tokens; prompt + --max-new-tokens is 13" in err
+
+
+def test_a_classifier_is_refused_in_one_line(tmp_path, capsys):
+    """Issue 18: a BERT classifier opens, and generate says why it cannot continue text."""
+    ckpt = make_checkpoint(tmp_path / "clf", "bert-tiny", n_labels=3)
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sequence classifier (3 labels)" in err

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
+from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.inference.generate import generate
-from attnlab.quantize import Int4Linear, Int8Linear, load_quantized, read_scheme
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.checkpoint import save_checkpoint
-from attnlab.training.config import RunConfig
+from attnlab.quantize import Int4Linear, Int8Linear, read_scheme
 from attnlab.tokenizer import train_char_tokenizer
+from attnlab.training.config import RunConfig
 
 
 @pytest.fixture
@@ -48,7 +48,8 @@ def test_quantize_smoke(capsys, tmp_path, ckpt, scheme, group, cls):
     assert "model.safetensors:" in printed and "MB" in printed and "smaller" in printed
     assert "quantized 15 Linear layers" in printed  # 2 blocks x 7, and the head
     assert read_scheme(out / "model.safetensors").name == scheme
-    model, tokenizer, _ = load_quantized(out, scheme)
+    loaded = open_checkpoint(out, scheme=scheme)
+    model, tokenizer = loaded.model, loaded.tokenizer
     assert tokenizer.decode(tokenizer.encode("not to be")) == "not to be"  # copied along
     assert isinstance(model.blocks[0].ffn.up_proj, cls) and isinstance(model.head, cls)
     assert model(torch.randint(256, (1, 8))).shape == (1, 8, 256)
@@ -61,7 +62,8 @@ def test_generate_and_quantize_again_from_a_quantized_checkpoint(capsys, tmp_pat
     argv = ["generate", "--ckpt", str(out), "--prompt", "to be", "--max-new-tokens", "4"]
     assert main([*argv, "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
-    model, tokenizer, _ = load_quantized(out, "int8")
+    loaded = open_checkpoint(out, scheme="int8")
+    model, tokenizer = loaded.model, loaded.tokenizer
     greedy, eos = SamplingConfig(temperature=0.0), tokenizer.token_id("<eos>")
     new = generate(model, [tokenizer.encode("to be")], 4, greedy, stop_tokens=[eos])[0]
     assert printed == "to be" + tokenizer.decode(new) + "\n"
@@ -75,7 +77,7 @@ def test_float_heads_flag_keeps_the_head_float(capsys, tmp_path, ckpt):
     argv = ["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(out)]
     assert main([*argv, "--float-heads"]) == 0
     assert "quantized 14 Linear layers" in capsys.readouterr().out  # 2 blocks x 7
-    model = load_quantized(out, "int8")[0]
+    model = open_checkpoint(out, scheme="int8").model
     assert type(model.head) is torch.nn.Linear
 
 

@@ -77,6 +77,30 @@ def test_attention_from_a_checkpoint_uses_its_tokenizer(tmp_path, capsys):
     assert set("q @ k") <= set(TEXT)
 
 
+def test_attention_of_a_bert_classifier(tmp_path, capsys):
+    """Issue 18: a classifier checkpoint (config.json with n_labels) could not be opened."""
+    ckpt = make_checkpoint(tmp_path / "clf", "bert-tiny", n_labels=3)
+    out = tmp_path / "pics"
+    assert (
+        main(["viz", "attention", "--ckpt", str(ckpt), "--text", "q @ k", "--out", str(out)]) == 0
+    )
+    assert written(capsys) == [
+        "attention_encoder_self.png",
+        "attention_encoder_self_layer0_head0.png",
+        "attention.html",
+    ]
+
+
+def test_attention_from_a_run_directory_uses_its_latest_checkpoint(tmp_path, capsys):
+    """README: `attnlab viz attention --ckpt runs/default` works as `generate` does."""
+    ckpt = make_checkpoint(tmp_path / "run" / "checkpoints" / "step_000004")
+    (ckpt.parent / "latest").write_text(ckpt.name)
+    out = tmp_path / "pics"
+    argv = ["viz", "attention", "--ckpt", str(tmp_path / "run"), "--text", "q @ k"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "attention.html" in written(capsys)
+
+
 def test_bad_head_is_an_error(tmp_path, capsys):
     assert (
         main(["viz", "attention", "--preset", "gpt2-tiny", "--head", "9", "--out", str(tmp_path)])

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from attnlab.interop.convert import convert, detect_format, load_any, load_attnlab, save_attnlab
+from attnlab.checkpoint import open_checkpoint, save_pretrained
+from attnlab.interop.convert import convert, detect_format
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import bert_tiny, llama_tiny
-from attnlab.checkpoint import load_pretrained
 from attnlab.tokenizer import train_char_tokenizer
 from tests.interop.helpers import padded_batch, same_state
 
@@ -18,7 +18,7 @@ from tests.interop.helpers import padded_batch, same_state
 def attnlab_dir(tmp_path):
     model = build_model(llama_tiny()).eval()
     tok = train_char_tokenizer(["the quick brown fox"])
-    return save_attnlab(model, llama_tiny(), tmp_path / "ours", tok), model
+    return save_pretrained(tmp_path / "ours", model, llama_tiny(), tok), model
 
 
 def test_attnlab_to_hf_to_attnlab(attnlab_dir, tmp_path):
@@ -27,7 +27,8 @@ def test_attnlab_to_hf_to_attnlab(attnlab_dir, tmp_path):
     assert detect_format(tmp_path / "hf") == "hf"
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     convert("hf", tmp_path / "hf", "attnlab", tmp_path / "back")
-    again, tok, run = load_pretrained(tmp_path / "back")  # the training loader reads it
+    back = open_checkpoint(tmp_path / "back")
+    again, tok = back.model, back.tokenizer
     assert same_state(again.state_dict(), model.state_dict())
     assert tok.encode("fox") == train_char_tokenizer(["the quick brown fox"]).encode("fox")
 
@@ -36,14 +37,14 @@ def test_interleaved_layout_through_convert(attnlab_dir, tmp_path):
     src, model = attnlab_dir
     convert("attnlab", src, "hf", tmp_path / "hf")
     convert("hf", tmp_path / "hf", "attnlab", tmp_path / "inter", layout="interleaved")
-    inter, cfg, _ = load_attnlab(tmp_path / "inter")
+    opened = open_checkpoint(tmp_path / "inter")
+    inter, cfg = opened.model, opened.config
     assert cfg.rope.layout == "interleaved"
     ids, mask = padded_batch(vocab=256)
     with torch.no_grad():
         assert (inter(ids, mask) - model(ids, mask))[mask].abs().max() <= 1e-5
     convert("attnlab", tmp_path / "inter", "hf", tmp_path / "hf2")  # permuted back on export
-    a, _, _ = load_any(tmp_path / "hf")
-    b, _, _ = load_any(tmp_path / "hf2")
+    a, b = open_checkpoint(tmp_path / "hf").model, open_checkpoint(tmp_path / "hf2").model
     assert same_state(a.state_dict(), b.state_dict())
 
 
@@ -52,7 +53,7 @@ def test_classifier_keeps_its_labels(tmp_path):
     save_hf(model, bert_tiny(), tmp_path / "hf")
     convert("hf", tmp_path / "hf", "attnlab", tmp_path / "ours")
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["n_labels"] == 5
-    again, _, _ = load_attnlab(tmp_path / "ours")
+    again = open_checkpoint(tmp_path / "ours").model
     assert same_state(again.state_dict(), model.state_dict())
 
 

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.components.masks import prefix_lm_mask
 from attnlab.configs import from_dict, to_dict
 from attnlab.inference.generate import generate
@@ -16,7 +17,6 @@ from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig, VisionConfig
 from attnlab.models.presets import VISION_PRESETS, get_preset
 from attnlab.models.vision import PrefixVisionLM, VisionEncoderDecoder, greedy_generate
-from attnlab.checkpoint import load_pretrained, save_checkpoint
 from attnlab.training.config import RunConfig
 
 B, T, V = 2, 6, 40
@@ -217,11 +217,12 @@ def test_images_of_the_wrong_size_or_channels():
 
 
 def test_checkpoint_round_trip_on_meta(tmp_path):
-    """load_pretrained builds a vlm on the meta device; positions and outputs come back equal."""
+    """open_checkpoint builds a vlm on the meta device; positions and outputs come back equal."""
     cfg = small("prefix", position="sinusoidal_2d")
     model = build_model(cfg).eval()
     save_checkpoint(tmp_path / "ckpt", model, None, RunConfig(cfg), {"step": 0})
-    loaded, _, saved = load_pretrained(tmp_path / "ckpt")
+    opened = open_checkpoint(tmp_path / "ckpt")
+    loaded, saved = opened.model, opened.run
     assert saved["model"]["vision"]["connect"] == "prefix"
     images, ids = inputs(cfg)
     with torch.no_grad():

@@ -1,5 +1,6 @@
-"""quantize_state_dict / swap_modules / quantize_model, and quantized checkpoints
-(attnlab/quantize/handler.py): which layers, the two steps composing, the scheme in the
+"""quantize_state_dict / swap_modules / quantize_model (attnlab/quantize/handler.py), and
+quantized checkpoints (written by attnlab/inference/quantized.py, opened by
+attnlab.checkpoint.open_checkpoint): which layers, the two steps composing, the scheme in the
 safetensors metadata, and clear errors for the wrong scheme."""
 
 import json
@@ -11,26 +12,25 @@ from safetensors import safe_open
 from safetensors.torch import save_model
 from torch import nn
 
+from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.configs import to_dict
 from attnlab.inference.generate import generate
+from attnlab.inference.quantized import save_quantized
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.models.weights import load_weights
 from attnlab.quantize import (
     Int4Linear,
     Int8Linear,
     float_misfits,
     linear_names,
-    load_quantized,
     logit_error,
     quantize_model,
     quantize_state_dict,
     read_scheme,
-    save_quantized,
     swap_modules,
 )
-from attnlab.inference.sampling import SamplingConfig
-from attnlab.models.build import build_model
-from attnlab.models.presets import get_preset
-from attnlab.models.weights import load_weights
-from attnlab.checkpoint import save_checkpoint
 from attnlab.training.config import RunConfig
 
 QUANT = {"int8": Int8Linear, "int4": Int4Linear}
@@ -131,11 +131,12 @@ def test_save_load_round_trip(tmp_path, preset, heads, scheme, group_size, metad
     path = save_quantized(model, tmp_path / "q", scheme, group_size, run)
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        # safetensors adds {"head.weight": "embed.weight"} for a tied tensor stored once
+        # the scheme's entries, among any others the file holds
         assert metadata.items() <= f.metadata().items()
         assert ("group_size" in f.metadata()) == (scheme == "int4")
         assert f.metadata()["heads"] == ("quantized" if heads else "float")
-    loaded, tokenizer, loaded_run = load_quantized(path, scheme, group_size)
+    opened = open_checkpoint(path, scheme=scheme, group_size=group_size)
+    loaded, tokenizer, loaded_run = opened.model, opened.tokenizer, opened.run
     assert tokenizer is None and loaded_run == run
     ids = torch.randint(256, (2, 10))
     assert torch.equal(loaded(ids), model(ids))
@@ -153,7 +154,7 @@ def test_files_without_the_heads_key_load_with_float_heads(tmp_path):
     run = to_dict(RunConfig(get_preset("gpt2-tiny")))
     (path / "config.json").write_text(json.dumps(run))
     save_model(model, str(path / "model.safetensors"), metadata={"quantization": "int8"})
-    loaded = load_quantized(path, "int8")[0]
+    loaded = open_checkpoint(path, scheme="int8").model
     assert isinstance(loaded.head, nn.Linear) and loaded.head.weight is loaded.embed.weight
     ids = torch.randint(256, (2, 10))
     assert torch.equal(loaded(ids), model(ids))
@@ -169,27 +170,29 @@ def int4_checkpoint(tmp_path):
 
 def test_wrong_scheme_names_both(int4_checkpoint):
     with pytest.raises(ValueError, match=r"holds int4 \(group_size 32\).*but int8 was asked"):
-        load_quantized(int4_checkpoint, "int8")
+        open_checkpoint(int4_checkpoint, scheme="int8")
     with pytest.raises(ValueError, match=r"int4 \(group_size 32\).*int4 \(group_size 128\)"):
-        load_quantized(int4_checkpoint, "int4", 128)
-    load_quantized(int4_checkpoint, "int4")  # no group size: the file's is accepted
-    load_quantized(int4_checkpoint)  # no scheme: whatever the file holds
+        open_checkpoint(int4_checkpoint, scheme="int4", group_size=128)
+    open_checkpoint(int4_checkpoint, scheme="int4")  # no group size: the file's is accepted
+    opened = open_checkpoint(int4_checkpoint)  # no scheme: whatever the file holds
+    assert isinstance(opened.model.head, Int4Linear)
 
 
 def test_plain_checkpoint_as_quantized_names_both(tmp_path):
     model = _model()
     path = save_checkpoint(tmp_path / "plain", model, None, RunConfig(get_preset("llama-tiny")), {})
     with pytest.raises(ValueError, match=r"unquantized \(float\).*but int8 was asked"):
-        load_quantized(path, "int8")
+        open_checkpoint(path, scheme="int8")
     with pytest.raises(ValueError, match="unquantized"):
-        load_quantized(path)
+        open_checkpoint(path, scheme="int4")
+    assert type(open_checkpoint(path).model.head) is nn.Linear  # no scheme asked: float opens
 
 
 def test_unknown_scheme_and_missing_files(tmp_path, int4_checkpoint):
     with pytest.raises(ValueError, match="'int3'.*int8"):
-        load_quantized(int4_checkpoint, "int3")
+        open_checkpoint(int4_checkpoint, scheme="int3")
     with pytest.raises(ValueError, match="not a checkpoint"):
-        load_quantized(tmp_path / "nothing")
+        open_checkpoint(tmp_path / "nothing")
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -223,7 +226,7 @@ def test_layers_the_group_size_does_not_fit_stay_float(tmp_path):
     path = save_quantized(model, tmp_path / "q", "int4", 64, run)
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert f.metadata()["heads"] == "quantized"
-    loaded = load_quantized(path, "int4", 64)[0]
+    loaded = open_checkpoint(path, scheme="int4", group_size=64).model
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
         assert logit_error(reference, model(ids)).max_abs < 0.15 * reference.abs().max().item()
