@@ -102,12 +102,12 @@ def tiny_t5(vocab_size: int = 23, seed: int = 0) -> nn.Module:
 def test_one_beam_is_greedy(position):
     model, prompt = tiny_decoder(position=position), [1, 2, 3]
     greedy = generate(model, [prompt], 6, GREEDY)[0]
-    assert beam_search(model, prompt, 1, 6).tokens == greedy
+    assert beam_search(model, [prompt], 1, 6)[0][0].tokens == greedy
     # With an EOS: the first repeated-free token of greedy's output ends both searches there.
     k = next(i for i in range(1, 6) if greedy[i] not in greedy[:i])
     eos = greedy[k]
     assert generate(model, [prompt], 6, GREEDY, stop_tokens=[eos])[0] == greedy[: k + 1]
-    assert beam_search(model, prompt, 1, 6, eos_ids=[eos]).tokens == greedy[: k + 1]
+    assert beam_search(model, [prompt], 1, 6, eos_ids=[eos])[0][0].tokens == greedy[: k + 1]
 
 
 # --- beam search beats greedy --------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_beam_escapes_the_greedy_trap():
     """A is likelier than B, but what follows A is flat: P A C = 0.5 * 0.3 < P B C = 0.4 * 0.9."""
     model = BigramLM({P: {A: 0.5, B: 0.4}, A: {C: 0.3, D: 0.3}, B: {C: 0.9}})
     greedy = generate(model, [[P]], 2, GREEDY)[0]
-    beam = beam_search(model, [P], 2, 2, length_penalty=0.0)
+    beam = beam_search(model, [[P]], 2, 2, length_penalty=0.0)[0][0]
     assert greedy[0] == A and beam.tokens == [B, C]
     assert beam.score == pytest.approx(math.log(0.4 * 0.9), abs=1e-5)
     assert logprob(model, [P], beam.tokens) > logprob(model, [P], greedy)
@@ -125,7 +125,7 @@ def test_beam_escapes_the_greedy_trap():
 def test_beam_score_is_the_recomputed_logprob_and_at_least_greedys(seed):
     model, prompt = tiny_decoder(seed=seed), [4, 5]
     greedy = generate(model, [prompt], 5, GREEDY)[0]
-    beam = beam_search(model, prompt, 4, 5, length_penalty=0.0)
+    beam = beam_search(model, [prompt], 4, 5, length_penalty=0.0)[0][0]
     recomputed = logprob(model, prompt, beam.tokens)
     # The beams' cached K/V, reordered at every step, give the scores of a full forward.
     assert beam.score == pytest.approx(recomputed, abs=1e-4)
@@ -139,7 +139,7 @@ def test_enough_beams_make_the_search_exact(family):
     model = tiny_decoder(vocab_size=V) if family == "decoder" else tiny_t5(vocab_size=V)
     prompt = [1, 2] if family == "decoder" else [0]
     src = None if family == "decoder" else torch.tensor([[1, 2, 3, 4]])
-    beam = beam_search(model, prompt, V ** (N - 1), N, length_penalty=0.0, source=src)
+    beam = beam_search(model, [prompt], V ** (N - 1), N, length_penalty=0.0, source=src)[0][0]
     with torch.no_grad():
         best = max(
             itertools.product(range(V), repeat=N),
@@ -167,7 +167,7 @@ def test_beams_still_running_at_max_new_tokens_compete_with_finished_ones():
     """Two hypotheses finished ([EOS], [A EOS]) but the running [A C] is likelier than both: at
     max_new_tokens it competes as it is (transformers' finalize does the same)."""
     model = BigramLM(TABLE)
-    beam = beam_search(model, [P], 2, 2, eos_ids=[EOS], length_penalty=0.0)
+    beam = beam_search(model, [[P]], 2, 2, eos_ids=[EOS], length_penalty=0.0)[0][0]
     assert beam.tokens == [A, C]
     assert beam.score == pytest.approx(math.log(0.7 * 0.8), abs=1e-5)
     greedy = generate(model, [[P]], 2, GREEDY, stop_tokens=[EOS])[0]
@@ -177,11 +177,13 @@ def test_beams_still_running_at_max_new_tokens_compete_with_finished_ones():
 def test_finished_hypotheses_keep_their_eos_and_early_stopping_stops_at_num_beams():
     model = BigramLM(TABLE)
     # Not early: it goes on while the running [A C] can still beat the finished, and wins.
-    full = beam_search(model, [P], 2, 5, eos_ids=[EOS], length_penalty=0.0)
+    full = beam_search(model, [[P]], 2, 5, eos_ids=[EOS], length_penalty=0.0)[0][0]
     assert full.tokens == [A, C, EOS]
     assert full.score == pytest.approx(math.log(0.7 * 0.8 * 0.9), abs=1e-5)
     # Early: it stops once 2 hypotheses ([EOS] and [A EOS]) are finished, and returns the better.
-    early = beam_search(model, [P], 2, 5, eos_ids=[EOS], length_penalty=0.0, early_stopping=True)
+    early = beam_search(model, [[P]], 2, 5, eos_ids=[EOS], length_penalty=0.0, early_stopping=True)[
+        0
+    ][0]
     assert early.tokens == [EOS]
     assert early.score == pytest.approx(math.log(0.2), abs=1e-5)
 
@@ -192,8 +194,8 @@ def test_length_penalty_divides_by_length_to_the_power():
     model = BigramLM(
         {P: {EOS: 0.4, A: 0.35}, A: {C: 0.9}, B: {D: 0.9}, C: {EOS: 0.9}, D: {EOS: 0.9}}
     )
-    raw = beam_search(model, [P], 2, 3, eos_ids=[EOS], length_penalty=0.0)
-    per_token = beam_search(model, [P], 2, 3, eos_ids=[EOS], length_penalty=1.0)
+    raw = beam_search(model, [[P]], 2, 3, eos_ids=[EOS], length_penalty=0.0)[0][0]
+    per_token = beam_search(model, [[P]], 2, 3, eos_ids=[EOS], length_penalty=1.0)[0][0]
     assert raw.tokens == [EOS] and per_token.tokens == [A, C, EOS]
     assert per_token.score == pytest.approx(math.log(0.35 * 0.9 * 0.9) / 3, abs=1e-5)
 
@@ -201,7 +203,7 @@ def test_length_penalty_divides_by_length_to_the_power():
 def test_several_eos_ids_can_fill_the_top_candidates():
     """With 4 EOS ids the 2 * W best extensions can all end: the others must still be reached."""
     model = BigramLM({P: {A: 0.3, B: 0.25, C: 0.2, D: 0.15, EOS: 0.07}})
-    beam = beam_search(model, [P], 2, 3, eos_ids=[A, B, C, D], length_penalty=0.0)
+    beam = beam_search(model, [[P]], 2, 3, eos_ids=[A, B, C, D], length_penalty=0.0)[0][0]
     assert beam.tokens == [A] and beam.score == pytest.approx(math.log(0.3), abs=1e-5)
 
 
@@ -211,8 +213,8 @@ def test_encoder_decoder_beam_search_scores_its_hypothesis():
     src = torch.tensor([[5, 6, 7, 8, 9, 1]])
     src_mask = torch.ones_like(src, dtype=torch.bool)
     beam = beam_search(
-        model, [0], 3, 6, eos_ids=[1], length_penalty=0.0, source=src, source_mask=src_mask
-    )
+        model, [[0]], 3, 6, eos_ids=[1], length_penalty=0.0, source=src, source_mask=src_mask
+    )[0][0]
     assert 1 <= len(beam.tokens) <= 6 and 1 not in beam.tokens[:-1]
     with torch.no_grad():
         assert beam.score == pytest.approx(logprob(model, [0], beam.tokens, src), abs=1e-4)
