@@ -8,6 +8,7 @@ distribution depends only on the current token, so every score can be written do
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 
 from attnlab.components.positions.base import NoPosition
 from attnlab.inference.beam import beam_search
-from attnlab.inference.generate import generate
+from attnlab.inference.generate import generate, left_pad
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig
@@ -218,3 +219,107 @@ def test_encoder_decoder_beam_search_scores_its_hypothesis():
     assert 1 <= len(beam.tokens) <= 6 and 1 not in beam.tokens[:-1]
     with torch.no_grad():
         assert beam.score == pytest.approx(logprob(model, [0], beam.tokens, src), abs=1e-4)
+
+
+# --- equal to transformers' generate(num_beams=..), row for row ------------------------------
+HF_VOCAB = 96
+HF_PAD = 1  # the id HF fills a row with after its hypothesis ends (-1 without an EOS id)
+START = 0  # T5's decoder start
+PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [60, 2, 33, 71, 12, 90, 4, 25]]  # left-padded together
+SEARCHES = [(3, 1.0, False), (4, 2.0, True), (4, 0.5, "never")]  # beams, penalty, stopping
+
+
+def hf_tiny(family: str):
+    """A tiny random-init transformers model (wide init: peaked, varied distributions)."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = T.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=HF_VOCAB, n_positions=64,
+            initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=HF_PAD,
+        )  # fmt: skip
+        return T.GPT2LMHeadModel(cfg).eval()
+    if family == "llama":
+        cfg = T.LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=HF_VOCAB, max_position_embeddings=64,
+            initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=HF_PAD,
+        )  # fmt: skip
+        return T.LlamaForCausalLM(cfg).eval()
+    cfg = T.T5Config(
+        d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=HF_VOCAB,
+        initializer_factor=0.5, decoder_start_token_id=START, eos_token_id=None,
+        pad_token_id=HF_PAD,
+    )  # fmt: skip
+    return T.T5ForConditionalGeneration(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "t5"])
+def hf_pair(request, tmp_path_factory):
+    """(family, the transformers model, ours converted from its save_pretrained directory)."""
+    from attnlab.interop.hf.auto import load_hf
+
+    hf = hf_tiny(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    hf = type(hf).from_pretrained(path).eval()  # as stored
+    ours, _ = load_hf(path)
+    return request.param, hf, ours
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("with_eos", [False, True])
+@pytest.mark.parametrize("num_beams, length_penalty, early_stopping", SEARCHES)
+def test_batched_beam_search_equals_transformers(
+    hf_pair, with_eos, num_beams, length_penalty, early_stopping
+):
+    """Prompts (or sources) of different lengths in one batch, 2 sequences returned for each:
+    the same token ids as transformers, row for row, EOS (a token the model likes, so that some
+    beams finish early) or none."""
+    family, hf, ours = hf_pair
+    n_new, n_return = 12, 2
+    ids, mask = left_pad(PROMPTS, pad_id=HF_PAD)  # (B, T0)
+    if family == "t5":  # the prompts are sources (right-padded, as a tokenizer pads them)
+        src = torch.full_like(ids, HF_PAD)
+        src_mask = torch.arange(ids.shape[1])[None, :] < mask.sum(1, keepdim=True)  # (B, M)
+        src[src_mask] = ids[mask]
+        prompts, source, source_mask = [[START]] * len(PROMPTS), src, src_mask
+        hf_inputs = dict(input_ids=src, attention_mask=src_mask.long())
+    else:
+        prompts, source, source_mask = PROMPTS, None, None
+        hf_inputs = dict(input_ids=ids, attention_mask=mask.long())
+    eos = None
+    if with_eos:  # the token greedy decoding writes most often: hypotheses end early
+        greedy = generate(ours, prompts, n_new, GREEDY, source=source, source_mask=source_mask)
+        eos = Counter(t for row in greedy for t in row).most_common(1)[0][0]
+    with torch.no_grad():
+        out = hf.generate(
+            **hf_inputs,
+            max_new_tokens=n_new,
+            num_beams=num_beams,
+            num_return_sequences=n_return,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=HF_PAD,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
+    hyps = beam_search(
+        ours,
+        prompts,
+        num_beams,
+        n_new,
+        eos_ids=[] if eos is None else [eos],
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        num_return_sequences=n_return,
+        source=source,
+        source_mask=source_mask,
+    )
+    rows = [h.tokens for per_prompt in hyps for h in per_prompt]  # (B * n_return) rows
+    length = max(map(len, rows))
+    fill = -1 if eos is None else HF_PAD
+    start = 1 if family == "t5" else ids.shape[1]
+    assert [r + [fill] * (length - len(r)) for r in rows] == out[:, start:].tolist()
+    if eos is not None:
+        assert any(r[-1] == eos and len(r) < n_new for r in rows)  # the EOS case is exercised
