@@ -1,5 +1,6 @@
 """Beam search: greedy at one beam, exact search with enough beams, better than greedy where
-greedy is trapped, EOS / early stopping / length penalty as documented, encoder-decoder.
+greedy is trapped, EOS / early stopping / length penalty as documented, encoder-decoder, batches
+of prompts of different lengths, and the same ids as transformers' generate(num_beams=..).
 
 Scores are checked against log-probabilities recomputed independently with one full forward
 (no cache) over prompt + hypothesis. `BigramLM` is a crafted stand-in decoder whose next-token
@@ -219,6 +220,33 @@ def test_encoder_decoder_beam_search_scores_its_hypothesis():
     assert 1 <= len(beam.tokens) <= 6 and 1 not in beam.tokens[:-1]
     with torch.no_grad():
         assert beam.score == pytest.approx(logprob(model, [0], beam.tokens, src), abs=1e-4)
+
+
+# --- batches ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("position", ["rope", "learned", "alibi"])
+def test_a_batch_gives_each_prompt_its_own_hypotheses(position):
+    """Left padding and the B * W cache rows keep prompts apart: each row as if searched alone,
+    its hypotheses best first, each scored by the recomputed log-probability."""
+    model, prompts = tiny_decoder(position=position), [[4, 5], [1, 2, 3, 6, 7], [9]]
+    batched = beam_search(model, prompts, 3, 5, length_penalty=0.0, num_return_sequences=3)
+    alone = [
+        beam_search(model, [p], 3, 5, length_penalty=0.0, num_return_sequences=3)[0]
+        for p in prompts
+    ]
+    assert [[h.tokens for h in row] for row in batched] == [
+        [h.tokens for h in row] for row in alone
+    ]
+    for prompt, row in zip(prompts, batched):
+        assert [h.score for h in row] == sorted((h.score for h in row), reverse=True)
+        for h in row:
+            assert h.score == pytest.approx(logprob(model, prompt, h.tokens), abs=1e-4)
+
+
+def test_num_return_sequences_must_fit_the_beams():
+    with pytest.raises(
+        ValueError, match=r"num_return_sequences must be in \[1, num_beams=2\], got 3"
+    ):
+        beam_search(tiny_decoder(), [[1]], 2, 3, num_return_sequences=3)
 
 
 # --- equal to transformers' generate(num_beams=..), row for row ------------------------------
