@@ -53,15 +53,35 @@ def context_window(model: nn.Module, max_context: int | None) -> tuple[int | Non
     return (min(limits) if limits else None), table
 
 
-def _notify(on_notice: Callable[[str], None] | None, message: str | None) -> None:
-    """Send `message` (if any) once: the caller keeps the returned None."""
-    if message is None:
-        return None
-    if on_notice is None:
-        warnings.warn(message, ContextCropWarning, stacklevel=4)
-    else:
-        on_notice(message)
-    return None
+def plan_crop(
+    model: nn.Module,
+    T0: int,
+    max_new_tokens: int,
+    max_context: int | None,
+    crop_to: int | None,
+) -> tuple[int | None, int | None, str | None]:
+    """(window, keep, notice): the most tokens fed at once, how many a refill keeps, and the
+    notice to give if the position table is what forces the crop; (None, None, None) when
+    prompt + new tokens fit."""
+    window, table = context_window(model, max_context)
+    if window is None or T0 + max_new_tokens <= window:
+        return None, None, None
+    keep = window if crop_to is None else crop_to
+    if not 1 <= keep <= window:
+        raise ValueError(f"crop_to must be in [1, {window}] (the context window), got {keep}")
+    if prefix_length(model):
+        raise ValueError(
+            f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"{window} text positions of this image-prefix model, which cannot crop its "
+            "context (its image comes first): shorten the prompt or max_new_tokens"
+        )
+    notice = None
+    if window == table and (max_context is None or max_context > table):
+        notice = (
+            f"prompt + new tokens pass the model's {table} positions: generation continues "
+            f"from the last {keep} tokens (a forward over them at each crop)"
+        )
+    return window, keep, notice
 
 
 # As a decorator, no_grad wraps each resumption of the generator: a `with torch.no_grad()` inside
@@ -104,31 +124,23 @@ def stream_tokens(
     ids, mask = left_pad(prompts, device=device)  # (B, T0); rejects empty prompts first
     check_token_ids(ids, decoder.head.out_features)  # padding is id 0, always valid
     B, T0 = ids.shape
-    window, table = context_window(model, max_context)
-    if window is not None and T0 + max_new_tokens > window:
-        keep = window if crop_to is None else crop_to
-        if not 1 <= keep <= window:
-            raise ValueError(f"crop_to must be in [1, {window}] (the context window), got {keep}")
-        if prefix_length(model):
-            raise ValueError(
-                f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                f"{window} text positions of this image-prefix model, which cannot crop its "
-                "context (its image comes first): shorten the prompt or max_new_tokens"
-            )
-    else:
-        window = keep = None  # everything fits: no crop
-    notice = None
-    if window is not None and window == table and max_context is None:
-        notice = (
-            f"prompt + new tokens pass the model's {table} positions: generation continues "
-            f"from the last {keep} tokens (a forward over them per crop)"
-        )
+    window, keep, notice = plan_crop(model, T0, max_new_tokens, max_context, crop_to)
+
+    def notify() -> None:  # the crop notice, once
+        nonlocal notice
+        if notice is not None:
+            if on_notice is None:
+                warnings.warn(notice, ContextCropWarning, stacklevel=3)
+            else:
+                on_notice(notice)
+            notice = None
+
     memory = encode_source(model, source, source_mask)  # (B, M, C) or None
     history = torch.where(mask, ids, ids[:, -1:])  # (B, T0) padding -> a token already there
     seen = mask  # (B, T) False = left padding
     if window is not None and T0 > window:
         ids, mask = ids[:, -keep:], mask[:, -keep:]
-        notice = _notify(on_notice, notice)
+        notify()
     room = max_new_tokens if window is None else window - ids.shape[1]
     logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
     S_max = cache.key_valid.shape[1]
@@ -151,7 +163,7 @@ def stream_tokens(
             logits = step(model, token[:, None], at, cache, source_mask)  # (B, V)
             slot += 1
         else:  # the cache is full: refill it from the last `keep` tokens
-            notice = _notify(on_notice, notice)
+            notify()
             logits, cache, slot = fill_cache(
                 model, history[:, -keep:], seen[:, -keep:], window - keep, memory, source_mask
             )

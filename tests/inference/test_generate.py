@@ -241,6 +241,8 @@ def test_a_position_table_crops_the_context_as_a_no_cache_reference(position):
     assert len(notices) == 1 and "12 positions" in notices[0] and "\n" not in notices[0]
     with pytest.warns(ContextCropWarning, match="12 positions"):
         assert generate(model, prompts[:1], 10, GREEDY) == out[:1]
+    with pytest.warns(ContextCropWarning, match="12 positions"):  # the table binds first
+        assert generate(model, prompts[:1], 10, GREEDY, max_context=50) == out[:1]
 
 
 def test_prompt_plus_new_tokens_that_fit_the_table_are_not_cropped():
