@@ -245,6 +245,21 @@ def test_a_position_table_crops_the_context_as_a_no_cache_reference(position):
         assert generate(model, prompts[:1], 10, GREEDY, max_context=50) == out[:1]
 
 
+def test_an_encoder_decoder_crops_its_decoder_context_and_keeps_the_source():
+    """The 2017 model's sinusoidal table, cut to 8 positions: the decoder side is cropped, the
+    refilled cache cross-attends to the same source."""
+    torch.manual_seed(0)
+    cfg = replace(get_preset("transformer-tiny"), d_model=32, d_ff=32, vocab_size=VOCAB)
+    model = build_model(replace(cfg, max_seq_len=8)).eval()
+    src = torch.tensor([[4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 0, 0, 0, 0, 0]])
+    src_mask = src != 0
+    out = generate(model, [[1], [1]], 12, GREEDY, source=src, source_mask=src_mask, on_notice=print)
+    for b in range(2):
+        row_src, n = src[b : b + 1, : int(src_mask[b].sum())], 12
+        reference = cropped_reference(lambda ids: model(row_src, ids), [1], n, 8, 8)
+        assert out[b] == reference
+
+
 def test_prompt_plus_new_tokens_that_fit_the_table_are_not_cropped():
     model = tiny_decoder("learned", max_seq_len=12)
     with warnings.catch_warnings():
