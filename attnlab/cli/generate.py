@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_beams,
         args.length_penalty,
         on_text=show if args.stream else None,
+        on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
     )
     if not args.stream:
         show(args.prompt + text if decoder_only else text)

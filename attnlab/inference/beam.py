@@ -1,19 +1,31 @@
-"""Beam search (for decoder-only and encoder-decoder models) with a length penalty and EOS handling.
+"""Beam search over a batch of prompts, for decoder-only and encoder-decoder models: a length
+penalty, EOS handling, several returned sequences per prompt.
 
-Keep the `num_beams` most likely partial sequences. Each step scores every (beam, token)
-extension by its total log-probability and walks the best (1 + n_eos) * num_beams of them (enough
-that num_beams of them do not end in EOS): an extension ending in EOS becomes a finished
-hypothesis (scored sum_logprob / length ** length_penalty) if it ranks among the best num_beams,
-the others fill the next beams. It stops when `num_beams` hypotheses are finished and (unless
-`early_stopping`) no running beam can still beat the worst of them. If it stops at
-`max_new_tokens` instead, the running beams compete with the finished hypotheses as they are.
+For each prompt, keep the `num_beams` (W) most likely partial sequences. Each step scores every
+(beam, token) extension by its total log-probability and takes the best K = max(2, 1 + n_eos) * W
+of them (enough that W of them do not end):
+
+    candidates (best first)   c1  c2  c3 ... cW | cW+1 ... cK
+                              ───── may finish ──┘
+    an extension that ends (EOS, or the last allowed token) and ranks among the first W becomes
+    a finished hypothesis, scored  sum_logprob / n_new_tokens ** length_penalty;
+    the W best extensions that do not end are the next step's beams.
+
+Each prompt keeps its W best finished hypotheses. It closes when it cannot improve them: when W
+are finished and the best running beam, normalised by the current length (or, with
+early_stopping="never" and length_penalty > 0, by the longest possible one), scores no better
+than the worst of them; with early_stopping=True it also takes no more once W are finished.
+The search ends when every prompt is closed (early_stopping=True: full) or after
+`max_new_tokens`, where the running beams finish as they are.
 
 These are HF transformers' rules (generation/utils.py `_beam_search`), so the same settings give
-the same ids, including its estimate of "can still beat": the best running score normalised
-by the current length, or with early_stopping="never" and length_penalty > 0 by the longest
-possible length (max_new_tokens), which never stops before a running beam could win.
+the same ids row for row (tested against `generate(num_beams=..)`).
 
-Shapes: W = num_beams, V vocab_size.
+The steps are steps.py's: one prefill of the left-padded prompts, whose cache rows are then
+copied W times, and one decode step per token for all B * W beams, after the cache rows are
+reordered to follow their beams' parents.
+
+Shapes: B prompts, W = num_beams, K candidates per prompt, V vocab_size.
 """
 
 from collections.abc import Sequence
@@ -23,8 +35,20 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from attnlab.inference.generate import decode_step, decoder_of, prefill
-from attnlab.components.kv_cache import ModelCache
+from attnlab.components.embedding import check_token_ids
+from attnlab.inference.steps import (
+    decode_step,
+    decoder_of,
+    encode_source,
+    fill_cache,
+    left_pad,
+    prefix_length,
+)
+
+# The score of the beams that start empty (every beam but the first holds the same prompt), and
+# of extensions that just ended: low enough never to be chosen over a real beam. HF uses the
+# same finite value, so the order of such candidates (ties at this score) matches too.
+NO_BEAM = -1.0e9
 
 
 @dataclass(frozen=True)
@@ -33,107 +57,116 @@ class Hypothesis:
     score: float  # sum of log-probabilities / len(tokens) ** length_penalty
 
 
-def _normalised(logprob: float, length: int, length_penalty: float) -> float:
-    return logprob / max(length, 1) ** length_penalty
+def _check(num_beams, num_return_sequences, max_new_tokens, early_stopping) -> None:
+    if num_beams < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    if not 1 <= num_return_sequences <= num_beams:
+        raise ValueError(
+            f"num_return_sequences must be in [1, num_beams={num_beams}], "
+            f"got {num_return_sequences}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
 
 
 @torch.no_grad()
 def beam_search(
     model: nn.Module,
-    prompt: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     num_beams: int,
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
     length_penalty: float = 1.0,
     early_stopping: bool | Literal["never"] = False,
+    num_return_sequences: int = 1,
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
-) -> Hypothesis:
-    """The best hypothesis for one prompt.
+) -> list[list[Hypothesis]]:
+    """The best `num_return_sequences` hypotheses of each prompt, best first.
 
     Args:
-        prompt: token ids (decoder-only), or the decoder start tokens (encoder-decoder).
+        prompts: token ids per prompt (decoder-only; left-padded together), or the decoder start
+            tokens per source (encoder-decoder).
         num_beams: W >= 1 (1 is greedy).  eos_ids: tokens that finish a hypothesis.
         length_penalty: exponent of the length in the score (> 0 favours longer outputs).
         early_stopping: True: stop as soon as W hypotheses are finished; False: also once no
             running beam can beat them at its current length; "never": ... at max_new_tokens.
-        source, source_mask: (1, M) encoder input and mask, for encoder-decoder models.
+        num_return_sequences: hypotheses returned per prompt (<= num_beams).
+        source, source_mask: (B, M) encoder input and mask, for encoder-decoder models.
+
+    Returns:
+        B lists of `num_return_sequences` Hypothesis, highest score first.
     """
-    if num_beams < 1:
-        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    if len(prompt) == 0:
-        raise ValueError("beam search needs a non-empty prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    _check(num_beams, num_return_sequences, max_new_tokens, early_stopping)
     decoder = decoder_of(model)
     device = decoder.head.weight.device
-    ids = torch.tensor([list(prompt)], device=device)  # (1, T0)
-    T0, W = ids.shape[1], num_beams
-    memory = None if source is None else model.encode(source, source_mask)
-    key_valid = torch.ones(1, T0 + max_new_tokens, dtype=torch.bool, device=device)
-    cache = ModelCache.for_decoder(decoder, key_valid, cross=memory is not None)
-    logits = prefill(model, ids, cache, memory, source_mask, last_only=True)[:, -1]  # (1, V)
-    cache.reorder(torch.zeros(W, dtype=torch.long, device=device))  # W copies of the prompt
-    mask = None if source_mask is None else source_mask.expand(W, -1)
-    logits = logits.expand(W, -1)
-    # Start with one live beam: the others would only duplicate it.
-    scores = torch.full((W,), float("-inf"), device=device)
-    scores[0] = 0.0
-    beams: list[list[int]] = [[] for _ in range(W)]
-    finished: list[Hypothesis] = []
-    eos = set(eos_ids)
+    ids, mask = left_pad(prompts, device=device)  # (B, T0)
+    check_token_ids(ids, decoder.head.out_features)
+    (B, T0), W = ids.shape, num_beams
+    limit = decoder.positions.max_positions
+    if limit is not None and prefix_length(model) + T0 + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's {limit} positions (beam search does not crop the context)"
+        )
+    memory = encode_source(model, source, source_mask)  # (B, M, C) or None
+    logits, cache, slot = fill_cache(model, ids, mask, max_new_tokens, memory, source_mask, source)
+    rows = torch.arange(B, device=device).repeat_interleave(W)  # (B*W,) each prompt W times
+    cache.reorder(rows)
+    memory_mask = None if source_mask is None else source_mask[rows]  # (B*W, M)
+    logits = logits[rows]  # (B*W, V)
+    V = logits.shape[-1]
+    scores = torch.zeros(B, W, device=device)  # running beams' sums of log-probabilities
+    scores[:, 1:] = NO_BEAM  # one live beam per prompt at first: the others would repeat it
+    beams = torch.zeros(B, W, 0, dtype=torch.long, device=device)  # (B, W, step) their tokens
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    K = min(max(2, 1 + len(eos)) * W, W * V)
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # W best per prompt, best first
+    is_open = [True] * B
     for step in range(max_new_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1) + scores[:, None]  # (W, V)
-        V = logp.shape[-1]
-        # Up to W of each EOS id can be among the candidates; past them there are W others.
-        top, flat = torch.topk(logp.flatten(), min((1 + len(eos)) * W, logp.numel()))
-        next_beams, parents, tokens, next_scores = [], [], [], []
-        for rank, (s, f) in enumerate(zip(top.tolist(), flat.tolist())):
-            parent, token = divmod(f, V)
-            if token in eos:
-                if rank < W:  # only an extension good enough to be a beam may finish
-                    seq = beams[parent] + [token]
-                    finished.append(Hypothesis(seq, _normalised(s, len(seq), length_penalty)))
-                continue
-            next_beams.append(beams[parent] + [token])
-            parents.append(parent)
-            tokens.append(token)
-            next_scores.append(s)
-            if len(next_beams) == W:
-                break
-        beams = next_beams
-        scores = torch.tensor(next_scores, device=device)
-        # HF's guess of a running beam's best final length ("never": the longest possible).
+        logp = torch.log_softmax(logits.float(), dim=-1).view(B, W, V) + scores[:, :, None]
+        top, flat = torch.topk(logp.view(B, W * V), K)  # (B, K), best first
+        parent, token = flat // V, flat % V  # (B, K)
+        ends = torch.isin(token, eos) | (step == max_new_tokens - 1)  # (B, K)
+        seqs = torch.cat([_gather(beams, parent), token[:, :, None]], dim=-1)  # (B, K, step+1)
+        normalised = top / (step + 1) ** length_penalty  # (B, K)
+        for b in range(B):
+            full = early_stopping is True and len(finished[b]) == W
+            if is_open[b] and not full:
+                finished[b] = _add(finished[b], seqs[b], normalised[b], ends[b], W)
+        # The next beams: the W best extensions that did not end (HF's order, NO_BEAM for ends).
+        scores, pick = torch.topk(top + ends.float() * NO_BEAM, W)  # (B, W)
+        beams, parent = _gather(seqs, pick), parent.gather(1, pick)  # (B, W, step+1), (B, W)
         longest = early_stopping == "never" and length_penalty > 0
-        length = max_new_tokens if longest else step + 1
-        done = _done(finished, W, scores, length, length_penalty, early_stopping)
-        if done or step == max_new_tokens - 1:
+        length = max_new_tokens if longest else step + 1  # HF's guess of a beam's final length
+        best_running = (scores[:, 0] / length**length_penalty).tolist()  # (B,)
+        for b in range(B):
+            if len(finished[b]) == W and best_running[b] <= finished[b][-1].score:
+                is_open[b] = False  # no running beam can improve its W finished ones
+        all_full = early_stopping is True and all(len(f) == W for f in finished)
+        if step == max_new_tokens - 1 or not any(is_open) or all_full:
             break
-        cache.reorder(torch.tensor(parents, device=device))
-        token = torch.tensor(tokens, device=device)[:, None]  # (W, 1)
-        logits = decode_step(model, token, torch.tensor([T0 + step], device=device), cache, mask)
-    if not done:  # out of tokens: unfinished beams compete as they are
-        finished += [
-            Hypothesis(b, _normalised(s, len(b), length_penalty))
-            for b, s in zip(beams, scores.tolist())
-        ]
-    return max(finished, key=lambda h: h.score)
+        cache.reorder((parent + torch.arange(B, device=device)[:, None] * W).flatten())
+        token = beams[:, :, -1].reshape(B * W, 1)  # (B*W, 1)
+        logits = decode_step(model, token, torch.tensor([slot], device=device), cache, memory_mask)
+        slot += 1
+    return [f[:num_return_sequences] for f in finished]
 
 
-def _done(
-    finished: list[Hypothesis],
-    W: int,
-    scores: Tensor,
-    length: int,
-    length_penalty: float,
-    early_stopping: bool | str,
-) -> bool:
-    if len(finished) < W:
-        return False
-    if early_stopping is True:
-        return True
-    worst = sorted(h.score for h in finished)[-W]  # the W-th best finished score
-    best_running = _normalised(float(scores.max()), length, length_penalty)
-    return best_running < worst
+def _gather(seqs: Tensor, index: Tensor) -> Tensor:
+    """Rows `index` (B, K') of each prompt's sequences (B, W', L) -> (B, K', L)."""
+    return seqs.gather(1, index[:, :, None].expand(-1, -1, seqs.shape[-1]))
+
+
+def _add(
+    kept: list[Hypothesis], seqs: Tensor, scores: Tensor, ends: Tensor, W: int
+) -> list[Hypothesis]:
+    """The W best of `kept` and of the first W candidates that end (seqs (K, L), scores (K,))."""
+    new = [
+        Hypothesis(s, score)
+        for s, score, end in zip(seqs[:W].tolist(), scores[:W].tolist(), ends[:W].tolist())
+        if end
+    ]
+    return sorted(kept + new, key=lambda h: h.score, reverse=True)[:W]

@@ -1,75 +1,87 @@
-"""Generation for decoder-only and encoder-decoder models: prefill once, then one decode step per
-token against the KV cache; sampling, stop tokens and strings, left-padded batches, streaming.
+"""Generation: greedy and sampled decoding, stop tokens and strings, left-padded batches,
+streaming, and the context crop of models with a position table. Beam search (beam.py) is the
+other loop over the same steps (steps.py): prefill once, then one decode step per token.
 
     prompts ─left pad─> ids (B, T0) ─prefill─> logits ─sample─> token ─decode_step─> logits ─> ...
 
-Shapes: B batch, T0 longest prompt, N new tokens, S_max = T0 + N cache slots, V vocab_size.
+Context crop (as nanoGPT's sampler): a model never sees more tokens than its position table
+holds (learned or sinusoidal tables), or than `max_context` when given. When the text outgrows
+that window, generation continues from its last `crop_to` tokens (default: the whole window):
+the cache is refilled from them by a new prefill, so past the window each such step costs a
+forward over `crop_to` tokens instead of one token (with the default, every token past the
+window does; a smaller `crop_to` refills once every window - crop_to tokens). Rows of a batch
+are cropped together, when the longest one fills the window.
+
+Shapes: B batch, T0 longest prompt, N new tokens, S_max cache slots, V vocab_size.
 """
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.components.embedding import check_token_ids
-from attnlab.components.kv_cache import ModelCache
+from attnlab.inference.beam import beam_search
 from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.steps import (  # noqa: F401  (prefill, left_pad: this module's API too)
+    decode_step,
+    decoder_of,
+    encode_source,
+    fill_cache,
+    left_pad,
+    prefill,
+    prefix_length,
+)
 
 DEFAULT_SAMPLING = SamplingConfig()  # frozen, so one shared default instance is safe
 
 
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None
-) -> tuple[Tensor, Tensor]:
-    """Left-pad prompts so every row's last token is in the last column.
-
-    Returns:
-        ids (B, T0) int64, mask (B, T0) bool (True = real token).
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (got an empty prompt)")
-    T0 = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T0), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(prompts), T0), dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, T0 - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, T0 - len(p) :] = True
-    return ids, mask
+class ContextCropWarning(UserWarning):
+    """Generation passed the model's position table and continues from a cropped context."""
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The DecoderLM inside a decoder-only or encoder-decoder model."""
-    return getattr(model, "decoder", model)
+def context_window(model: nn.Module, max_context: int | None) -> tuple[int | None, int | None]:
+    """The most prompt + generated tokens `model` may see at once, and its position table's
+    share of that limit (None where there is no limit)."""
+    if max_context is not None and max_context < 1:
+        raise ValueError(f"max_context must be >= 1, got {max_context}")
+    table = decoder_of(model).positions.max_positions
+    if table is not None:
+        table -= prefix_length(model)  # image tokens take the first positions
+    limits = [n for n in (table, max_context) if n is not None]
+    return (min(limits) if limits else None), table
 
 
-def prefill(
+def plan_crop(
     model: nn.Module,
-    ids: Tensor,
-    cache: ModelCache,
-    memory: Tensor | None = None,
-    memory_mask: Tensor | None = None,
-    last_only: bool = False,
-) -> Tensor:
-    """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V),
-    or (B, 1, V) with last_only (all generation needs: the next token's logits)."""
-    slots = torch.arange(ids.shape[1], device=ids.device)
-    return decoder_of(model)(
-        ids, memory=memory, memory_mask=memory_mask, cache=cache, slots=slots, last_only=last_only
-    )
-
-
-def decode_step(
-    model: nn.Module,
-    token: Tensor,
-    slot: Tensor,
-    cache: ModelCache,
-    memory_mask: Tensor | None = None,
-) -> Tensor:
-    """One new token per row at cache slot `slot` (shape (1,)). token (B, 1) -> logits (B, V).
-
-    Static shapes (the cache is preallocated, `slot` is a tensor), so this can be compiled.
-    """
-    return decoder_of(model)(token, memory_mask=memory_mask, cache=cache, slots=slot)[:, -1]
+    T0: int,
+    max_new_tokens: int,
+    max_context: int | None,
+    crop_to: int | None,
+) -> tuple[int | None, int | None, str | None]:
+    """(window, keep, notice): the most tokens fed at once, how many a refill keeps, and the
+    notice to give if the position table is what forces the crop; (None, None, None) when
+    prompt + new tokens fit."""
+    window, table = context_window(model, max_context)
+    if window is None or T0 + max_new_tokens <= window:
+        return None, None, None
+    keep = window if crop_to is None else crop_to
+    if not 1 <= keep <= window:
+        raise ValueError(f"crop_to must be in [1, {window}] (the context window), got {keep}")
+    if prefix_length(model):
+        raise ValueError(
+            f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"{window} text positions of this image-prefix model, which cannot crop its "
+            "context (its image comes first): shorten the prompt or max_new_tokens"
+        )
+    notice = None
+    if window == table and (max_context is None or max_context > table):
+        notice = (
+            f"prompt + new tokens pass the model's {table} positions: generation continues "
+            f"from the last {keep} tokens (a forward over them at each crop)"
+        )
+    return window, keep, notice
 
 
 # As a decorator, no_grad wraps each resumption of the generator: a `with torch.no_grad()` inside
@@ -85,50 +97,76 @@ def stream_tokens(
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
     step_fn: Callable | None = None,
+    max_context: int | None = None,
+    crop_to: int | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> Iterator[Tensor]:
-    """Yield each step's new tokens (B,) as soon as they are chosen.
+    """Yield each step's new tokens (B,) as soon as they are chosen: the one generation loop.
 
     Rows that produced a stop token are finished: they keep yielding that stop token, and the
     loop ends when every row is finished or after `max_new_tokens`.
 
     Args:
         prompts: token ids per row (decoder-only), or the decoder start per row (encoder-decoder).
-        source, source_mask: (B, M) encoder input and its mask, for encoder-decoder models.
+        source, source_mask: (B, M) encoder input and its mask (encoder-decoder models), or
+            (B, C_in, H, W) images and None (vision-language models).
         step_fn: replaces `decode_step` (e.g. a torch.compile'd one, such as
             `attnlab.inference.gemv.compile_decode_step(model)`), same signature.
+        max_context: feed the model at most this many tokens (default: its position table,
+            unlimited without one); see the module docstring for the crop.
+        crop_to: when the text outgrows the window, continue from its last `crop_to` tokens
+            (1 <= crop_to <= window; default the window, as nanoGPT).
+        on_notice: called with a one-line notice when the position table forces a crop (default:
+            a ContextCropWarning).
     """
     decoder = decoder_of(model)
     device = decoder.head.weight.device
     ids, mask = left_pad(prompts, device=device)  # (B, T0); rejects empty prompts first
     check_token_ids(ids, decoder.head.out_features)  # padding is id 0, always valid
     B, T0 = ids.shape
-    limit = decoder.positions.max_positions
-    if limit is not None and T0 + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's {limit} positions (the size of its position table)"
-        )
-    memory = None if source is None else model.encode(source, source_mask)  # (B, M, C)
-    key_valid = torch.cat([mask, mask.new_ones(B, max_new_tokens)], dim=1)  # (B, S_max)
-    cache = ModelCache.for_decoder(decoder, key_valid, cross=memory is not None)
-    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    logits = prefill(model, ids, cache, memory, source_mask, last_only=True)[:, -1]  # (B, V)
-    # Padding must not count as "already generated" for the repetition penalty.
-    history = torch.where(mask, ids, ids[:, -1:])  # (B, T0)
+    window, keep, notice = plan_crop(model, T0, max_new_tokens, max_context, crop_to)
+
+    def notify() -> None:  # the crop notice, once
+        nonlocal notice
+        if notice is not None:
+            if on_notice is None:
+                warnings.warn(notice, ContextCropWarning, stacklevel=3)
+            else:
+                on_notice(notice)
+            notice = None
+
+    memory = encode_source(model, source, source_mask)  # (B, M, C) or None
+    history = torch.where(mask, ids, ids[:, -1:])  # (B, T0) padding -> a token already there
+    seen = mask  # (B, T) False = left padding
+    if window is not None and T0 > window:
+        ids, mask = ids[:, -keep:], mask[:, -keep:]
+        notify()
+    room = max_new_tokens if window is None else window - ids.shape[1]
+    logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
+    S_max = cache.key_valid.shape[1]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
+    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     step = step_fn or decode_step
     for i in range(max_new_tokens):
         token = sample(logits, sampling, history, gen)  # (B,)
         if len(stops):
             token = torch.where(done, history[:, -1], token)
             done = done | torch.isin(token, stops)
-        history = torch.cat([history, token[:, None]], dim=1)
+        history = torch.cat([history, token[:, None]], dim=1)  # (B, T0 + i + 1)
+        seen = torch.cat([seen, seen.new_ones(B, 1)], dim=1)
         yield token
         if (len(stops) and bool(done.all())) or i == max_new_tokens - 1:
             return
-        slot = torch.tensor([T0 + i], device=device)
-        logits = step(model, token[:, None], slot, cache, source_mask)
+        if slot < S_max:
+            at = torch.tensor([slot], device=device)
+            logits = step(model, token[:, None], at, cache, source_mask)  # (B, V)
+            slot += 1
+        else:  # the cache is full: refill it from the last `keep` tokens
+            notify()
+            logits, cache, slot = fill_cache(
+                model, history[:, -keep:], seen[:, -keep:], window - keep, memory, source_mask
+            )
 
 
 @torch.no_grad()
@@ -145,6 +183,10 @@ def generate(
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
     on_token: Callable[[Tensor], None] | None = None,
+    step_fn: Callable | None = None,
+    max_context: int | None = None,
+    crop_to: int | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> list[list[int]]:
     """Generate up to `max_new_tokens` per prompt and return only the new tokens of each row.
 
@@ -154,6 +196,7 @@ def generate(
             tokens are cut where the text first contains it (strings may span tokens).
         max_total_len: also stop when prompt + new tokens reach this length.
         on_token: called with each step's (B,) tokens as they come (streaming).
+        source, source_mask, step_fn, max_context, crop_to, on_notice: see `stream_tokens`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -165,9 +208,21 @@ def generate(
             raise ValueError(f"max_total_len={max_total_len} leaves no room after the prompt")
     rows: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    for token in stream_tokens(
-        model, prompts, max_new_tokens, sampling, stop_tokens, seed, source, source_mask
-    ):
+    stream = stream_tokens(
+        model,
+        prompts,
+        max_new_tokens,
+        sampling,
+        stop_tokens,
+        seed,
+        source,
+        source_mask,
+        step_fn,
+        max_context,
+        crop_to,
+        on_notice,
+    )
+    for token in stream:
         if on_token is not None:
             on_token(token)
         for b, t in enumerate(token.tolist()):
@@ -202,6 +257,7 @@ def generate_text(
     num_beams: int = 1,
     length_penalty: float = 1.0,
     on_text: Callable[[str], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> str:
     """Text in, text out: encode `prompt`, generate, and return only the new text.
 
@@ -215,12 +271,12 @@ def generate_text(
         num_beams: > 1 runs beam search (deterministic: leave `sampling` at its defaults).
         length_penalty: beam search's length exponent.
         on_text: called with each new piece of text as it comes (streaming; num_beams == 1).
+        on_notice: called with a one-line notice if the context is cropped (see
+            `stream_tokens`; default a ContextCropWarning).
 
     Returns:
         the generated text, special tokens left out.
     """
-    from attnlab.inference.beam import beam_search  # beam.py imports this module
-
     eos, bos = tokenizer.token_id("<eos>"), tokenizer.token_id("<bos>")
     stop_tokens = [] if eos is None else [eos]
     ids = tokenizer.encode(prompt)
@@ -240,14 +296,14 @@ def generate_text(
             )
         tokens = beam_search(
             model,
-            ids,
+            [ids],
             num_beams,
             max_new_tokens,
             stop_tokens,
             length_penalty,
             source=source,
             source_mask=source_mask,
-        ).tokens
+        )[0][0].tokens
         _cut_at_stop_string(tokens, stop_strings, tokenizer.decode)  # shortest prefix with one
         return tokenizer.decode(tokens)
     streamed: list[int] = []
@@ -273,6 +329,7 @@ def generate_text(
         source=source,
         source_mask=source_mask,
         on_token=None if on_text is None else show,
+        on_notice=on_notice,
     )
     text = tokenizer.decode(rows[0])
     if on_text is not None and text != shown:

@@ -66,7 +66,7 @@ class VisionEncoderDecoder(nn.Module):
     """(a) A ViT and a DecoderLM whose blocks cross-attend to the image features.
 
     `encode(images)` has the signature of `EncoderDecoder.encode`, so cached decoding works
-    unchanged: `attnlab.inference.generate(model, prompts, n, source=images)`.
+    unchanged: `attnlab.inference.generate.generate(model, prompts, n, source=images)`.
     """
 
     def __init__(self, encoder: VisionEncoder, decoder: DecoderLM):
@@ -132,33 +132,40 @@ class PrefixVisionLM(nn.Module):
             return x
         return dec.head(x[:, N:] * dec.head_scale)  # (B, T, V)
 
+    def prefill(self, images: Tensor, ids: Tensor, cache) -> Tensor:
+        """Generation's first step: the image tokens and the prompt into a KV cache, in one pass.
 
-@torch.no_grad()
-def greedy_generate(
-    model: nn.Module, images: Tensor, prompts: Tensor, max_new_tokens: int, eos_id: int
-) -> list[list[int]]:
-    """Greedy answers for either vision-language model, re-running the full sequence per step.
+        The cache (components/kv_cache.py) holds the N image tokens in slots 0..N-1, then the
+        prompt (left padding marked False in `cache.key_valid`), then room for new tokens. Its
+        positions count real tokens, so they run over image, then text, as in `forward`. Tokens
+        after the prompt are decoded by `self.decoder` alone: its cached mask (a query sees the
+        slots up to its own) is the prefix-LM mask past the image.
 
-    Sequences here are a few dozen tokens, so recomputing is cheap and keeps this short; the
-    cross-attention model can also use the KV-cached `attnlab.inference.generate` (same tokens).
+        Args:
+            images: (B, C_in, H, W).  ids: (B, T0) prompt ids.  cache: a ModelCache of S_max slots.
 
-    Args:
-        images: (B, C_in, H, W).  prompts: (B, T0) prompt ids (same length in every row).
-        max_new_tokens: at most this many tokens per row.  eos_id: a row stops after <eos>.
-
-    Returns:
-        the new tokens of each row, up to and including its <eos>.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids = prompts
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    for _ in range(max_new_tokens):
-        token = model(images, ids)[:, -1].argmax(-1)  # (B,)
-        token = torch.where(done, eos_id, token)  # finished rows keep emitting <eos>
-        ids = torch.cat([ids, token[:, None]], dim=1)  # (B, T0 + step)
-        done = done | (token == eos_id)
-        if bool(done.all()):
-            break
-    rows = ids[:, prompts.shape[1] :].tolist()
-    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+        Returns:
+            (B, 1, V) logits of the last prompt position.
+        """
+        dec = self.decoder
+        img = self.projector(self.encoder(images))  # (B, N, C)
+        N = img.shape[1]
+        x = torch.cat([img, dec.embed(ids)], dim=1)  # (B, L, C), L = N + T0
+        slots = torch.arange(x.shape[1], device=ids.device)  # (L,)
+        pos, k_pos = cache.pos[:, slots], cache.pos  # (B, L), (B, S_max)
+        x = dec.drop(dec.positions.embed(x, pos))
+        k = torch.arange(cache.key_valid.shape[1], device=ids.device)  # (S_max,)
+        mask = (k[None, :] <= slots[:, None]) | (k[None, :] < N)  # (L, S_max) prefix-LM
+        mask = mask & cache.key_valid[:, None, None, :]  # (B, 1, L, S_max)
+        for block, layer_cache in zip(dec.blocks, cache.layers):
+            x = block(
+                x,
+                mask,
+                positions=dec.positions,
+                pos=pos,
+                k_pos=k_pos,
+                cache=layer_cache,
+                slots=slots,
+            )  # (B, L, C)
+        x = dec.norm(x[:, -1:])  # (B, 1, C)
+        return dec.head(x * dec.head_scale)  # (B, 1, V)

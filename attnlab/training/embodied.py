@@ -31,14 +31,16 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 from torch import Tensor, nn
 
-from attnlab.models.vision import greedy_generate
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer
 from attnlab.training.config import RunConfig
 from attnlab.training.data import pad_batch
 from attnlab.training.objectives import IGNORE_INDEX, cross_entropy
-from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 HELD_OUT_SEED = 1_000_000_000  # held-out scenes: seeds from here up; training seeds below
 EVAL_CHUNK = 250  # held-out scenes per evaluation forward pass
+GREEDY = SamplingConfig(temperature=0.0)  # answers are the most likely tokens
 SPRITE = 6  # sprites are 6 x 6, centred in a cell (cells must be at least this big)
 KINDS = ("cup", "ball", "box", "cone")
 MIN_OBJECTS, MAX_OBJECTS = 2, 4
@@ -225,8 +227,10 @@ class SceneTask:
     def answers(self, model: nn.Module, scenes: list[Scene], device) -> list[str]:
         """Greedy answers of `model` for `scenes`, as text without <eos>."""
         images = torch.from_numpy(np.stack([render(s, self.cell) for s in scenes])).to(device)
-        prompts = torch.tensor([self.prompt(s) for s in scenes], device=device)  # equal lengths
-        rows = greedy_generate(model, images, prompts, self.max_answer, self.eos)
+        prompts = [self.prompt(s) for s in scenes]
+        rows = generate(
+            model, prompts, self.max_answer, GREEDY, stop_tokens=[self.eos], source=images
+        )
         return [self.tokenizer.decode([t for t in row if t != self.eos]) for row in rows]
 
     @torch.no_grad()

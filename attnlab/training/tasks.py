@@ -16,12 +16,12 @@ from torch import Tensor, nn
 
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.tokenizer import Tokenizer
 from attnlab.training.config import RunConfig
 from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
 from attnlab.training.embodied import SceneTask
 from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
-from attnlab.tokenizer import Tokenizer
 
 EVAL_SEED = 1234
 SAMPLE_SETTINGS = SamplingConfig(temperature=0.8, top_k=50)
@@ -61,19 +61,21 @@ class LMTask:
 
         A model trained on windows of `context` tokens has never seen a longer one (nor, with
         learned or RoPE positions, the positions past it), so, like nanoGPT's sampler, we crop:
-        when the text fills the context, its last half becomes the prompt of the next chunk.
+        when the text fills the context, its last half becomes the context the generation
+        continues from (`generate`'s max_context and crop_to).
         """
         half = max(self.context // 2, 1)
-        text = self.tokenizer.encode(prompt)[-half:] or [0]
-        start = len(text)
-        while (left := n_tokens - (len(text) - start)) > 0:
-            window = text[-half:]
-            n = min(left, self.context - len(window))
-            new = generate(model, [window], n, SAMPLE_SETTINGS, seed=EVAL_SEED + len(text))[0]
-            text += new
-            if len(new) < n:  # stopped early (end of sequence)
-                break
-        return self.tokenizer.decode(text)
+        ids = self.tokenizer.encode(prompt)[-half:] or [0]
+        new = generate(
+            model,
+            [ids],
+            n_tokens,
+            SAMPLE_SETTINGS,
+            seed=EVAL_SEED,
+            max_context=self.context,
+            crop_to=half,
+        )[0]
+        return self.tokenizer.decode(ids + new)
 
 
 class MLMTask(LMTask):

@@ -209,3 +209,32 @@ def test_a_classifier_is_refused_in_one_line(tmp_path, capsys):
     assert main(["generate", "--ckpt", str(ckpt), "--prompt", "q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sequence classifier (3 labels)" in err
+
+
+def test_a_learned_position_table_crops_the_context_with_a_one_line_note(tmp_path, capsys):
+    """gpt2-tiny with 16 positions: 30 new tokens no longer fail; the note says the crop."""
+    (tmp_path / "tiny.txt").write_text("To be or not. " * 300)
+    flags = {
+        "--preset": "gpt2-tiny",
+        "--data.source": str(tmp_path / "tiny.txt"),
+        "--data.cache_dir": str(tmp_path / "cache"),
+        "--train.out_dir": str(tmp_path / "run"),
+        "--train.progress": "false",
+        "--train.steps": "10",
+        "--train.batch_size": "2",
+        "--train.context": "12",
+        "--train.eval_batches": "1",
+        "--train.sample_tokens": "0",
+        "--train.device": "cpu",
+        "--model.d_model": "32",
+        "--model.n_layers": "1",
+        "--model.max_seq_len": "16",
+    }
+    assert main(["train", *(x for kv in flags.items() for x in kv)]) == 0
+    greedy = ["--temperature", "0"]  # <eos> never came in training: greedy does not pick it
+    code, out, err = cli(
+        capsys, "--ckpt", str(tmp_path / "run"), "--prompt", "To", "--max-new-tokens", "30", *greedy
+    )
+    assert code == 0 and out.startswith("To") and len(out) == len("To") + 30 + 1
+    notes = [line for line in err.splitlines() if "16 positions" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ")

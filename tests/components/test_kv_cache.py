@@ -193,7 +193,9 @@ def test_cross_attention_keys_and_values_are_projected_once_per_source(position)
         assert counter.calls[proj] == [1] + [1] * 5
 
     counter = CallCounter(cross)  # beam search reorders the cached K/V, never recomputes them
-    beam_search(model, [1], num_beams=3, max_new_tokens=6, source=src[:1], source_mask=src_mask[:1])
+    beam_search(
+        model, [[1]], num_beams=3, max_new_tokens=6, source=src[:1], source_mask=src_mask[:1]
+    )
     counter.remove()
     assert all(counter.calls[proj] == [7] for proj in cross)
 

@@ -5,7 +5,9 @@ sequence (one token per call), so the expected output is known before it runs an
 model calls shows exactly when generation stopped.
 """
 
+import warnings
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +15,12 @@ from torch import nn
 
 from attnlab.components.positions.base import NoPosition
 from attnlab.inference.beam import beam_search
-from attnlab.inference.generate import generate, generate_text, stream_tokens
+from attnlab.inference.generate import (
+    ContextCropWarning,
+    generate,
+    generate_text,
+    stream_tokens,
+)
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig
@@ -205,16 +212,86 @@ def test_max_total_len_caps_the_longest_prompt_plus_new_tokens():
 def test_empty_prompt_is_an_error():
     with pytest.raises(ValueError, match="empty prompt"):
         generate(tiny_decoder(), [[1, 2], []], 3)
-    with pytest.raises(ValueError, match="non-empty prompt"):
-        beam_search(tiny_decoder(), [], 2, 3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        beam_search(tiny_decoder(), [[1], []], 2, 3)
 
 
-def test_prompt_plus_new_tokens_beyond_a_learned_table_names_the_numbers():
+# --- the context crop ----------------------------------------------------------------------
+@torch.no_grad()
+def cropped_reference(model, prompt: list[int], n: int, window: int, keep: int) -> list[int]:
+    """Greedy tokens without a cache, each from one full forward over the visible text, cropped
+    as documented: once the text outgrows `window` tokens, it continues from its last `keep`."""
+    seq, start = list(prompt), 0
+    for _ in range(n):
+        if len(seq) - start > window:
+            start = len(seq) - keep
+        logits = model(torch.tensor([seq[start:]]))[0, -1]  # (V,)
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("position", ["learned", "sinusoidal"])
+def test_a_position_table_crops_the_context_as_a_no_cache_reference(position):
+    """Prompt + new tokens pass the 12 positions: generation goes on from the last 12 tokens,
+    row by row in a left-padded batch, with a one-line notice."""
+    model = tiny_decoder(position, max_seq_len=12)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], list(range(1, 16))]  # the last: > 12
+    notices = []
+    out = generate(model, prompts, 10, GREEDY, on_notice=notices.append)
+    assert out == [cropped_reference(model, p, 10, 12, 12) for p in prompts]
+    assert len(notices) == 1 and "12 positions" in notices[0] and "\n" not in notices[0]
+    with pytest.warns(ContextCropWarning, match="12 positions"):
+        assert generate(model, prompts[:1], 10, GREEDY) == out[:1]
+    with pytest.warns(ContextCropWarning, match="12 positions"):  # the table binds first
+        assert generate(model, prompts[:1], 10, GREEDY, max_context=50) == out[:1]
+
+
+def test_an_encoder_decoder_crops_its_decoder_context_and_keeps_the_source():
+    """The 2017 model's sinusoidal table, cut to 8 positions: the decoder side is cropped, the
+    refilled cache cross-attends to the same source."""
+    torch.manual_seed(0)
+    cfg = replace(get_preset("transformer-tiny"), d_model=32, d_ff=32, vocab_size=VOCAB)
+    model = build_model(replace(cfg, max_seq_len=8)).eval()
+    src = torch.tensor([[4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 0, 0, 0, 0, 0]])
+    src_mask = src != 0
+    notices = []
+    out = generate(
+        model, [[1], [1]], 12, GREEDY, source=src, source_mask=src_mask, on_notice=notices.append
+    )
+    assert len(notices) == 1
+    for b, n in enumerate(src_mask.sum(1).tolist()):
+        row = partial(model, src[b : b + 1, :n])  # ids -> logits against this source, unpadded
+        assert out[b] == cropped_reference(row, [1], 12, 8, 8)
+
+
+def test_prompt_plus_new_tokens_that_fit_the_table_are_not_cropped():
+    model = tiny_decoder("learned", max_seq_len=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no notice
+        out = generate(model, [[1] * 8], 4, GREEDY)  # 8 + 4 = 12 fits exactly
+    assert out == [cropped_reference(model, [1] * 8, 4, 100, 100)]
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_max_context_and_crop_to_refill_from_the_last_tokens(position):
+    """A smaller window than the table (as LMTask.sample uses the trained context), refilled
+    from its last half: no notice (the caller chose it), tokens as the reference's."""
+    model = tiny_decoder(position, max_seq_len=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = generate(model, [[5, 6, 7]], 14, GREEDY, max_context=6, crop_to=3)
+    assert out == [cropped_reference(model, [5, 6, 7], 14, 6, 3)]
+    with pytest.raises(ValueError, match=r"crop_to must be in \[1, 6\].*got 7"):
+        generate(model, [[5, 6, 7]], 14, GREEDY, max_context=6, crop_to=7)
+    with pytest.raises(ValueError, match="max_context must be >= 1, got 0"):
+        generate(model, [[5, 6, 7]], 14, GREEDY, max_context=0)
+
+
+def test_beam_search_names_the_numbers_past_a_learned_table():
     model = tiny_decoder("learned", max_seq_len=12)
     with pytest.raises(ValueError) as err:
-        generate(model, [[1] * 8], 5)
+        beam_search(model, [[1] * 8], 2, 5)
     assert all(str(n) in str(err.value) for n in (8, 5, 12))
-    assert len(generate(model, [[1] * 8], 4)[0]) == 4  # 8 + 4 = 12 fits exactly
 
 
 @pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1])
@@ -227,7 +304,7 @@ def test_token_ids_outside_the_vocabulary_are_named(bad):
 @pytest.mark.parametrize("num_beams", [0, -2])
 def test_num_beams_below_one_is_an_error(num_beams, char_tok):
     with pytest.raises(ValueError, match=f"num_beams must be >= 1, got {num_beams}"):
-        beam_search(tiny_decoder(), [1, 2], num_beams, 3)
+        beam_search(tiny_decoder(), [[1, 2]], num_beams, 3)
     model = scripted_text(char_tok, "abc")
     with pytest.raises(ValueError, match=f"num_beams must be >= 1, got {num_beams}"):
         generate_text(model, char_tok, "x", 3, num_beams=num_beams)
@@ -240,7 +317,7 @@ def test_other_bad_arguments_are_errors():
     with pytest.raises(ValueError, match="decode"):
         generate(model, [[1]], 2, stop_strings=["x"])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
-        beam_search(tiny_decoder(), [1], 2, 0)
+        beam_search(tiny_decoder(), [[1]], 2, 0)
 
 
 # --- text in, text out ---------------------------------------------------------------------

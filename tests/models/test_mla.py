@@ -150,7 +150,7 @@ def test_generate_and_beam_search_run_on_mla():
     model = build_model(get_preset("mla-tiny")).eval()
     rows = generate(model, [[1, 2, 3], [4]], 5)
     assert [len(r) for r in rows] == [5, 5]
-    assert len(beam_search(model, [1, 2, 3], num_beams=3, max_new_tokens=4).tokens) == 4
+    assert len(beam_search(model, [[1, 2, 3]], num_beams=3, max_new_tokens=4)[0][0].tokens) == 4
 
 
 # --- KV-cache bytes ----------------------------------------------------------------------------

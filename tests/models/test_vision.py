@@ -16,7 +16,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig, VisionConfig
 from attnlab.models.presets import VISION_PRESETS, get_preset
-from attnlab.models.vision import PrefixVisionLM, VisionEncoderDecoder, greedy_generate
+from attnlab.models.vision import PrefixVisionLM, VisionEncoderDecoder
 from attnlab.training.config import RunConfig
 
 B, T, V = 2, 6, 40
@@ -160,28 +160,56 @@ def test_vision_variants_build(patchify, position):
     assert model(images, ids).shape == (B, T, V)
 
 
-def test_cached_generate_equals_greedy_recompute():
-    """The cross-attention model works with the library's KV-cached `generate` unchanged."""
-    cfg = small("cross_attention")
+@torch.no_grad()
+def greedy_recompute(model, images, prompt: list[int], n: int, eos: int) -> list[int]:
+    """The reference: greedy tokens for one image, each from a full forward without a cache."""
+    ids = torch.tensor([prompt])  # (1, T0)
+    for _ in range(n):
+        token = model(images, ids)[:, -1].argmax(-1)  # (1,)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        if int(token) == eos:
+            break
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("connect", ["cross_attention", "prefix"])
+def test_cached_generate_equals_greedy_recompute(connect):
+    """Both vision-language models answer through the library's KV-cached `generate`: the image
+    as the source (cross-attention) or prefilled before the prompt (prefix), prompts of
+    different lengths left-padded together, each row as the full forward gives it alone."""
+    cfg = small(connect)
     model = build_model(cfg).eval()
     images, ids = inputs(cfg)
+    prompts = [ids[0].tolist(), ids[1, 2:].tolist()]
     eos = V - 1
-    recomputed = greedy_generate(model, images, ids, 5, eos)
     greedy = SamplingConfig(temperature=0.0)
-    cached = generate(model, ids.tolist(), 5, greedy, stop_tokens=[eos], source=images)
-    assert cached == recomputed
+    cached = generate(model, prompts, 5, greedy, stop_tokens=[eos], source=images)
+    expected = [
+        greedy_recompute(model, images[b : b + 1], p, 5, eos) for b, p in enumerate(prompts)
+    ]
+    assert cached == expected
 
 
-def test_greedy_generate_stops_at_eos():
-    cfg = small("prefix")
+@pytest.mark.parametrize("connect", ["cross_attention", "prefix"])
+def test_generate_stops_a_row_at_its_eos(connect):
+    cfg = small(connect)
     model = build_model(cfg).eval()
     images, ids = inputs(cfg)
     with torch.no_grad():
         first = model(images, ids)[:, -1].argmax(-1)  # (B,)
-    rows = greedy_generate(model, images, ids, 4, eos_id=int(first[0]))
+    greedy = SamplingConfig(temperature=0.0)
+    rows = generate(model, ids.tolist(), 4, greedy, stop_tokens=[int(first[0])], source=images)
     assert rows[0] == [int(first[0])]  # row 0 ends at once with its <eos>
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        greedy_generate(model, images, ids, 0, 1)
+    assert rows[1] == greedy_recompute(model, images[1:], ids[1].tolist(), 4, int(first[0]))
+
+
+def test_a_prefix_model_does_not_crop_its_context():
+    cfg = small("prefix")
+    model = build_model(cfg).eval()
+    images, ids = inputs(cfg)
+    room = cfg.max_seq_len - cfg.vision.n_tokens - T
+    with pytest.raises(ValueError, match="image-prefix model, which cannot crop"):
+        generate(model, ids.tolist(), room + 1, source=images)
 
 
 # --- configs -------------------------------------------------------------------------------------

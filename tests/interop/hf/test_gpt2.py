@@ -99,13 +99,13 @@ def test_beam_search_matches_generate(pair, length_penalty, early_stopping):
     )
     best = beam_search(
         ours,
-        prompt,
+        [prompt],
         4,
         20,
         eos_ids=[eos],
         length_penalty=length_penalty,
         early_stopping=early_stopping,
-    )
+    )[0][0]
     assert best.tokens == out[0, len(prompt) :].tolist()
 
 

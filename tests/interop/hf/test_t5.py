@@ -110,14 +110,14 @@ def test_beam_search_matches_generate(pair):
     )
     best = beam_search(
         ours,
-        [START],
+        [[START]],
         4,
         20,
         eos_ids=[eos],
         length_penalty=length_penalty,
         early_stopping=early_stopping,
         source=src,
-    )
+    )[0][0]
     assert best.tokens == out[0, 1:].tolist()
 
 
