@@ -16,12 +16,12 @@ from torch import Tensor, nn
 
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.tokenizer import Tokenizer
 from attnlab.training.config import RunConfig
 from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
 from attnlab.training.embodied import SceneTask
 from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
-from attnlab.tokenizer import Tokenizer
 
 EVAL_SEED = 1234
 SAMPLE_SETTINGS = SamplingConfig(temperature=0.8, top_k=50)
@@ -167,7 +167,12 @@ class Seq2SeqTask:
         return self._batch(pairs)
 
     def loss(self, model, batch) -> Tensor:
-        logits = model(batch["src"], batch["tgt"], batch["src_mask"], batch["tgt_mask"])
+        logits = model(
+            batch["src"],
+            batch["tgt"],
+            attention_mask=batch["src_mask"],
+            decoder_attention_mask=batch["tgt_mask"],
+        )
         return seq2seq_loss(logits, batch["labels"], self.pad, self.run.train.label_smoothing)
 
     @torch.no_grad()
