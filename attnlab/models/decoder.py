@@ -118,6 +118,28 @@ class DecoderLM(nn.Module):
         Returns:
             (B, T, V) logits, or (B, 1, V) with last_only.
         """
+        ctx, pos = self.context(ids, attention_mask, pos, memory, memory_mask, cache, slots)
+        x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
+        x = self.run_blocks(x, ctx, cache)  # (B, T, C)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        return self.logits(x)  # (B, T, V)
+
+    def context(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None,
+        pos: Tensor | None,
+        memory: Tensor | None,
+        memory_mask: Tensor | None,
+        cache,
+        slots: Tensor | None,
+    ) -> tuple[AttentionContext, Tensor]:
+        """What every block needs, computed once per forward (arguments as `forward`).
+
+        Returns:
+            (ctx, pos): the AttentionContext, and the positions of `ids`, (T,) or (B, T).
+        """
         T = ids.shape[1]
         if cache is None:
             bound = T if pos is None else None  # default positions: all below T, known from shape
@@ -128,7 +150,7 @@ class DecoderLM(nn.Module):
             pos, k_pos = cache.pos[:, slots], cache.pos  # (B, T), (B, S_max)
             bound = k_pos.shape[1]  # a row's positions never exceed its slots
             mask, is_causal = cached_attention_mask(slots, cache.key_valid, self.window), False
-        ctx = AttentionContext(  # once per forward, for every block
+        ctx = AttentionContext(
             mask=mask,
             is_causal=is_causal,
             positions=self.positions.prepare(pos, k_pos, bound),
@@ -136,11 +158,7 @@ class DecoderLM(nn.Module):
             memory=memory,
             memory_mask=None if memory_mask is None else padding_mask(memory_mask),  # (B,1,1,M)
         )
-        x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
-        x = self.run_blocks(x, ctx, cache)  # (B, T, C)
-        if last_only:
-            x = x[:, -1:]  # (B, 1, C)
-        return self.logits(x)  # (B, T, V)
+        return ctx, pos
 
     def run_blocks(self, x: Tensor, ctx: AttentionContext, cache=None) -> Tensor:
         """Every block in turn on x (B, T, C), each with its own layer of the cache."""
