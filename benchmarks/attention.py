@@ -36,8 +36,10 @@ from torch import Tensor
 
 from attnlab.components.attention import Attention
 from attnlab.components.backends import BACKENDS
+from attnlab.components.context import AttentionContext
 
 B, H, D = 1, 8, 64  # backend comparison: one sequence, 8 heads of 64
+CAUSAL = AttentionContext(is_causal=True)  # the module benchmark: causal, nothing else
 BACKEND_NAMES = ("eager", "sdpa")
 WARMUP_T = 64  # a tiny step first, so one-time costs (thread pools, kernel code) stay out
 # (T, mode, timing repeats): fewer repeats where one eager step takes seconds on 2 cores.
@@ -167,9 +169,9 @@ def module_overhead(repeats: int) -> float:
 
     with torch.no_grad():
         q, k, v = project(Wq), project(Wk), project(Wv)  # the same (strided) layout bare() feeds
-        diff = (attn(x, is_causal=True) - bare()).abs().max().item()
+        diff = (attn(x, CAUSAL) - bare()).abs().max().item()
         steps = {
-            "module": lambda: attn(x, is_causal=True),
+            "module": lambda: attn(x, CAUSAL),
             "bare": bare,
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         }

@@ -7,10 +7,10 @@ Batch 1, a 32-token prompt, 256 new tokens, greedy, fp32 activations. Per model 
 
   (i)   recompute   no cache: the whole sequence through the model for every new token
   (ii)  cache       attnlab.inference.generate.generate: prefill, then one decode_step per token
-  (ii+) + oneDNN    (ii) after enable_fast_linear(inference=True): the Linears go through
+  (ii+) + oneDNN    (ii) after choose_fast_linear(inference=True): the Linears go through
                     oneDNN's inner product (FastLinear) if that makes a short generation faster
   (iii) compiled    stream_tokens(step_fn=compile_decode_step(model)): torch.compile(decode_step)
-                    on the same static cache, the Linears as GemvLinear (inference/gemv.py),
+                    on the same static cache, the Linears as GemvLinear (accel/gemv.py),
                     which inductor turns into fused matrix-vector loops, the weights packed
                     into one buffer (inference/packing.py)
   (iv)  int8        (ii) after quantize_model(model, "int8"): Linears and head int8, embeddings fp32
@@ -67,14 +67,14 @@ import torch  # noqa: E402
 from _timing import cpu_name, median_ms, peak_method, peak_rss_mib, use_all_cores  # noqa: E402
 from torch import nn  # noqa: E402
 
-from attnlab.components.fast_linear import enable_fast_linear  # noqa: E402
-from attnlab.inference.gemv import compile_decode_step  # noqa: E402
+from attnlab.accel.fast_linear import choose_fast_linear, enable_fast_linear  # noqa: E402
+from attnlab.inference.compiled_step import compile_decode_step  # noqa: E402
 from attnlab.inference.generate import generate, stream_tokens  # noqa: E402
-from attnlab.quantize import Int4Linear, quantize_model  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
 from attnlab.models.build import build_model  # noqa: E402
 from attnlab.models.config import AttentionConfig, ModelConfig  # noqa: E402
 from attnlab.models.presets import gpt2, llama2_7b  # noqa: E402
+from attnlab.quantize import Int4Linear, quantize_model  # noqa: E402
 
 GREEDY = SamplingConfig(temperature=0.0)
 FAST = "(ii+) cache, + oneDNN"
@@ -306,10 +306,10 @@ def measure_peaks(results: list[dict]) -> None:
 def compile_decode(model: nn.Module, prompt: list[int], n_new: int):
     """(generate-with-a-compiled-decode_step function or None, what happened in words).
 
-    On a copy: compile_decode_step packs the weights (inference/packing.py), and the eager
+    On a copy: compile_decode_step packs the weights (accel/packing.py), and the eager
     variants keep the model as it was built."""
     model = copy.deepcopy(model)
-    step = compile_decode_step(model)  # one-token Linears as fused GEMVs (inference/gemv.py)
+    step = compile_decode_step(model)  # one-token Linears as fused GEMVs (accel/gemv.py)
     fn = partial(run_stream, model, prompt, step_fn=step)
     try:  # the cache's shapes depend on n: warm up (compile) with the timed n
         _, seconds = timed(lambda: fn(n_new))
@@ -333,7 +333,7 @@ def bench_shape(name: str, cfg: ModelConfig, args, src, dst, bandwidths: list) -
     variants = {"(ii) cache, eager": ("fp32", partial(run_cached, model, prompt))}
     fast = copy.deepcopy(model)
     check = partial(run_cached, fast, prompt, 16)
-    swapped = enable_fast_linear(fast, 1, check=check, inference=True)
+    swapped = enable_fast_linear(fast, choose_fast_linear(fast, 1, check=check, inference=True))
     variants[FAST] = ("fp32", partial(run_cached, fast, prompt))
     compile_info = {}
     if args.compile:

@@ -44,7 +44,7 @@ from train import (
     ours_step,
 )
 
-from attnlab.inference.gemv import compile_decode_step
+from attnlab.inference.compiled_step import compile_decode_step
 from attnlab.models.build import build_model
 from attnlab.training.loop import compile_loss
 from attnlab.training.optim import build_optimizer

@@ -13,7 +13,7 @@ Candidates, timed in the same rounds (one step of each per round, the order rota
               one flat buffer per group (build_optimizer(flat=True)); compiled as the loop
               compiles (compile_loss: model and loss in one graph, on CPU with inductor's C++
               wrapper)
-  ours+fast   the same after attnlab.components.fast_linear.enable_fast_linear (fp32 only:
+  ours+fast   the same after attnlab.accel.fast_linear.enable_fast_linear (fp32 only:
               under autocast FastLinear is nn.Linear)
   plain       the ~100-line single-file GPT below (nanoGPT style: one fused qkv Linear,
               F.scaled_dot_product_attention, tied head, F.cross_entropy, the same clip and
@@ -27,7 +27,7 @@ Candidates, timed in the same rounds (one step of each per round, the order rota
 
 FLOPs per token (PaLM appendix B, nanoGPT): 6 N + 12 L H D T, N = weights of every matmul (the
 LM head included, once, even when tied), T = context. MFU = achieved / peak FLOP/s.
-Each case process first calls keep_freed_memory (attnlab/training/host_memory.py), as the loop
+Each case process first calls keep_freed_memory (attnlab/accel/host_memory.py), as the loop
 does on CPU: malloc then keeps freed memory instead of page-faulting the large tensors of every
 step in again. It is process-wide, so plain and the peak GEMMs run under it too.
 Each (shape, precision, mode) runs in a fresh subprocess with an empty inductor cache, so a
@@ -58,10 +58,10 @@ import torch.nn.functional as F
 from _timing import cpu_name, use_all_cores
 from torch import Tensor, nn
 
-from attnlab.components.fast_linear import enable_fast_linear, onednn_linear
+from attnlab.accel.fast_linear import choose_fast_linear, enable_fast_linear, onednn_linear
+from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.training.host_memory import keep_freed_memory
 from attnlab.training.loop import compile_loss, trained_tensors
 from attnlab.training.objectives import clm_loss
 from attnlab.training.optim import build_optimizer
@@ -273,9 +273,10 @@ def build_candidates(shape: str, precision: str, mode: str, log: io.StringIO) ->
         x, y = (torch.randint(0, cfg.vocab_size, (B, T), generator=gen) for _ in range(2))
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(log):
-            swapped = enable_fast_linear(
+            shapes = choose_fast_linear(
                 fast, B * T, check=lambda: clm_loss(fast(x), y).backward(), verbose=True
             )
+            swapped = enable_fast_linear(fast, shapes)
         took = time.perf_counter() - t0
         log.write(f"enable_fast_linear swapped {swapped} Linear modules ({took:.0f} s)\n")
     if matmul_params(models["ours"]) != matmul_params(models["plain"]):
@@ -300,7 +301,7 @@ def build_candidates(shape: str, precision: str, mode: str, log: io.StringIO) ->
 def run_case(shape: str, precision: str, mode: str, rounds: int, peak_n: int) -> dict:
     """Time one (shape, precision, mode): every candidate and the peak GEMMs, interleaved."""
     threads = use_all_cores()
-    keep_freed_memory()  # as train() does on CPU; for every candidate alike
+    keep_freed_memory()  # as train(keep_freed_memory=True) does on CPU; for every candidate
     cfg, (_, _, _, B, T) = model_config(shape), SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.vocab_size, (B, T), generator=gen) for _ in range(2))

@@ -62,6 +62,12 @@ def run_config_from_args(args: argparse.Namespace):
     return run, task
 
 
+def accelerators_line(train_cfg: TrainConfig) -> str:
+    """The run header's line naming the accelerators (attnlab/accel/) this run turns on."""
+    on = [k for k in ("compile", "flat_adamw", "keep_freed_memory") if getattr(train_cfg, k)]
+    return "accelerators: " + (", ".join(on) if on else "none")
+
+
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """`torchrun` arguments that re-run this command in `args.nproc` processes (one machine)."""
     argv = ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "attnlab", args.command]
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     run_cfg, task = run_config_from_args(args)
     torch.manual_seed(run_cfg.train.seed)  # the same initial weights on every run and every rank
     model = build_model(run_cfg.model)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(accelerators_line(run_cfg.train))  # each one is a flag: --train.<name>=false
     state = train(model, task, run_cfg, resume=args.resume)
     distributed.stop()  # leave torchrun's process group (nothing to do for one process)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports

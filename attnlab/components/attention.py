@@ -1,12 +1,13 @@
 """Multi-head attention: MHA, GQA and MQA through `n_kv_heads`; self, causal and cross attention.
 
     x ──q_proj──> q (B, H, T, D) ─┐
-    x ──k_proj──> k (B, K, S, D) ─┼─ positions.rotate_qk ─> backend(q, k, v, mask, bias) ─> o_proj
+    x ──k_proj──> k (B, K, S, D) ─┼─ ctx.positions.rotate_qk ─> backend(q, k, v, mask, bias) ─> out
     x ──v_proj──> v (B, K, S, D) ─┘      (cross attention: k and v come from `memory`)
 
 n_kv_heads = n_heads is MHA (Vaswani et al. 2017), 1 is MQA (Shazeer 2019), anything between that
-divides n_heads is GQA (Ainslie et al. 2023). The position scheme is passed in, and Attention calls
-its hooks (`rotate_qk`, `score_bias`) without knowing which scheme it is.
+divides n_heads is GQA (Ainslie et al. 2023). The model prepares the position scheme's terms once
+per forward (`AttentionContext.positions`); Attention applies them (`rotate_qk`, `bias`) without
+knowing which scheme made them.
 
 Shapes: B batch, T query length, S key length, C d_model, H query heads, K kv heads, D head_dim.
 """
@@ -15,12 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
+from attnlab.components.context import NO_CONTEXT, AttentionContext
 from attnlab.components.kv_cache import KVCache
 from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
-from attnlab.components.positions.base import NoPosition, PositionScheme
-
-_NO_POSITION = NoPosition()
 
 
 class Attention(nn.Module):
@@ -82,62 +81,40 @@ class Attention(nn.Module):
         self.capture_weights = False  # set to keep the probabilities (B, H, T, S) in .weights
         self.weights: Tensor | None = None
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        is_causal: bool = False,
-        memory: Tensor | None = None,
-        positions: PositionScheme | None = None,
-        q_pos: Tensor | None = None,
-        k_pos: Tensor | None = None,
-        cache=None,
-        slots: Tensor | None = None,
-    ) -> Tensor:
-        """Attend from `x` to itself (or to `memory` for cross attention).
+    def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
+        """Attend from `x` to itself (or to `ctx.memory` for cross attention).
 
         Args:
             x: (B, T, C) queries' input.
-            mask: bool, broadcastable to (B, H, T, S), True = may attend.
-            is_causal: add a causal mask (cheaper than passing one: SDPA's flash path).
-            memory: (B, S, C_kv) encoder output; required for cross attention.
-            positions: the model's position scheme (its rotate_qk and score_bias hooks).
-            q_pos: (T,) or (B, T) positions of the queries; default 0..T-1.
-            k_pos: (S,) or (B, S) positions of every cache slot (with a self-attention cache);
-                without a cache the keys are the queries, so k_pos = q_pos.
-            cache: self-attention: a KVCache written at `slots`; cross-attention: a CrossKV
+            ctx: the forward's AttentionContext (components/context.py). Self-attention reads
+                its mask, is_causal, positions and slots; cross attention its memory and
+                memory_mask.
+            cache: self-attention: a KVCache written at `ctx.slots`; cross-attention: a CrossKV
                 that keeps the memory's keys and values after the first call.
-            slots: (T,) cache slots of the new tokens.
 
         Returns:
             (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.
         """
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        positions = _NO_POSITION if positions is None else positions
         q = self.q_norm(self.q_proj(x).view(B, T, H, D).transpose(1, 2))  # (B, H, T, D)
-        q_pos = torch.arange(T, device=x.device) if q_pos is None else q_pos
-        bias = None
         if self.cross:
+            mask, bias, is_causal = ctx.memory_mask, None, False
             if cache is None:
-                k, v = self.project_kv(memory)  # (B, K, M, D)
+                k, v = self.project_kv(ctx.memory)  # (B, K, M, D)
             else:
-                k, v = cache.get(lambda: self.project_kv(memory))  # computed once per source
+                k, v = cache.get(lambda: self.project_kv(ctx.memory))  # computed once per source
         else:
+            mask, bias, is_causal = ctx.mask, ctx.positions.bias, ctx.is_causal
             k, v = self.project_kv(x)  # (B, K, T, D)
-            q, k = positions.rotate_qk(q, k, q_pos, q_pos)
-            if cache is None:
-                k_pos = q_pos
-            else:
-                k, v = cache.update(k, v, slots)  # (B, K, S_max, D)
-            bias = positions.score_bias(q_pos, k_pos)  # (H, T, S), (B, H, T, S) or None
+            q, k = ctx.positions.rotate_qk(q, k)  # the new keys sit at the queries' positions
+            if cache is not None:
+                k, v = cache.update(k, v, ctx.slots)  # (B, K, S_max, D)
         if mask is not None:
             check_mask(mask, B, H, T, k.shape[2])
         args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
         dropout = self.dropout if self.training else 0.0
-        backend = "eager" if _written_out_is_faster(q, k) else self.backend
-        out, _ = BACKENDS[backend](q, k, v, dropout=dropout, **args)  # (B, H, T, D)
+        out, _ = BACKENDS[self.backend](q, k, v, dropout=dropout, **args)  # (B, H, T, D)
         if self.capture_weights:
             # Recomputed on the eager path, so the output above stays on the fast path.
             self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
@@ -157,23 +134,3 @@ class Attention(nn.Module):
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
         """A `KVCache` for this layer's self-attention: (B, K, S_max, D) keys and values."""
         return KVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)
-
-
-SHORT_KEYS_CPU = 64  # inside torch.compile on CPU, attend to at most this many keys written out
-
-
-def _written_out_is_faster(q: Tensor, k: Tensor) -> bool:
-    """Whether, inside torch.compile, the written-out attention beats SDPA's kernel.
-
-    Written out, inductor fuses the scale, mask and softmax (forward and backward) with their
-    neighbours and leaves two batched matmuls; SDPA stays one opaque kernel call. That wins for
-    one query (a compiled decode step), and on CPU for short sequences: forward + backward,
-    causal, (12, 4, 64, 32): 1.9 against 2.8 ms; (4, 12, 64, 64): 3.6 against 4.0; about equal
-    at 128 keys; at 256 and beyond SDPA's flash kernel (which skips the masked half) wins.
-
-    Args:
-        q: (B, H, T, D).  k: (B, K, S, D).
-    """
-    if not torch.compiler.is_compiling():
-        return False
-    return q.shape[2] == 1 or (q.device.type == "cpu" and k.shape[2] <= SHORT_KEYS_CPU)

@@ -18,7 +18,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from attnlab.components.attention import Attention
-from attnlab.components.positions.base import PositionScheme
+from attnlab.components.context import NO_CONTEXT, AttentionContext
 
 Placement = Literal["pre", "post"]
 
@@ -66,42 +66,19 @@ class DecoderBlock(nn.Module):
         self.residuals = nn.ModuleList(Residual(n, placement, dropout) for n in norms)
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        is_causal: bool = False,
-        positions: PositionScheme | None = None,
-        pos: Tensor | None = None,
-        k_pos: Tensor | None = None,
-        memory: Tensor | None = None,
-        memory_mask: Tensor | None = None,
-        cache=None,
-        cross_cache=None,
-        slots: Tensor | None = None,
+        self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None, cross_cache=None
     ) -> Tensor:
-        """x: (B, T, C), memory: (B, S, C) -> (B, T, C). Masks are bool, True = may attend.
+        """x: (B, T, C) -> (B, T, C).
 
-        pos, k_pos, cache, slots: see `Attention.forward`; cross_cache: the cross-attention's.
+        Args:
+            x: (B, T, C).
+            ctx: the forward's AttentionContext: masks, position terms, slots, memory.
+            cache: the self-attention's cache.  cross_cache: the cross-attention's CrossKV.
         """
         res = iter(self.residuals)
-        x = next(res)(
-            x,
-            lambda h: self.self_attn(
-                h,
-                mask,
-                is_causal=is_causal,
-                positions=positions,
-                q_pos=pos,
-                k_pos=k_pos,
-                cache=cache,
-                slots=slots,
-            ),
-        )
+        x = next(res)(x, lambda h: self.self_attn(h, ctx, cache))
         if self.cross_attn is not None:
-            x = next(res)(
-                x, lambda h: self.cross_attn(h, memory_mask, memory=memory, cache=cross_cache)
-            )
+            x = next(res)(x, lambda h: self.cross_attn(h, ctx, cross_cache))
         return next(res)(x, self.ffn)  # (B, T, C)
 
 

@@ -22,8 +22,8 @@ Two ways to compute the same thing (`absorb`):
               c_kv itself; out_h = (P_h c_kv) W_UV_h^T. Cheaper to decode (nothing per head is
               materialised for the S cached tokens), dearer to train.
 
-The position scheme's hooks are called as in `Attention`, with `rotate_qk` seeing only the
-rope parts (it must be built for head_dim = R) and `score_bias` added to the scores.
+The forward's prepared position terms are applied as in `Attention`, with `rotate_qk` seeing
+only the rope parts (the scheme must be built for head_dim = R) and the bias added to the scores.
 
 Shapes: B batch, T queries, S keys, C d_model, H heads, r kv_lora_rank, r_q q_lora_rank,
 Dn qk_nope_head_dim, R qk_rope_head_dim, Dv v_head_dim.
@@ -33,12 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
+from attnlab.components.context import NO_CONTEXT, AttentionContext
 from attnlab.components.kv_cache import LatentCache
 from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
-from attnlab.components.positions.base import NoPosition, PositionScheme
-
-_NO_POSITION = NoPosition()
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -98,51 +96,35 @@ class MultiHeadLatentAttention(nn.Module):
         self.capture_weights = False  # set to keep the probabilities (B, H, T, S) in .weights
         self.weights: Tensor | None = None
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        is_causal: bool = False,
-        memory: Tensor | None = None,
-        positions: PositionScheme | None = None,
-        q_pos: Tensor | None = None,
-        k_pos: Tensor | None = None,
-        cache=None,
-        slots: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
         """Attend from `x` to itself; arguments as `Attention.forward` (no cross attention).
 
         Args:
-            x: (B, T, C).  mask: bool, broadcastable to (B, H, T, S), True = may attend.
-            is_causal: add a causal mask.  memory: must be None (MLA is self-attention).
-            positions: the position scheme; its `rotate_qk` sees the (.., R) rope parts only.
-            q_pos: (T,) or (B, T); default 0..T-1.  k_pos: (S,) or (B, S), with a cache.
-            cache: a `LatentCache` written at `slots` (T,).
+            x: (B, T, C).
+            ctx: the forward's AttentionContext; its position terms rotate the (.., R) rope
+                parts only, and `ctx.memory` must be None (MLA is self-attention).
+            cache: a `LatentCache` written at `ctx.slots` (T,).
 
         Returns:
             (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.
         """
-        if memory is not None:
+        if ctx.memory is not None:
             raise ValueError("MultiHeadLatentAttention is self-attention only (memory was given)")
         B, T, _ = x.shape
         H, Dn, R, r = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
-        positions = _NO_POSITION if positions is None else positions
-        q_pos = torch.arange(T, device=x.device) if q_pos is None else q_pos
         q = self.project_q(x).view(B, T, H, Dn + R).transpose(1, 2)  # (B, H, T, Dn + R)
         q_nope, q_pe = q.split([Dn, R], dim=-1)  # (B, H, T, Dn), (B, H, T, R)
         c_kv, k_pe = self.kv_a_proj(x).split([r, R], dim=-1)  # (B, T, r), (B, T, R)
         c_kv = self.kv_a_norm(c_kv)
-        q_pe, k_pe = positions.rotate_qk(q_pe, k_pe[:, None], q_pos, q_pos)  # k_pe (B, 1, T, R)
+        q_pe, k_pe = ctx.positions.rotate_qk(q_pe, k_pe[:, None])  # k_pe (B, 1, T, R)
         k_pe = k_pe[:, 0]  # (B, T, R): one rope key per token, shared by every head
-        if cache is None:
-            k_pos = q_pos
-        else:
-            c_kv, k_pe = cache.update(c_kv, k_pe, slots)  # (B, S_max, r), (B, S_max, R)
-        if mask is not None:
-            check_mask(mask, B, H, T, c_kv.shape[1])
-        bias = positions.score_bias(q_pos, k_pos)  # (H, T, S), (B, H, T, S) or None
-        args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
+        if cache is not None:
+            c_kv, k_pe = cache.update(c_kv, k_pe, ctx.slots)  # (B, S_max, r), (B, S_max, R)
+        if ctx.mask is not None:
+            check_mask(ctx.mask, B, H, T, c_kv.shape[1])
+        args = dict(
+            mask=ctx.mask, bias=ctx.positions.bias, is_causal=ctx.is_causal, scale=self.scale
+        )
         q, k, v = (self.absorbed_qkv if self.absorb else self.plain_qkv)(q_nope, q_pe, c_kv, k_pe)
         dropout = self.dropout if self.training else 0.0
         out, _ = BACKENDS[self.backend](q, k, v, dropout=dropout, **args)  # (B, H, T, Dv or r)

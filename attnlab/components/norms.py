@@ -5,8 +5,8 @@ features loses most of its digits), then return the input dtype.
 
 The math is written out in `layer_norm_reference` and `rms_norm_reference`; the modules run the
 same math through PyTorch's fused kernels (F.layer_norm, F.rms_norm): written with ~8 elementwise
-ops each, forward and backward, the norms took 15% of a d_model-128 training step on CPU
-(benchmarks/train.py, recipe-a). tests/components/test_norms.py checks both against each other.
+ops each, forward and backward, the norms took a sizeable share of a small model's training step
+on CPU (benchmarks/README.md). tests/components/test_norms.py checks both against each other.
 
 Shapes: (..., C) in, (..., C) out.
 """

@@ -1,11 +1,15 @@
-"""A compiled decode step bound to one model, which checks its inputs itself instead of
-letting Dynamo check ~3,400 guards before every token.
+"""The compiled decode step: `compile_decode_step(model)`, a user-facing opt-in for faster
+decoding, bound to one model, which checks its inputs itself instead of letting Dynamo check
+thousands of guards before every token.
+
+`compile_decode_step` turns on three accelerators (attnlab/accel/) before compiling: one-row
+Linears as fused GEMVs (gemv.py), every weight in one buffer (packing.py), and attention written
+out for the one query (short_attention.py). What each buys is in benchmarks/README.md.
 
 Before each call of a torch.compile'd function, Dynamo evaluates the guards that make the
 compiled graph valid. For a decode step these cover the whole model: every module's type,
-attributes and (empty) hook dictionaries, every weight's dtype, shape and strides: 3,391 for
-GPT-2-small. Measured on a 2-core AMD EPYC, both forms in one process, 12 interleaved rounds of
-30 steps (medians): int8 step 7.85 -> 7.27 ms without them, fp32 17.01 -> 16.65 ms.
+attributes and (empty) hook dictionaries, every weight's dtype, shape and strides (thousands
+for GPT-2-small), a measurable share of a step.
 
 `BoundDecodeStep` compiles `decode_step` with those checks off
 (`torch.compiler.skip_all_guards_unsafe`) and checks what can change between calls at the
@@ -33,8 +37,33 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnlab.inference.generate import decode_step
+from attnlab.accel.gemv import use_gemv
+from attnlab.accel.packing import pack_weights
+from attnlab.accel.short_attention import use_short_attention
 from attnlab.components.kv_cache import ModelCache
+from attnlab.inference.generate import decode_step
+
+# Inductor inlines a cheap elementwise producer into the loop of each consumer. Feeding a GEMV,
+# that recomputes it once per output row: a LayerNorm's output (~12 ops per element) 3072 times
+# in GPT-2's up projection and 50257 times in its head. With this threshold (inductor's CPU
+# default is 50) such producers are written out once (a few KB per token) and each GEMV loop is
+# one multiply-add per weight.
+REALIZE_OPCOUNT = 8
+
+
+def compile_decode_step(model: nn.Module, **compile_kwargs) -> "BoundDecodeStep":
+    """`use_gemv`, `pack_weights` and `use_short_attention` on `model` (attnlab/accel/), then
+    decode_step compiled for this model: a step_fn for stream_tokens (see the module docstring
+    for what must not change in the model afterwards).
+
+    compile_kwargs go to torch.compile; `options` (inductor settings) are merged over
+    {"realize_opcount_threshold": REALIZE_OPCOUNT}.
+    """
+    use_gemv(model)
+    pack_weights(model)
+    use_short_attention(model)
+    options = {"realize_opcount_threshold": REALIZE_OPCOUNT, **compile_kwargs.pop("options", {})}
+    return BoundDecodeStep(model, options, **compile_kwargs)
 
 
 class BoundDecodeStep:
@@ -79,7 +108,8 @@ class BoundDecodeStep:
 
 
 def _own_copy(fn: types.FunctionType) -> types.FunctionType:
-    """`fn` with a new code object (equal to fn's, not the same): graphs Dynamo compiles for
-    it are kept on that object, out of reach of every other caller of `fn`."""
+    """A new function equal to `fn`, with a code object of its own (fn itself is untouched):
+    graphs Dynamo compiles for it are kept on that object, out of reach of every other caller
+    of `fn`."""
     code = fn.__code__.replace()
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

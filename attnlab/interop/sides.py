@@ -140,7 +140,9 @@ def run(side: Side, inputs: Inputs) -> dict[str, Tensor]:
 def _forward(side: Side, x: Inputs) -> Tensor:
     if side.ours:
         if side.kind == "encoder_decoder":
-            return side.model(x.ids, x.decoder_ids, x.mask, x.decoder_mask)
+            return side.model(
+                x.ids, x.decoder_ids, attention_mask=x.mask, decoder_attention_mask=x.decoder_mask
+            )
         return side.model(x.ids, x.mask)
     kwargs = {"input_ids": x.ids}
     if x.mask is not None:

@@ -3,12 +3,16 @@
 The same class is the decoder half of an encoder-decoder model: give its blocks cross-attention
 and pass `memory` (the encoder's output) to `forward`.
 
+What every block needs (the masks, the position scheme's cos/sin rows or score bias, the cache
+slots) is computed once per forward into an `AttentionContext` and handed to each block.
+
 Shapes: B batch, T new tokens, S keys (cached + new), M memory length, C d_model, V vocab_size.
 """
 
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.context import AttentionContext
 from attnlab.components.masks import causal_mask, padding_mask, sliding_window_mask
 from attnlab.components.positions.base import PositionScheme
 
@@ -114,32 +118,58 @@ class DecoderLM(nn.Module):
         Returns:
             (B, T, V) logits, or (B, 1, V) with last_only.
         """
-        B, T = ids.shape
-        k_pos = None
+        ctx, pos = self.context(ids, attention_mask, pos, memory, memory_mask, cache, slots)
+        x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
+        x = self.run_blocks(x, ctx, cache)  # (B, T, C)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        return self.logits(x)  # (B, T, V)
+
+    def context(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None,
+        pos: Tensor | None,
+        memory: Tensor | None,
+        memory_mask: Tensor | None,
+        cache,
+        slots: Tensor | None,
+    ) -> tuple[AttentionContext, Tensor]:
+        """What every block needs, computed once per forward (arguments as `forward`).
+
+        Returns:
+            (ctx, pos): the AttentionContext, and the positions of `ids`, (T,) or (B, T).
+        """
+        T = ids.shape[1]
         if cache is None:
+            bound = T if pos is None else None  # default positions: all below T, known from shape
             pos = torch.arange(T, device=ids.device) if pos is None else pos
+            k_pos = pos
             mask, is_causal = self_attention_mask(T, T, attention_mask, self.window, ids.device)
         else:
             pos, k_pos = cache.pos[:, slots], cache.pos  # (B, T), (B, S_max)
+            bound = k_pos.shape[1]  # a row's positions never exceed its slots
             mask, is_causal = cached_attention_mask(slots, cache.key_valid, self.window), False
-        cross_mask = None if memory_mask is None else padding_mask(memory_mask)  # (B, 1, 1, M)
-        x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
+        ctx = AttentionContext(
+            mask=mask,
+            is_causal=is_causal,
+            positions=self.positions.prepare(pos, k_pos, bound),
+            slots=slots,
+            memory=memory,
+            memory_mask=None if memory_mask is None else padding_mask(memory_mask),  # (B,1,1,M)
+        )
+        return ctx, pos
+
+    def run_blocks(self, x: Tensor, ctx: AttentionContext, cache=None) -> Tensor:
+        """Every block in turn on x (B, T, C), each with its own layer of the cache."""
         for i, block in enumerate(self.blocks):
-            x = block(
-                x,
-                mask,
-                is_causal=is_causal,
-                positions=self.positions,
-                pos=pos,
-                k_pos=k_pos,
-                memory=memory,
-                memory_mask=cross_mask,
-                cache=None if cache is None else cache.layers[i],
-                cross_cache=None if cache is None or cache.cross is None else cache.cross[i],
-                slots=slots,
-            )
-        if last_only:
-            x = x[:, -1:]  # (B, 1, C)
+            layer = None if cache is None else cache.layers[i]
+            cross = None if cache is None or cache.cross is None else cache.cross[i]
+            x = block(x, ctx, layer, cross)  # (B, T, C)
+        return x
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Final norm and LM head: hidden states (B, T, C) -> logits (B, T, V)."""
         x = self.norm(x)  # (B, T, C)
         if self.head_scale != 1.0:
             x = x * self.head_scale

@@ -7,6 +7,7 @@ Shapes: B batch, T length, C d_model, V vocab_size, N labels.
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.context import AttentionContext
 from attnlab.components.masks import padding_mask
 from attnlab.components.positions.base import PositionScheme
 
@@ -48,14 +49,17 @@ class Encoder(nn.Module):
         """ids: (B, T); attention_mask: (B, T) True = real token -> hidden states (B, T, C)."""
         T = ids.shape[1]
         pos = torch.arange(T, device=ids.device)
+        ctx = AttentionContext(  # once per forward, for every block
+            mask=None if attention_mask is None else padding_mask(attention_mask),  # (B,1,1,T)
+            positions=self.positions.prepare(pos, pos, bound=T),
+        )
         x = self.positions.embed(self.embed(ids), pos)  # (B, T, C)
         if self.type_embed is not None:
             types = torch.zeros_like(ids) if token_type_ids is None else token_type_ids
             x = x + self.type_embed(types)
         x = self.drop(self.embed_norm(x))
-        mask = None if attention_mask is None else padding_mask(attention_mask)  # (B, 1, 1, T)
         for block in self.blocks:
-            x = block(x, mask, positions=self.positions, pos=pos)
+            x = block(x, ctx)  # (B, T, C)
         return self.norm(x)  # (B, T, C)
 
 

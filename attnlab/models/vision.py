@@ -28,6 +28,7 @@ Shapes: B batch, N image tokens, T text tokens, C d_model, V vocab_size.
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.context import AttentionContext
 from attnlab.components.masks import padding_mask, prefix_lm_mask
 from attnlab.components.vision import PatchEmbedding
 from attnlab.models.decoder import DecoderLM
@@ -73,9 +74,10 @@ class VisionEncoderDecoder(nn.Module):
         super().__init__()
         self.encoder, self.decoder = encoder, decoder
 
-    def encode(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
-        """images: (B, C_in, H, W) -> memory (B, N, C). `mask` must be None (no padded images)."""
-        if mask is not None:
+    def encode(self, images: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """images: (B, C_in, H, W) -> memory (B, N, C). `attention_mask` must be None (no padded
+        images); it is there so this has `EncoderDecoder.encode`'s signature."""
+        if attention_mask is not None:
             raise ValueError("images have no padding: pass source_mask=None")
         return self.encoder(images)
 
@@ -120,17 +122,16 @@ class PrefixVisionLM(nn.Module):
         x = torch.cat([img, dec.embed(ids)], dim=1)  # (B, N+T, C)
         L = x.shape[1]
         pos = torch.arange(L, device=ids.device)  # decoder positions run over image, then text
-        x = dec.drop(dec.positions.embed(x, pos))
         mask = prefix_lm_mask(L, N, device=ids.device)  # (L, L)
         if attention_mask is not None:
             valid = torch.cat([attention_mask.bool().new_ones(B, N), attention_mask.bool()], 1)
             mask = mask & padding_mask(valid)  # (B, 1, L, L)
-        for block in dec.blocks:
-            x = block(x, mask, positions=dec.positions, pos=pos)  # (B, L, C)
-        x = dec.norm(x)
+        ctx = AttentionContext(mask=mask, positions=dec.positions.prepare(pos, pos, bound=L))
+        x = dec.drop(dec.positions.embed(x, pos))
+        x = dec.run_blocks(x, ctx)  # (B, L, C)
         if return_hidden:
-            return x
-        return dec.head(x[:, N:] * dec.head_scale)  # (B, T, V)
+            return dec.norm(x)
+        return dec.logits(x[:, N:])  # (B, T, V)
 
     def prefill(self, images: Tensor, ids: Tensor, cache) -> Tensor:
         """Generation's first step: the image tokens and the prompt into a KV cache, in one pass.
@@ -157,15 +158,7 @@ class PrefixVisionLM(nn.Module):
         k = torch.arange(cache.key_valid.shape[1], device=ids.device)  # (S_max,)
         mask = (k[None, :] <= slots[:, None]) | (k[None, :] < N)  # (L, S_max) prefix-LM
         mask = mask & cache.key_valid[:, None, None, :]  # (B, 1, L, S_max)
-        for block, layer_cache in zip(dec.blocks, cache.layers):
-            x = block(
-                x,
-                mask,
-                positions=dec.positions,
-                pos=pos,
-                k_pos=k_pos,
-                cache=layer_cache,
-                slots=slots,
-            )  # (B, L, C)
-        x = dec.norm(x[:, -1:])  # (B, 1, C)
-        return dec.head(x * dec.head_scale)  # (B, 1, V)
+        terms = dec.positions.prepare(pos, k_pos, bound=k_pos.shape[1])
+        ctx = AttentionContext(mask=mask, positions=terms, slots=slots)
+        x = dec.run_blocks(x, ctx, cache)  # (B, L, C)
+        return dec.logits(x[:, -1:])  # (B, 1, V)

@@ -55,8 +55,16 @@ class TrainConfig:
     distributed: "ddp" or "fsdp" when launched by torchrun (one process per GPU or CPU worker;
         see training/distributed.py); "none" for a single process.
     sample_tokens: length of the text sample drawn at each evaluation; 0 draws none.
-    keep_freed_memory: on CPU, have malloc keep freed memory in the process instead of handing
-        it back, so large tensors are not page-faulted in again every step (host_memory.py).
+
+    Accelerators (attnlab/accel/), off unless turned on; the same numbers either way:
+    keep_freed_memory: on CPU, have glibc keep freed memory in the process instead of handing
+        it back, so large tensors are not page-faulted in again every step (accel/host_memory.py).
+        It applies to the whole process, from the start of training on.
+    flat_adamw: AdamW over one flat buffer per parameter group (accel/flat_adamw.py): the
+        per-tensor costs of the step, the clip and zero_grad paid once per group. One process
+        only (distributed="none").
+    compile (above) also turns on the accelerators the compiled step is written for
+        (accel/short_attention.py, accel/sigmoid_gelu.py).
     """
 
     steps: int = 2000
@@ -85,7 +93,8 @@ class TrainConfig:
     distributed: Literal["none", "ddp", "fsdp"] = "none"
     out_dir: str = "runs/default"
     progress: bool = True
-    keep_freed_memory: bool = True
+    keep_freed_memory: bool = False
+    flat_adamw: bool = False
 
     def __post_init__(self):
         check_literals(self)
@@ -106,6 +115,11 @@ class TrainConfig:
         for name in ("warmup", "grad_clip", "weight_decay", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.flat_adamw and self.distributed != "none":
+            raise ValueError(
+                f"train.flat_adamw works in one process only, not with "
+                f"distributed={self.distributed!r}: set train.flat_adamw=false"
+            )
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}")
 

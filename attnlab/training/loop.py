@@ -24,13 +24,15 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from attnlab.accel.host_memory import keep_freed_memory
+from attnlab.accel.short_attention import use_short_attention
+from attnlab.accel.sigmoid_gelu import use_sigmoid_gelu
+from attnlab.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.configs import to_dict
 from attnlab.training import distributed
-from attnlab.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.training.checks import check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_, resolve_device
-from attnlab.training.host_memory import keep_freed_memory
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 from attnlab.viz.loss import load_metrics, plot_loss
@@ -76,8 +78,8 @@ def train(
         keep_freed_memory()  # for the whole process, from here on
     torch.manual_seed(cfg.seed + ranks.rank)  # dropout masks differ across ranks
     model = ranks.wrap(model.to(device).train())  # DDP, FSDP2 or the model itself
-    betas, one_process = (cfg.beta1, cfg.beta2), ranks.kind == "none"
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas, flat=one_process)
+    betas = (cfg.beta1, cfg.beta2)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas, flat=cfg.flat_adamw)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     data_gen = torch.Generator().manual_seed(cfg.seed)  # the same on every rank: one global batch
     ckpts = CheckpointDir(out / "checkpoints", cfg.keep_last) if ranks.main else None
@@ -177,9 +179,12 @@ def _evaluate(model, task, cfg, ranks: Ranks, state: TrainState, save) -> dict:
 def compile_loss(loss, model: nn.Module, device: torch.device):
     """`torch.compile` of batch -> loss(model, batch): the model and the task's loss in one
     graph, so the loss (log-softmax, gather, mean) and its backward are fused kernels too, not
-    a dozen eager ops after the compiled model (recipe (a)'s step: ~1% less). On CPU with
-    inductor's C++ wrapper: the compiled forward and backward then call their kernels (about
-    100 per step for a small GPT) from generated C++ instead of Python (~4% less)."""
+    a dozen eager ops after the compiled model. On CPU with inductor's C++ wrapper: the compiled
+    forward and backward then call their kernels (about 100 per step for a small GPT) from
+    generated C++ instead of Python. Turns on the accelerators written for compiled steps
+    (attnlab/accel/short_attention.py, sigmoid_gelu.py): the same numbers, fused better."""
+    use_short_attention(model)
+    use_sigmoid_gelu(model)
     options = {"cpp_wrapper": True} if device.type == "cpu" else None
     return torch.compile(partial(loss, model), options=options)
 

@@ -8,7 +8,7 @@ sees when it appears). So: decay on every >= 2-D weight of a Linear, none on any
 import torch
 from torch import nn
 
-from attnlab.training.flat_adamw import FlatAdamW
+from attnlab.accel.flat_adamw import FlatAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -37,9 +37,10 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW over `param_groups`, with the fused kernel where PyTorch offers it for the device.
 
-    flat: one buffer per group for the parameters and one for their gradients (`FlatAdamW`):
-    the same updates, with the per-tensor costs of the step, the clip and zero_grad paid once
-    per group. Moves the model's parameters into the buffers; one process only.
+    flat: an accelerator, off by default: one buffer per group for the parameters and one for
+    their gradients (attnlab/accel/flat_adamw.py): the same updates, with the per-tensor costs of
+    the step, the clip and zero_grad paid once per group. Moves the model's parameters into the
+    buffers; one process only.
     """
     device = next(model.parameters()).device.type
     fused = device in ("cpu", "cuda")

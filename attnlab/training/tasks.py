@@ -169,7 +169,12 @@ class Seq2SeqTask:
         return self._batch(pairs)
 
     def loss(self, model, batch) -> Tensor:
-        logits = model(batch["src"], batch["tgt"], batch["src_mask"], batch["tgt_mask"])
+        logits = model(
+            batch["src"],
+            batch["tgt"],
+            attention_mask=batch["src_mask"],
+            decoder_attention_mask=batch["tgt_mask"],
+        )
         return seq2seq_loss(logits, batch["labels"], self.pad, self.run.train.label_smoothing)
 
     @torch.no_grad()

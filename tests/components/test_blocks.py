@@ -13,6 +13,7 @@ from attnlab.components.attention import Attention
 from attnlab.components.blocks import DecoderBlock, EncoderBlock, Residual
 from attnlab.components.ffn import MLP
 from attnlab.components.norms import LayerNorm
+from tests.components.helpers import context
 
 B, T, S, C, H, FF = 2, 6, 5, 32, 4, 64
 ATOL = 1e-5  # fp32, max abs difference
@@ -76,7 +77,7 @@ def test_encoder_block_matches_torch(norm_first):
     x = torch.randn(B, T, C)
     valid = _valid([T, 4], T)
     expected = ref(x, src_key_padding_mask=~valid)
-    _close(ours(x, valid[:, None, None, :]), expected)
+    _close(ours(x, context(x, valid[:, None, None, :])), expected)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -101,10 +102,13 @@ def test_decoder_block_with_cross_attention_matches_torch(norm_first, causal_as)
     tgt_mask = nn.Transformer.generate_square_subsequent_mask(T)  # float, -inf above the diagonal
     expected = ref(x, memory, tgt_mask=tgt_mask, memory_key_padding_mask=~memory_valid)
     if causal_as == "flag":
-        out = ours(x, is_causal=True, memory=memory, memory_mask=memory_valid[:, None, None, :])
+        out = ours(
+            x,
+            context(x, is_causal=True, memory=memory, memory_mask=memory_valid[:, None, None, :]),
+        )
     else:
         causal = torch.ones(T, T, dtype=torch.bool).tril()
-        out = ours(x, causal, memory=memory, memory_mask=memory_valid[:, None, None, :])
+        out = ours(x, context(x, causal, memory=memory, memory_mask=memory_valid[:, None, None, :]))
     _close(out, expected)
 
 
@@ -121,7 +125,7 @@ def test_decoder_only_block_is_encoder_layer_with_causal_mask():
     _copy_common(ours, ref, [ref.norm1, ref.norm2])
     x = torch.randn(B, T, C)
     expected = ref(x, src_mask=nn.Transformer.generate_square_subsequent_mask(T))
-    _close(ours(x, is_causal=True), expected)
+    _close(ours(x, context(x, is_causal=True)), expected)
 
 
 def test_wrong_number_of_norms_raises():

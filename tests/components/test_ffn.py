@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.components.ffn import ACTIVATIONS, MLP, GatedMLP, gated_d_ff
+from tests.compile_helpers import traced_graphs
 
 C, FF = 16, 40
 ATOL = 1e-5  # fp32, max abs difference
@@ -39,18 +40,12 @@ def test_gelu_exact_and_tanh():
 
 
 @pytest.mark.slow
-def test_gelu_tanh_compiled_is_the_same_function():
-    # Inside torch.compile gelu_tanh takes its sigmoid form: values and gradients must still
-    # be F.gelu's. aot_eager traces it as inductor would (is_compiling() is True) and runs
-    # the traced graph with aten ops.
-    x = torch.linspace(-8, 8, 2001, requires_grad=True)
-    compiled = torch.compile(ACTIVATIONS["gelu_tanh"], backend="aot_eager", fullgraph=True)
-    ours = compiled(x)
-    (grad,) = torch.autograd.grad(ours.sum(), x)
-    ref = F.gelu(x, approximate="tanh")
-    (ref_grad,) = torch.autograd.grad(ref.sum(), x)
-    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=2e-6)  # a few fp32 ulps
-    torch.testing.assert_close(grad, ref_grad, atol=2e-6, rtol=2e-6)
+def test_gelu_tanh_compiled_is_plain_f_gelu():
+    # The core has no compile-only branch: traced, gelu_tanh is F.gelu (the sigmoid form is an
+    # accelerator, attnlab/accel/sigmoid_gelu.py).
+    with torch.no_grad():
+        _, graphs = traced_graphs(ACTIVATIONS["gelu_tanh"], torch.randn(8))
+    assert "gelu" in "".join(graphs) and "sigmoid" not in "".join(graphs)
 
 
 @pytest.mark.parametrize("activation", sorted(TORCH_ACTIVATIONS))

@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attnlab.components.kv_cache import ModelCache
 from attnlab.inference.beam import beam_search
 from attnlab.inference.generate import decode_step, generate, left_pad, prefill, stream_tokens
-from attnlab.components.kv_cache import ModelCache
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig

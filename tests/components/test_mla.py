@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.components.kv_cache import LatentCache
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.components.positions import ALiBi, RoPE
-from attnlab.components.kv_cache import LatentCache
+from tests.components.helpers import context
 
 ATOL = 1e-5  # fp32, max abs difference
 HF_ATOL = 1e-4
@@ -28,12 +29,17 @@ def _mla(C=32, H=4, r=16, R=8, Dn=8, Dv=12, q_lora=None, **kw) -> MultiHeadLaten
     return mla
 
 
+def _run(mla, x, mask=None, cache=None, **kw):
+    """mla(x) with the context a model would build (tests/components/helpers.py)."""
+    return mla(x, context(x, mask, **kw), cache)
+
+
 def _both_forms(mla, x, **kw):
     """(plain, absorbed) outputs of the same module."""
     outs = []
     for absorb in (False, True):
         mla.absorb = absorb
-        outs.append(mla(x, **kw))
+        outs.append(_run(mla, x, **kw))
     mla.absorb = False
     return outs
 
@@ -45,7 +51,7 @@ def test_shapes_and_parameters(q_lora, backend):
     C, H, r, R, Dn, Dv = 32, 4, 16, 8, 8, 12
     mla = _mla(C, H, r, R, Dn, Dv, q_lora, backend=backend)
     x = torch.randn(2, 5, C)
-    out = mla(x, is_causal=True, positions=RoPE(R, 16))
+    out = _run(mla, x, is_causal=True, positions=RoPE(R, 16))
     assert out.shape == (2, 5, C) and out.dtype == torch.float32
     q = C * H * (Dn + R) if q_lora is None else C * q_lora + q_lora + q_lora * H * (Dn + R)
     kv = C * (r + R) + r + r * H * (Dn + Dv)
@@ -54,7 +60,7 @@ def test_shapes_and_parameters(q_lora, backend):
 
 def test_cross_attention_is_rejected():
     with pytest.raises(ValueError, match="self-attention only"):
-        _mla()(torch.randn(1, 3, 32), memory=torch.randn(1, 4, 32))
+        _run(_mla(), torch.randn(1, 3, 32), memory=torch.randn(1, 4, 32))
 
 
 def test_unknown_backend():
@@ -101,7 +107,10 @@ def test_sdpa_equals_eager(absorb):
     eager = _mla(backend="eager", absorb=absorb)
     sdpa = _mla(backend="sdpa", absorb=absorb)
     sdpa.load_state_dict(eager.state_dict())
-    _close(sdpa(x, is_causal=True, positions=rope), eager(x, is_causal=True, positions=rope))
+    _close(
+        _run(sdpa, x, is_causal=True, positions=rope),
+        _run(eager, x, is_causal=True, positions=rope),
+    )
 
 
 @pytest.mark.parametrize("absorb", [False, True])
@@ -111,7 +120,8 @@ def test_future_tokens_do_not_change_the_past(absorb):
     y = x.clone()
     y[:, 5:] = torch.randn(1, 3, 32)
     _close(
-        mla(y, is_causal=True, positions=rope)[:, :5], mla(x, is_causal=True, positions=rope)[:, :5]
+        _run(mla, y, is_causal=True, positions=rope)[:, :5],
+        _run(mla, x, is_causal=True, positions=rope)[:, :5],
     )
 
 
@@ -121,8 +131,8 @@ def test_rope_part_sees_only_relative_positions():
     mla, rope, x = _mla(), RoPE(8, 64), torch.randn(1, 6, 32)
     pos = torch.arange(6)
     _close(
-        mla(x, is_causal=True, positions=rope, q_pos=pos + 37),
-        mla(x, is_causal=True, positions=rope, q_pos=pos),
+        _run(mla, x, is_causal=True, positions=rope, q_pos=pos + 37),
+        _run(mla, x, is_causal=True, positions=rope, q_pos=pos),
         atol=1e-4,
     )
 
@@ -130,7 +140,7 @@ def test_rope_part_sees_only_relative_positions():
 def test_capture_weights_are_probabilities():
     mla = _mla(absorb=True)
     mla.capture_weights = True
-    mla(torch.randn(2, 5, 32), is_causal=True, positions=RoPE(8, 16))
+    _run(mla, torch.randn(2, 5, 32), is_causal=True, positions=RoPE(8, 16))
     w = mla.weights
     assert w.shape == (2, 4, 5, 5)
     _close(w.sum(-1), torch.ones(2, 4, 5))
@@ -152,14 +162,15 @@ def test_make_cache_holds_only_the_latent_and_rope_key():
 def test_token_by_token_through_the_cache_equals_full(absorb):
     B, T, S_max = 2, 6, 8
     mla, rope, x = _mla(absorb=absorb), RoPE(8, 16), torch.randn(B, T, 32)
-    full = mla(x, is_causal=True, positions=rope)
+    full = _run(mla, x, is_causal=True, positions=rope)
     cache, k_pos = mla.make_cache(B, S_max, torch.float32), torch.arange(S_max)
     steps = []
     for t in range(T):
         slots = torch.tensor([t])
         mask = (k_pos <= t)[None, :]  # (1, S_max): written slots up to and including t
         steps.append(
-            mla(
+            _run(
+                mla,
                 x[:, t : t + 1],
                 mask,
                 positions=rope,
@@ -241,4 +252,4 @@ def test_matches_transformers_deepseek_v3_attention(interleave, q_lora):
         expected, _ = theirs(x, position_embeddings=rotary(x, pos[None]), attention_mask=causal)
         for absorb in (False, True):
             ours.absorb = absorb
-            _close(ours(x, is_causal=True, positions=rope), expected, atol=HF_ATOL)
+            _close(_run(ours, x, is_causal=True, positions=rope), expected, atol=HF_ATOL)

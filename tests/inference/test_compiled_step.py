@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.inference.gemv import compile_decode_step
+from attnlab.inference.compiled_step import compile_decode_step
 from attnlab.inference.generate import generate, stream_tokens
-from attnlab.quantize import quantize_model
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from attnlab.quantize import quantize_model
 from tests.compile_helpers import needs_compiler
 
 GREEDY = SamplingConfig(temperature=0.0)

@@ -81,7 +81,7 @@ def test_right_padding_matches_unpadded(position, backend):
     src, tgt = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 6))
     src_mask, tgt_mask = right_padding([8, 5], 8), right_padding([6, 4], 6)
     with torch.no_grad():
-        batch = model(src, tgt, src_mask, tgt_mask)
+        batch = model(src, tgt, attention_mask=src_mask, decoder_attention_mask=tgt_mask)
         alone = model(src[1:, :5], tgt[1:, :4])
         full = model(src[:1], tgt[:1])
     torch.testing.assert_close(batch[1:, :4], alone, atol=1e-5, rtol=1e-5)
@@ -96,7 +96,9 @@ def test_source_padding_is_ignored():
     other[0, 5:] = (src[0, 5:] + 1) % V
     mask = right_padding([5], 8)
     with torch.no_grad():
-        torch.testing.assert_close(model(src, tgt, mask), model(other, tgt, mask))
+        torch.testing.assert_close(
+            model(src, tgt, attention_mask=mask), model(other, tgt, attention_mask=mask)
+        )
         assert not torch.allclose(model(src, tgt), model(other, tgt))
 
 
@@ -131,7 +133,9 @@ def test_fully_padded_rows_have_no_nan(position, placement):
     src, tgt = torch.randint(0, V, (3, 5)), torch.randint(0, V, (3, 4))
     src_mask, tgt_mask = right_padding([0, 3, 5], 5), right_padding([2, 0, 4], 4)
     with torch.no_grad():
-        assert torch.isfinite(model(src, tgt, src_mask, tgt_mask)).all()
+        assert torch.isfinite(
+            model(src, tgt, attention_mask=src_mask, decoder_attention_mask=tgt_mask)
+        ).all()
 
 
 def test_causal_in_the_target():

@@ -97,7 +97,7 @@ def forward(model, cfg: ModelConfig, ids, src, masks) -> torch.Tensor:
     tgt_mask, src_mask = (None, None) if masks is None else masks
     with torch.no_grad():
         if cfg.arch == "encoder_decoder":
-            return model(src, ids, src_mask, tgt_mask)
+            return model(src, ids, attention_mask=src_mask, decoder_attention_mask=tgt_mask)
         return model(ids, tgt_mask)
 
 

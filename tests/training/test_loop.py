@@ -291,9 +291,10 @@ def test_cuda_mixed_precision_tracks_fp32(make_run, precision):
 def test_compiled_training_tracks_eager(make_run, preset):
     # compile=True as the loop runs it on CPU (compile_loss: model and task loss in one graph,
     # inductor's C++ wrapper), for each family's objective (CLM, MLM, seq2seq with label
-    # smoothing), with what takes a different form inside the compiled graph: GPT-2's
-    # gelu_tanh (sigmoid form) and attention over <= 64 keys (written out). FlatAdamW in both.
-    kw = dict(model={"dropout": 0.0}, steps=4)
+    # smoothing), with the accelerators a compiled step turns on (accel/sigmoid_gelu.py: GPT-2's
+    # gelu_tanh in sigmoid form; accel/short_attention.py: attention over <= 64 keys written
+    # out). FlatAdamW in both.
+    kw = dict(model={"dropout": 0.0}, steps=4, flat_adamw=True)
     eager_run = make_run(preset, out="eager", **kw)
     compiled_run = make_run(preset, out="compiled", compile=True, **kw)
     eager = train(*fresh(eager_run), eager_run).losses

@@ -68,7 +68,9 @@ def test_frozen_parameters_are_left_out():
 
 def test_build_optimizer_uses_the_groups():
     model = build_model(get_preset("gpt2-tiny"))
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     opt = build_optimizer(model, lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
-    assert isinstance(opt, torch.optim.AdamW)
+    assert type(opt) is torch.optim.AdamW  # plain by default: FlatAdamW is an opt-in accelerator
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage  # nothing moved
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from attnlab.components.attention import Attention
+from attnlab.components.context import NO_CONTEXT
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig
 from attnlab.models.presets import get_preset
@@ -58,8 +59,13 @@ def _inputs(cfg, padded: bool):
         mask[1, 5:] = False  # row 1 ends in two padding tokens
     if cfg.arch == "encoder_decoder":
         tgt = torch.randint(cfg.vocab_size, (2, 5), generator=g)
-        return (ids, tgt, mask) if padded else (ids, tgt)
-    return (ids, mask) if padded else (ids,)
+        return (ids, tgt, {"attention_mask": mask}) if padded else (ids, tgt, {})
+    return (ids, {"attention_mask": mask}) if padded else (ids, {})
+
+
+def _forward(model, inputs):
+    *args, kwargs = inputs
+    return model(*args, **kwargs)
 
 
 def _record_inputs(model):
@@ -78,21 +84,18 @@ def _record_inputs(model):
 def _reference(attn: Attention, args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities (B, H, T, S) float64, allowed (B, H, T, S) bool) from the layer's inputs."""
     x = args[0]
-    mask = args[1] if len(args) > 1 else kwargs.get("mask")
+    ctx = args[1] if len(args) > 1 else kwargs.get("ctx", NO_CONTEXT)  # the AttentionContext
+    mask = ctx.memory_mask if attn.cross else ctx.mask
     B, T, _ = x.shape
     H, K, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    source = kwargs["memory"] if attn.cross else x
+    source = ctx.memory if attn.cross else x
     S = source.shape[1]
     q = attn.q_norm(attn.q_proj(x).view(B, T, H, D).transpose(1, 2))  # (B, H, T, D)
     k = attn.k_norm(attn.k_proj(source).view(B, S, K, D).transpose(1, 2))  # (B, K, S, D)
     bias = None
-    if not attn.cross:
-        positions = kwargs.get("positions")
-        pos = kwargs.get("q_pos")
-        pos = torch.arange(T) if pos is None else pos
-        if positions is not None:
-            q, k = positions.rotate_qk(q, k, pos, pos)
-            bias = positions.score_bias(pos, pos)
+    if not attn.cross:  # the position terms the model prepared for this forward
+        q, k = ctx.positions.rotate_qk(q, k)
+        bias = ctx.positions.bias
     k = k.repeat_interleave(H // K, dim=1)  # (B, H, S, D): query head h reads kv head h // G
     scale = D**-0.5 if attn.scale is None else attn.scale
     scores = (q.double() @ k.double().transpose(-2, -1)) * scale  # (B, H, T, S)
@@ -101,7 +104,7 @@ def _reference(attn: Attention, args, kwargs) -> tuple[torch.Tensor, torch.Tenso
     allowed = torch.ones(B, H, T, S, dtype=torch.bool)
     if mask is not None:
         allowed = allowed & mask
-    if kwargs.get("is_causal"):
+    if not attn.cross and ctx.is_causal:
         allowed = allowed & torch.ones(T, S, dtype=torch.bool).tril(S - T)
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return probs.nan_to_num(0.0).masked_fill(~allowed, 0.0), allowed
@@ -113,10 +116,10 @@ def test_captured_probabilities_are_the_layers_attention(name, padded):
     model, cfg = _model(name)
     inputs = _inputs(cfg, padded)
     with torch.no_grad():
-        plain = model(*inputs)
+        plain = _forward(model, inputs)
         seen, handles = _record_inputs(model)
         with capture_attention(model) as maps:
-            captured_out = model(*inputs)
+            captured_out = _forward(model, inputs)
         for h in handles:
             h.remove()
     # Capture changes nothing the model computes.
@@ -148,7 +151,7 @@ def test_captured_probabilities_are_the_layers_attention(name, padded):
 
 def test_layers_and_heads_are_selected_and_flags_restored():
     model, cfg = _model("transformer-tiny")
-    ids, tgt = _inputs(cfg, padded=False)
+    ids, tgt, _ = _inputs(cfg, padded=False)
     with torch.no_grad(), capture_attention(model) as full:
         model(ids, tgt)
     with (
@@ -175,7 +178,7 @@ def test_flags_restored_after_an_error_and_earlier_state_kept():
 
 def test_layers_that_did_not_run_are_left_out():
     model, cfg = _model("transformer-tiny")
-    ids, _ = _inputs(cfg, padded=False)
+    ids, _ = _inputs(cfg, padded=False)[:2]
     with torch.no_grad(), capture_attention(model) as maps:
         model.encode(ids)  # the decoder never runs
     assert maps.kinds == ["encoder_self"]

@@ -1,12 +1,13 @@
 """Position schemes: each plugs into the model through the hooks of `PositionScheme`."""
 
 from attnlab.components.positions.alibi import ALiBi, alibi_slopes
-from attnlab.components.positions.base import NoPosition, PositionScheme
+from attnlab.components.positions.base import NoPosition, PositionScheme, PositionTerms
 from attnlab.components.positions.learned import LearnedPosition
 from attnlab.components.positions.rope import (
     DynamicNTKRoPE,
     RoPE,
     RopeScaling,
+    RotaryTerms,
     apply_rope,
     permute_qk_weight,
     rope_angles,
@@ -21,8 +22,10 @@ __all__ = [
     "LearnedPosition",
     "NoPosition",
     "PositionScheme",
+    "PositionTerms",
     "RoPE",
     "RopeScaling",
+    "RotaryTerms",
     "SinusoidalPosition",
     "T5Bias",
     "alibi_slopes",

@@ -7,6 +7,13 @@ default, so `Attention` and the models call all three and never ask which scheme
     rotate_qk(q, k, q_pos, k_pos)  rotates queries and keys         (RoPE)
     score_bias(q_pos, k_pos)       added to the attention scores    (ALiBi, T5 relative bias)
 
+What every layer needs of the last two is the same in every layer, so the model asks for it once
+per forward, and each layer only applies it (gpt-fast builds `freqs_cis` once the same way):
+
+    terms = scheme.prepare(q_pos, k_pos)     once per forward, in the model: gathered cos/sin
+                                             rows (RoPE) or the score bias (ALiBi, T5)
+    q, k = terms.rotate_qk(q, k)             in every layer; `terms.bias` is added to the scores
+
 Positions are absolute int64 indices, shaped (T,) when every row of the batch shares them or
 (B, T) when rows differ (left-padded batches, cached decoding). A score bias moves SDPA off its
 flash kernel (it becomes a float mask), so bias-based schemes run on the math/efficient kernels.
@@ -14,7 +21,34 @@ flash kernel (it becomes a float mask), so bias-based schemes run on the math/ef
 Shapes: B batch, T query length, S key length, C d_model, H query heads, K kv heads, D head_dim.
 """
 
+from dataclasses import dataclass
+
 from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class PositionTerms:
+    """A scheme's share of one forward, prepared once and applied by every layer.
+
+    Attributes:
+        bias: (H, T, S) or (B, H, T, S) float32 added to the scores, or None.
+    """
+
+    bias: Tensor | None = None
+
+    def rotate_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate the queries and the new keys (both at the queries' positions); here: as given.
+
+        Args:
+            q: (B, H, T, D).  k: (B, K, T, D), the keys of the same T tokens.
+
+        Returns:
+            (q, k) with the same shapes and dtypes.
+        """
+        return q, k
+
+
+NO_TERMS = PositionTerms()
 
 
 class PositionScheme(nn.Module):
@@ -59,6 +93,24 @@ class PositionScheme(nn.Module):
             (H, T, S) for 1-D positions or (B, H, T, S) for 2-D positions, float32; or None.
         """
         return None
+
+    def prepare(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> PositionTerms:
+        """What every layer of one forward needs, computed once by the model.
+
+        The new keys a layer projects sit at the queries' positions (self-attention); `k_pos`
+        covers every key the queries see (with a cache: every slot).
+
+        Args:
+            q_pos: (T,) or (B, T) positions of the new tokens.
+            k_pos: (S,) or (B, S) positions of all keys.
+            bound: every position is below this, when the caller knows it from shapes (the
+                length, the cache size), so no scheme has to read the largest one from the device.
+
+        Returns:
+            PositionTerms: here the score bias (None for schemes without one).
+        """
+        bias = self.score_bias(q_pos, k_pos)
+        return NO_TERMS if bias is None else PositionTerms(bias=bias)
 
 
 class NoPosition(PositionScheme):

@@ -22,12 +22,13 @@ arXiv:2306.15595), static and dynamic NTK-aware (bloc97 / emozilla, as HF), YaRN
 Shapes: B batch, H heads, T query length, S key length, D head_dim, R rotary_dim.
 """
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from attnlab.components.positions.base import PositionScheme
+from attnlab.components.positions.base import PositionScheme, PositionTerms
 from attnlab.components.positions.rope_scaling import RopeScaling, rope_inv_freq
 
 Layout = Literal["half", "interleaved"]
@@ -212,10 +213,39 @@ class RoPE(PositionScheme):
             self.cos, self.sin = self._table(torch.arange(max(length, 2 * cached)))
         return self.cos, self.sin
 
+    def prepare(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> "RotaryTerms":
+        """The cos/sin rows of the new tokens, gathered once per forward for every layer.
+
+        The table grows here, before any layer runs, when the positions go past it: with
+        `bound` known from shapes nothing is read back from the device; without it the largest
+        position is read once (one host sync per forward, never per layer).
+
+        Args:
+            q_pos: (T,) or (B, T) positions of the new tokens (their queries and keys).
+            k_pos: (S,) or (B, S) positions of every key (only dynamic NTK looks at them).
+            bound: every position is below this, or None.
+
+        Returns:
+            RotaryTerms with cos/sin (T, R), or (B, 1, T, R) for 2-D positions.
+        """
+        cos, sin = self.tables_for(self._length(q_pos, k_pos, bound))  # (N, R) each
+        cos, sin = _gather(cos, sin, q_pos)
+        return RotaryTerms(cos=cos, sin=sin, layout=self.layout)
+
+    def _length(self, q_pos: Tensor, k_pos: Tensor, bound: int | None) -> int:
+        """How many table rows this forward needs (see `prepare`)."""
+        if bound is not None and not self.follows_length:
+            return bound
+        if torch.compiler.is_compiling():
+            # Reading the largest position is a host sync (a graph break), so compiled code
+            # trusts the table: size max_seq_len for the whole generation.
+            return self.cos.shape[0]
+        return int(torch.maximum(q_pos.max(), k_pos.max())) + 1  # one host sync, per forward
+
     def rotate_qk(
         self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Rotate q by q_pos and k by k_pos.
+        """Rotate q by q_pos and k by k_pos (standalone; a model's layers use `prepare`).
 
         Args:
             q: (B, H, T, D) queries.  k: (B, K, S, D) keys.
@@ -224,16 +254,29 @@ class RoPE(PositionScheme):
         Returns:
             (q, k) rotated, same shapes and dtypes.
         """
-        if torch.compiler.is_compiling():
-            # Reading the largest position is a host sync (a graph break per layer), so compiled
-            # code trusts the table: size max_seq_len for the whole generation.
-            length = self.cos.shape[0]
-        else:
-            length = int(torch.maximum(q_pos.max(), k_pos.max())) + 1
-        cos, sin = self.tables_for(length)  # (N, R) each
+        cos, sin = self.tables_for(self._length(q_pos, k_pos, None))  # (N, R) each
         q = apply_rope(q, *_gather(cos, sin, q_pos), self.layout)  # (B, H, T, D)
         k = apply_rope(k, *_gather(cos, sin, k_pos), self.layout)  # (B, K, S, D)
         return q, k
+
+
+@dataclass(frozen=True)
+class RotaryTerms(PositionTerms):
+    """RoPE's share of one forward: the cos/sin rows of the new tokens' positions.
+
+    Attributes:
+        cos, sin: (T, R) or (B, 1, T, R), gathered once by `RoPE.prepare`.
+        layout: "half" or "interleaved".
+    """
+
+    cos: Tensor | None = None
+    sin: Tensor | None = None
+    layout: Layout = "half"
+
+    def rotate_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate queries (B, H, T, D) and the new keys (B, K, T, D) by their positions."""
+        q = apply_rope(q, self.cos, self.sin, self.layout)  # (B, H, T, D)
+        return q, apply_rope(k, self.cos, self.sin, self.layout)  # (B, K, T, D)
 
 
 def _gather(cos: Tensor, sin: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:

@@ -65,7 +65,14 @@ def test_logits_and_encoder_states_with_padding(pair):
             decoder_attention_mask=tgt_mask.long(),
         )
         assert max_diff(ours.encode(src, src_mask), out.encoder_last_hidden_state, src_mask) <= ATOL
-        assert max_diff(ours(src, tgt, src_mask, tgt_mask), out.logits, tgt_mask) <= ATOL
+        assert (
+            max_diff(
+                ours(src, tgt, attention_mask=src_mask, decoder_attention_mask=tgt_mask),
+                out.logits,
+                tgt_mask,
+            )
+            <= ATOL
+        )
 
 
 def test_greedy_20_tokens_match_generate(pair):

@@ -1,6 +1,6 @@
 """A model's weights in one contiguous buffer per dtype, so a decode step reads one stream.
 
-A decode step of batch 1 reads every weight once and does little else (inference/gemv.py), so
+A decode step of batch 1 reads every weight once and does little else (accel/gemv.py), so
 its speed is the speed at which the weights stream from memory. Each tensor is normally its own
 allocation, scattered over the heap; here every parameter and buffer moves into one flat
 buffer per (dtype, device), in the order the modules are registered (for our models, nearly the
@@ -10,10 +10,8 @@ order a step reads them: the blocks in turn, the projections in turn), each star
     flat = [ embed | block 0: q, k, v, o, up, down, norms | block 1: ... | final norm | head ]
     p.data = flat[offset : offset + p.numel()].view(p.shape)
 
-Measured on the 2-core AMD EPYC (one process, interleaved rounds, medians): a compiled
-GPT-2-small decode step 7% faster (ms per token 20.3 -> 18.9 with the 32-token prefill
-included), and a compiled chain of GEMVs over the same 340 MB of block weights 10% faster
-(26.6 -> 29.3 GB/s), with or without transparent huge pages.
+Reading one contiguous stream lets the hardware prefetcher run ahead, so a compiled decode step
+of batch 1 is faster (benchmarks/README.md).
 
 The Parameter objects stay the same (tied weights stay tied, hooks and state_dict keys are
 untouched); only their storage moves, and the values are copied exactly. `.to()` would move the

@@ -12,7 +12,7 @@ import pytest
 PROBE = """
 import os
 import torch
-from attnlab.training.host_memory import keep_freed_memory
+from attnlab.accel.host_memory import keep_freed_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:

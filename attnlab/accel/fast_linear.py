@@ -1,11 +1,9 @@
 """A Linear whose fp32 CPU matmuls go through oneDNN instead of the default BLAS (MKL).
 
 Why: on CPU, PyTorch sends fp32 `nn.Linear` / `torch.mm` to MKL's sgemm. oneDNN (PyTorch's
-"mkldnn", which it already uses for bf16 matmuls) ran large fp32 matmuls 1.2-1.4x faster than
-MKL on the 2-core AMD EPYC (Zen 4, AVX-512) this was written on: 190-197 against 143 GFLOP/s at
-n=1024 on a quiet moment, 30 against 23 on a busy one (benchmarks/train.py, section 1). A likely
-reason, not verified, is that MKL picks its kernels by CPU vendor and oneDNN by instruction set.
-PyTorch exposes oneDNN's fp32 inner product on ordinary dense tensors as
+"mkldnn", which it already uses for bf16 matmuls) can run large fp32 matmuls faster than MKL on
+some x86 CPUs (a likely reason, not verified: MKL picks its kernels by CPU vendor, oneDNN by
+instruction set). PyTorch exposes oneDNN's fp32 inner product on ordinary dense tensors as
 `torch.ops.mkldnn._linear_pointwise`, so every product of a Linear's training step can use it
 without converting tensors to oneDNN's own layout:
 
@@ -16,22 +14,16 @@ without converting tensors to oneDNN's own layout:
 
 It is the same fp32 math as nn.Linear (only the summation order differs: ~1e-6 relative).
 
-How much it helps depends on the shapes, and on how busy the machine is. Forward + backward of one
-Linear, oneDNN against the default (speed-ups measured on that machine under heavy load):
-GPT-2-small's shapes (1024 rows, 768 <-> 3072, head 768 -> 50257) 1.05-1.45x; a d_model-128
-model's shapes (768 rows) 0.67-0.98x, i.e. slower: at 0.1-0.3 ms per matmul, the autograd
-Function, the custom-op dispatch (~10 us) and the transposing copy cost more than oneDNN saves.
-Whole training steps (benchmarks/README.md): GPT-2-small fp32 eager within noise of the default,
-compiled about 4% faster; the d_model-128 model is left alone. Because the answer depends on
-the machine (and its load), `enable_fast_linear` first times both paths on the model's own
-Linear shapes, then, given a `check` (one forward + backward), the whole step both ways, and
-swaps only what is clearly faster; where nothing is, it changes nothing.
+Whether it pays depends on the shapes and the machine: large matmuls gain, small ones lose to
+the autograd Function, the custom-op dispatch and the transposing copy (benchmarks/README.md).
+So the switch is explicit and deterministic: `enable_fast_linear(model)` swaps every Linear, or
+only the (in_features, out_features, bias) shapes it is given. Timing is a separate, explicit
+tool (`choose_fast_linear`, for benchmarks): nothing here picks a code path by timing it unless
+asked to, so a run's numerics never depend on how busy the machine was.
 
-The swap changes each module's class to `FastLinear` (a subclass of nn.Linear that only
-overrides `forward`), so the module objects, their Parameters (tied weights included), hooks,
-optimizer references and state_dict keys all stay exactly as they were. Under autocast, for
-non-fp32 inputs, or off the CPU, FastLinear is plain nn.Linear (bf16 already uses oneDNN).
-The run's numerics then depend on a timing: leave it off where bitwise reproducibility matters.
+The swap puts a new `FastLinear` module in place of each nn.Linear, holding the same
+Parameters (accel/swap.py): tied weights, optimizer references and state_dict keys all stay as
+they were. Under autocast, for non-fp32 inputs, or off the CPU, FastLinear is plain nn.Linear.
 
 Shapes: N rows (all leading dimensions flattened), in = in_features, out = out_features.
 """
@@ -39,10 +31,13 @@ Shapes: N rows (all leading dimensions flattened), in = in_features, out = out_f
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnlab.accel.swap import swap_linears
 
 MIN_SPEEDUP = 1.10  # swap a shape only when oneDNN is >= 10% faster: a busy machine's timing
 #                    noise is about 5%, and a near-tie is not worth leaving the default path
@@ -173,44 +168,76 @@ def measure_speedup(
     return statistics.median(ratios)
 
 
-def linear_shapes(model: nn.Module) -> dict[tuple[int, int, bool], list[nn.Linear]]:
-    """The model's nn.Linear modules grouped by (in_features, out_features, bias)."""
-    shapes: dict[tuple[int, int, bool], list[nn.Linear]] = {}
+Shape = tuple[int, int, bool]  # (in_features, out_features, bias)
+
+
+def linear_shapes(model: nn.Module) -> dict[Shape, list[nn.Linear]]:
+    """The model's plain nn.Linear modules grouped by (in_features, out_features, bias)."""
+    shapes: dict[Shape, list[nn.Linear]] = {}
     for m in model.modules():  # each module once, even if it is reachable twice
-        if isinstance(m, nn.Linear):
+        if type(m) is nn.Linear:  # subclasses (FastLinear, quantized, ...) keep their forward
             shapes.setdefault((m.in_features, m.out_features, m.bias is not None), []).append(m)
     return shapes
 
 
-def _set_class(modules: list[nn.Linear], cls: type) -> None:
-    for m in modules:
-        m.__class__ = cls
+def _shape(m: nn.Linear) -> Shape:
+    return (m.in_features, m.out_features, m.bias is not None)
+
+
+def enable_fast_linear(model: nn.Module, shapes: list[Shape] | None = None) -> int:
+    """Put a FastLinear (sharing the Parameters) in place of the model's plain nn.Linears.
+
+    Args:
+        model: any module.
+        shapes: only Linears of these (in_features, out_features, bias); None = every one.
+
+    Returns:
+        how many modules were swapped (0 without oneDNN; subclasses of nn.Linear, FastLinear
+        included, are left alone).
+    """
+    if not onednn_available():
+        return 0
+    wanted = None if shapes is None else {tuple(s) for s in shapes}
+    return swap_linears(
+        model,
+        FastLinear,
+        lambda m: type(m) is nn.Linear and (wanted is None or _shape(m) in wanted),
+    )
+
+
+def disable_fast_linear(model: nn.Module) -> int:
+    """Put a plain nn.Linear (sharing the Parameters) in place of every FastLinear."""
+    return swap_linears(model, nn.Linear, lambda m: type(m) is FastLinear)
 
 
 def measure_step_speedup(
     model: nn.Module,
-    modules: list[nn.Linear],
+    shapes: list[Shape] | None,
     check: Callable[[], object],
     repeats: int = STEP_REPEATS,
     budget_s: float = STEP_BUDGET_S,
 ) -> float:
-    """Time `check()` (a forward + backward of the model, or what inference runs) with
-    `modules` as nn.Linear and as FastLinear, interleaved; leaves them nn.Linear, the model's
-    .grad fields None and the RNG state (dropout) as it found them.
+    """Time `check()` (a forward + backward of the model, or what inference runs) with the
+    Linears of `shapes` (None: all) as nn.Linear and as FastLinear, interleaved; leaves them
+    nn.Linear, the model's .grad fields None and the RNG state (dropout) as it found them.
 
     Returns:
         the median over rounds of (time as nn.Linear / time as FastLinear).
     """
     ratios, start = [], time.perf_counter()
+    switch = {
+        nn.Linear: disable_fast_linear,
+        FastLinear: partial(enable_fast_linear, shapes=shapes),
+    }
     try:
         with torch.random.fork_rng():
             for cls in (nn.Linear, FastLinear):  # warm-up
-                _set_class(modules, cls)
+                switch[cls](model)
                 check()
             for i in range(repeats):
                 took = {}
                 for cls in (nn.Linear, FastLinear):
-                    _set_class(modules, cls)
+                    switch[cls](model)
                     t0 = time.perf_counter()
                     check()
                     took[cls] = time.perf_counter() - t0
@@ -218,13 +245,13 @@ def measure_step_speedup(
                 if i + 1 >= MIN_ROUNDS and time.perf_counter() - start > budget_s:
                     break
     finally:
-        _set_class(modules, nn.Linear)
+        disable_fast_linear(model)
         for p in model.parameters():
             p.grad = None
     return statistics.median(ratios)
 
 
-def enable_fast_linear(
+def choose_fast_linear(
     model: nn.Module,
     rows: int,
     check: Callable[[], object] | None = None,
@@ -232,8 +259,11 @@ def enable_fast_linear(
     min_step_speedup: float = MIN_STEP_SPEEDUP,
     verbose: bool = False,
     inference: bool = False,
-) -> int:
-    """Swap the model's nn.Linear modules to FastLinear where oneDNN is measurably faster.
+) -> list[Shape]:
+    """Time the model's Linear shapes both ways and return those worth swapping (swaps nothing).
+
+    A tool for benchmarks and for users who want to measure on their own machine; pass the
+    result to `enable_fast_linear`. Its answer depends on the machine and on its load.
 
     1. Screen: each distinct (in_features, out_features, bias) shape is timed alone, forward +
        backward on `rows` rows, default path against oneDNN (`measure_speedup`); shapes with
@@ -241,68 +271,51 @@ def enable_fast_linear(
     2. Confirm (when `check` is given): `check()`, one forward + backward of the model, is timed
        with the candidates swapped and not (`measure_step_speedup`); they are kept only if the
        whole step is >= min_step_speedup times faster. A Linear timed alone can mislead: on an
-       oversubscribed machine, shapes that ran 1.8x faster alone made the model's step slower.
+       oversubscribed machine, shapes faster alone can make the model's step slower.
 
-    For inference (`inference=True`, e.g. decoding) step 1 is skipped: every Linear is a
+    For inference (`inference=True`, e.g. decoding) step 1 is skipped: every shape is a
     candidate and `check` decides. A decode step reads each weight once, from memory, while a
-    matrix-vector product timed alone reads its weight from cache: GPT-2-small's 768x768 ran
-    0.5x alone through oneDNN, yet swapping every Linear made its decoding faster.
-
-    Swapping changes only each module's class, so Parameters (tied ones included), optimizer
-    state and state_dict keys are untouched: call it before or after building the optimizer.
-    A no-op (returns 0) without oneDNN.
+    matrix-vector product timed alone reads its weight from cache.
 
     Args:
         model: any module.  rows: rows per matmul in training (batch_size * context).
-        check: runs one forward + backward of `model` on a representative batch, e.g.
-            `lambda: loss_fn(model(x), y).backward()`; its gradients are discarded. With
-            `inference`, required: what inference runs, e.g. a short generation.
-        min_speedup: a shape's speed-up to be a candidate; 0 swaps every Linear, timing nothing.
+        check: runs one forward + backward of `model` on a representative batch; its gradients
+            are discarded. With `inference`, required: what inference runs.
+        min_speedup: a shape's speed-up to be a candidate; 0 takes every shape, timing nothing.
         min_step_speedup: the whole step's speed-up needed to keep the candidates.
         verbose: print each measured speed-up.
         inference: choose for inference (see above), not for training.
 
     Returns:
-        how many modules were swapped (already-swapped ones are not counted again).
+        the chosen shapes ([] without oneDNN or when the step check says no).
     """
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
     if inference and check is None:
-        raise ValueError("enable_fast_linear(inference=True) needs a check to time")
+        raise ValueError("choose_fast_linear(inference=True) needs a check to time")
     if not onednn_available():
-        return 0
+        return []
     chosen = []
     for (n_in, n_out, bias), modules in linear_shapes(model).items():
-        todo = [m for m in modules if type(m) is nn.Linear]  # subclasses keep their own forward
-        if not todo:
-            continue
         screen = min_speedup > 0 and not inference
         speedup = measure_speedup(n_in, n_out, bias, rows) if screen else float("inf")
         if verbose:
-            print(f"fast_linear: {n_in}->{n_out} bias={bias} x{len(todo)}: {speedup:.2f}x")
+            print(f"fast_linear: {n_in}->{n_out} bias={bias} x{len(modules)}: {speedup:.2f}x")
         if speedup >= min_speedup:
-            chosen += todo
+            chosen.append((n_in, n_out, bias))
     if chosen and check is not None and (min_speedup > 0 or inference):
         speedup = measure_step_speedup(model, chosen, check)
         if verbose:
-            print(f"fast_linear: whole step with {len(chosen)} swapped: {speedup:.2f}x")
+            print(f"fast_linear: whole step with {chosen} swapped: {speedup:.2f}x")
         if speedup < min_step_speedup:
-            return 0
-    _set_class(chosen, FastLinear)
-    return len(chosen)
-
-
-def disable_fast_linear(model: nn.Module) -> int:
-    """Turn every FastLinear in the model back into nn.Linear; return how many."""
-    modules = [m for m in model.modules() if type(m) is FastLinear]
-    for m in modules:
-        m.__class__ = nn.Linear
-    return len(modules)
+            return []
+    return chosen
 
 
 __all__ = [
     "FastLinear",
     "OneDNNLinearFunction",
+    "choose_fast_linear",
     "disable_fast_linear",
     "enable_fast_linear",
     "fast_linear",

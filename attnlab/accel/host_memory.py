@@ -1,13 +1,11 @@
 """Keep freed CPU memory in the process, so large tensors do not page-fault anew every step.
 
 glibc's malloc serves each block above its mmap threshold (128 KB, rising to at most 32 MB)
-with a fresh mmap and hands it back with munmap when freed. A CPU training step of GPT-2-small
-allocates and frees several 150-200 MB tensors (the (B*T, V) logits, their log-softmax and its
-gradient, the tied embedding's gradient), so every step the kernel faults each of their 4 KB
-pages in and zeroes it again. Measured on a 2-core AMD EPYC virtual machine, batch 4 x 256,
-fp32 (profile of two steps): the log-softmax of the (1024, 50257) logits 341 -> 26 ms, its
-backward 341 -> 75 ms, the zero-fill of its gradient 323 -> 34 ms, the tied head's gradient
-sum 298 -> 14 ms; about a fifth of the step.
+with a fresh mmap and hands it back with munmap when freed. A CPU training step of a GPT-2-sized
+model allocates and frees several tensors of a few hundred MB (the (B*T, V) logits, their
+log-softmax and its gradient, the tied embedding's gradient), so every step the kernel faults
+each of their 4 KB pages in and zeroes it again: a sizeable share of the step
+(benchmarks/README.md).
 
 Two glibc settings keep that memory instead, as PyTorch's CUDA caching allocator does on GPU:
 
@@ -16,7 +14,8 @@ Two glibc settings keep that memory instead, as PyTorch's CUDA caching allocator
 
 A freed block is then reused by the next allocation of its size without a fault. The cost: the
 process keeps its high-water mark of memory until it exits. They apply to the whole process,
-from the call on; on other C libraries (macOS, musl) the call changes nothing.
+from the call on; on other C libraries (macOS, musl) the call changes nothing. So it is off
+unless asked for: `TrainConfig.keep_freed_memory` (or a direct call).
 """
 
 import ctypes

@@ -1,10 +1,8 @@
 """AdamW over flat buffers: each group's parameters and gradients are views into one tensor.
 
 Why: for a small model, most of the time of the optimizer step and of the gradient-norm clip
-is spent per tensor (Python, dispatch, one kernel launch each), not per element. Recipe (a)'s
-GPT-2 has 69 parameter tensors and 0.8 M parameters: fused AdamW plus `clip_grad_norm_` took
-2.5-2.9 ms per step over the 69 tensors, 0.7 ms over one flat tensor per group (2 CPU cores),
-against a whole training step of ~40 ms.
+is spent per tensor (Python, dispatch, one kernel launch each), not per element. Over one flat
+tensor per group those costs are paid once per group (benchmarks/README.md).
 
 How (per group g of `param_groups`, with parameters p_i of n_i elements at offsets o_i):
 
@@ -24,6 +22,7 @@ The model's parameters stay the same Parameter objects (hooks, tied weights and 
 keys untouched); only their storage moves. Build the optimizer after the model reaches its
 device (`.to()` would move the parameters out of the buffers again), and load weights in place
 (`load_state_dict` does). One process only: DDP and FSDP manage gradients their own way.
+Off unless asked for: `TrainConfig.flat_adamw`, or `build_optimizer(flat=True)`.
 """
 
 import torch

@@ -6,10 +6,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from attnlab.inference.packing import ALIGN_BYTES, pack_weights
-from attnlab.quantize import quantize_model
+from attnlab.accel.packing import ALIGN_BYTES, pack_weights
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from attnlab.quantize import quantize_model
 
 
 def _tiny(preset: str) -> nn.Module:

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.components.fast_linear import FastLinear
-from attnlab.inference.gemv import GemvLinear, compile_decode_step, use_gemv
+from attnlab.accel.fast_linear import FastLinear
+from attnlab.accel.gemv import GemvLinear, use_gemv
+from attnlab.accel.swap import rebuild_linear
+from attnlab.inference.compiled_step import compile_decode_step
 from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -24,16 +26,21 @@ def _tiny(preset: str) -> nn.Module:
     return build_model(replace(cfg, d_ff=64)).eval()
 
 
-def test_use_gemv_changes_only_the_class():
+def test_use_gemv_swaps_in_new_modules_that_share_the_parameters():
     model = _tiny("gpt2-tiny")  # tied head: the embedding and the head share one Parameter
-    model.blocks[0].ffn.up_proj.__class__ = FastLinear  # a subclass keeps its own forward
+    ffn = model.blocks[0].ffn
+    ffn.up_proj = rebuild_linear(ffn.up_proj, FastLinear)  # a subclass keeps its own forward
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         before, keys = model(ids), list(model.state_dict())
-    n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert use_gemv(model) == n_linear > 0
+    params = dict(model.named_parameters())
+    old = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    assert use_gemv(model) == len(old) > 0
     assert type(model.blocks[0].ffn.up_proj) is FastLinear
     assert type(model.head) is GemvLinear and model.head.weight is model.embed.weight
+    for name, m in old.items():  # a new object in each place; the old one keeps its class
+        assert type(m) is nn.Linear and type(model.get_submodule(name)) is GemvLinear
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
     assert list(model.state_dict()) == keys
     with torch.no_grad():
         assert torch.equal(model(ids), before)  # eager: F.linear, bit for bit

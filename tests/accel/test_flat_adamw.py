@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from attnlab.accel.flat_adamw import FlatAdamW
+from attnlab.checkpoint import read_checkpoint, save_checkpoint
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.checkpoint import read_checkpoint, save_checkpoint
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
-from attnlab.training.flat_adamw import FlatAdamW
 from attnlab.training.optim import param_groups
 
 CFG = replace(

@@ -1,0 +1,25 @@
+"""Accelerators: speed tricks kept beside the core, each its own module, each off unless asked for.
+
+The components and models compute the textbook way. Each module here makes one thing faster
+without changing what is computed (each is tested equal to the plain path), and each is one
+switch that a user, a recipe or the compiled decode step turns on:
+
+    module           switch                       what it does
+    short_attention  use_short_attention(model)   compiled: attention written out for one
+                                                  query or a few keys (fuses with its neighbours)
+    sigmoid_gelu     use_sigmoid_gelu(model)      compiled: GPT-2's GELU as x * sigmoid(2u)
+    fast_linear      enable_fast_linear(model)    fp32 CPU Linears through oneDNN
+    gemv             use_gemv(model)              compiled: one-row Linears as fused GEMVs
+    packing          pack_weights(model)          every weight in one buffer per dtype
+    flat_adamw       TrainConfig.flat_adamw       AdamW over one flat buffer per group
+    host_memory      TrainConfig.keep_freed_memory  glibc keeps freed memory in the process
+
+The compiled decode step (`attnlab.inference.compiled_step.compile_decode_step`) turns on
+short_attention, gemv and packing; the compiled training step (`train.compile`) short_attention
+and sigmoid_gelu. What each buys, measured, is in benchmarks/README.md.
+
+A module swap never changes a live object's class: the new module objects share the old ones'
+Parameters (`swap.swap_linears`), as quantization's `swap_modules` does.
+
+Imports: torch and attnlab.components only, so inference and training can build on it.
+"""
