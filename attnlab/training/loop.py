@@ -1,14 +1,15 @@
 """The training loop: one readable `train()` from the first step to the last checkpoint.
 
-Per step: set the learning rate from the schedule, accumulate gradients over `grad_accum`
-micro-batches (each loss divided by grad_accum, so the sum is the mean over the global batch),
-clip the global gradient norm, step AdamW. Every `eval_every` steps: validation metrics, a text
+Per step: set the learning rate from the schedule, draw the `grad_accum` micro-batches of the
+global batch and count their target tokens, accumulate gradients (each micro-batch's loss summed
+over its tokens and divided by the global batch's count, so the sum is the global batch's mean
+loss however the tokens fall into micro-batches), clip the global gradient norm, step AdamW. Every `eval_every` steps: validation metrics, a text
 sample, and the best checkpoint; every `ckpt_every` steps: a checkpoint that `resume=True`
 continues from exactly (same weights, optimizer state, RNG and data position -> same losses).
 
 Under torchrun (train.distributed "ddp" or "fsdp", see distributed.py) the same loop runs on
 every rank: each rank takes its slice of the global batch, gradients are averaged across ranks
-on the last micro-batch only, the logged loss is the mean over ranks, and rank 0 alone logs and
+on the last micro-batch only, the logged loss is the global batch's, and rank 0 alone logs and
 writes files while the others wait for it.
 """
 
@@ -84,7 +85,9 @@ def train(
     state = _resume(ckpts, model, optimizer, data_gen, run, ranks) if resume else TrainState()
     if ranks.main:
         _truncate_metrics(out / "metrics.jsonl", state.step)
-    loss_of = compile_loss(task.loss, model, device) if cfg.compile else partial(task.loss, model)
+    loss_sum_of = partial(task.loss_sum, model)
+    if cfg.compile:
+        loss_sum_of = compile_loss(task.loss_sum, model, device)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
 
     def save(best: bool = False) -> None:  # called on every rank: FSDP gathers the shards
@@ -109,16 +112,22 @@ def train(
         lr = lr_at(step, cfg, run.model.d_model)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        # This rank's slices of the global batch's micro-batches, and the global target count.
+        batches = [
+            task.train_batch(data_gen, ranks.rank, ranks.world) for _ in range(cfg.grad_accum)
+        ]
+        batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
+        count = torch.tensor(sum(map(task.n_targets, batches)), dtype=torch.float64)
+        n_targets = max(ranks.sum(count.to(device)).item(), 1.0)
         loss_sum = torch.zeros((), device=device)
-        for i in range(cfg.grad_accum):
-            batch = task.train_batch(data_gen, ranks.rank, ranks.world)  # this rank's slice
-            batch = {k: v.to(device) for k, v in batch.items()}
+        for i, batch in enumerate(batches):
             with ranks.gradient_sync(model, sync=i == cfg.grad_accum - 1):
                 with _autocast(cfg.precision, device):
-                    loss = loss_of(batch) / cfg.grad_accum
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        loss_value = ranks.mean(loss_sum).item()  # the global batch's loss, the same on all ranks
+                    summed = loss_sum_of(batch)  # over this micro-batch's target tokens
+                # The ranks average their gradients; times world, that is their sum.
+                scaler.scale(summed * (ranks.world / n_targets)).backward()
+            loss_sum += summed.detach()
+        loss_value = ranks.sum(loss_sum).item() / n_targets  # the same on all ranks
         if not math.isfinite(loss_value):  # so every rank stops here
             last = ranks.broadcast(ckpts.latest() if ranks.main else None)
             raise TrainingDiverged(
