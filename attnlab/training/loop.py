@@ -303,16 +303,18 @@ def _set_rng_state(rng: dict, data_gen: torch.Generator) -> None:
 
 @contextmanager
 def _interrupts_deferred():
-    """Hold Ctrl-C (SIGINT) until the block is done; then raise KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers belong to the main thread
+    """Hold Ctrl-C (SIGINT) until the block is done; then raise KeyboardInterrupt. Only Python's
+    own handler is replaced (not one a caller installed), and only in the main thread."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if caught:
         raise KeyboardInterrupt
 

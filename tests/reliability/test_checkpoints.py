@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ import torch
 
 import attnlab.checkpoint as ckpt
 from attnlab.checkpoint import CheckpointDir, is_complete, read_checkpoint
+from attnlab.cli.__main__ import main
 from attnlab.models.build import build_model
-from attnlab.training.loop import TrainingDiverged, train
+from attnlab.training.loop import TrainingDiverged, _interrupts_deferred, train
 from attnlab.training.tasks import build_task
 
 SMALL = dict(model={"dropout": 0.1}, sample_tokens=0)  # dropout: the RNG state matters
@@ -434,3 +436,36 @@ def test_ctrl_c_saves_the_last_completed_step(make_run, when):
     assert CheckpointDir(root).latest() == root / "step_000003"
     assert_tidy(root)
     assert_resumes_exactly(run, reference)
+
+
+def test_ctrl_c_during_the_update_waits_until_it_is_applied():
+    """A real SIGINT inside the optimizer step: the step finishes, then KeyboardInterrupt."""
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("the rest of the update")
+    assert done == ["the rest of the update"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_the_cli_refuses_a_second_run_unless_overwrite_or_resume(tmp_path, tiny_text, capsys):
+    def train_args(steps: int) -> list[str]:
+        return [
+            *("train", "--preset", "llama-tiny", "--data.source", str(tiny_text)),
+            *("--data.cache_dir", str(tmp_path / "c"), "--train.out_dir", str(tmp_path / "run")),
+            *("--train.steps", str(steps), "--train.context", "16", "--train.device", "cpu"),
+            *("--train.progress", "false", "--train.sample_tokens", "0"),
+            *("--train.eval_batches", "1", "--train.schedule", "constant"),
+        ]
+
+    assert main(train_args(2)) == 0
+    capsys.readouterr()
+    assert main(train_args(2)) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--resume" in err and "--overwrite" in err, err
+    assert main([*train_args(2), "--overwrite"]) == 0
+    assert main([*train_args(3), "--resume"]) == 0
