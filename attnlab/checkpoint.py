@@ -8,10 +8,13 @@
       trainer_state.json   step, best validation loss, ...
       tokenizer.json       the tokenizer (HF fast-tokenizer format)
 
-A save goes to `step_000500.tmp/` first and is renamed into place only when complete, then the
-`latest` pointer is replaced (os.replace is atomic), so a run killed at any moment leaves the
-previous checkpoint loadable. Loading uses safetensors and `torch.load(weights_only=True)`: no
-pickled code from a checkpoint ever runs.
+A save goes to `step_000500.tmp/` first and is renamed into place only when complete; a
+directory that already has the name (`best/`) is renamed aside to `best.old/` first and deleted
+only after the new one is in, then the `latest` pointer is replaced (os.replace is atomic). So a
+run killed at any moment leaves a complete checkpoint under every name it had, and
+`CheckpointDir` finishes or undoes a save it finds cut short. Every file follows the umask.
+Loading uses safetensors and `torch.load(weights_only=True)`: no pickled code from a checkpoint
+ever runs.
 
 `open_checkpoint` is the one way to get a model from disk: every command and library call that
 opens a checkpoint uses it, for every kind (a training checkpoint, a model-only one written by
@@ -24,8 +27,10 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from pickle import UnpicklingError
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -46,10 +51,51 @@ from attnlab.quantize.handler import (
 from attnlab.tokenizer import Tokenizer
 
 LATEST = "latest"
+REQUIRED_FILES = ("config.json", "model.safetensors", "trainer_state.json")
 
 
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2))
+# Every write and rename of a save goes through these three functions (the fault-injection
+# tests in tests/reliability/ make each one fail in turn, as a kill at that instant would).
+def _write_file(path: Path, write) -> None:
+    """Create the file `path` with `write(path)`."""
+    write(path)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """Atomically give `src` the name `dst` (replacing a file, or an empty directory)."""
+    os.replace(src, dst)
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory: renamed to `X.trash` first, so a half-deleted one is never mistaken
+    for a checkpoint (CheckpointDir removes any `*.trash` it finds)."""
+    trash = path.with_name(path.name + ".trash")
+    _rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def _json_writer(data):
+    return lambda path: path.write_text(json.dumps(data, indent=2))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _sync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -65,32 +111,48 @@ def save_checkpoint(
 
     `model` and `optimizer` may also be full state dicts (gathered from FSDP shards; a tied
     matrix under one name only). `tokenizer` (with a .save(path)) is stored as tokenizer.json,
-    so a checkpoint generates text on its own."""
+    so a checkpoint generates text on its own.
+
+    An existing `path` is replaced in three steps, each leaving a complete checkpoint findable:
+    rename it aside to `path.old`, rename the new one in, delete `path.old`. On an OSError (a
+    full disk, a read-only directory) the unfinished `path.tmp` is removed and the error raised;
+    `path` is untouched."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _write_json(tmp / "config.json", to_dict(run))
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     weights = model
     if isinstance(model, nn.Module):
         weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    weights = {k: v.contiguous() for k, v in weights.items()}
+    files = {"config.json": _json_writer(to_dict(run))}
+    files["model.safetensors"] = lambda f: save_file(weights, str(f))
     if optimizer is not None:
         state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
-        torch.save(state, tmp / "optimizer.pt")
+        files["optimizer.pt"] = lambda f: torch.save(state, f)
     if rng is not None:
-        torch.save(rng, tmp / "rng.pt")
-    _write_json(tmp / "trainer_state.json", trainer_state)
+        files["rng.pt"] = lambda f: torch.save(rng, f)
+    files["trainer_state.json"] = _json_writer(trainer_state)
     if tokenizer is not None:
-        tokenizer.save(tmp / "tokenizer.json")
-    for f in tmp.iterdir():  # data on disk before the rename makes it visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+        files["tokenizer.json"] = tokenizer.save
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        mode = 0o666 & ~_umask()  # as open() creates files (safetensors writes 0600)
+        for name, write in files.items():
+            _write_file(tmp / name, write)
+            os.chmod(tmp / name, mode)
+            with open(tmp / name, "rb") as fh:  # data on disk before the rename shows it
+                os.fsync(fh.fileno())
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; `path` is untouched
+        raise
     if path.exists():
-        old = path.with_name(path.name + ".old")
-        os.replace(path, old)
-        shutil.rmtree(old)
-    os.replace(tmp, path)
+        if old.exists():  # left by an earlier save cut short, while `path` was complete
+            shutil.rmtree(old)
+        _rename(path, old)  # 1. the old one aside: recovery renames it back if we stop here
+    _rename(tmp, path)  # 2. the new one in
+    _sync_dir(path.parent)
+    if old.exists():
+        _remove(old)  # 3. only now the old one goes
     return path
 
 
@@ -106,12 +168,30 @@ def read_checkpoint(path: Path) -> dict:
         raise ValueError(f"{str(path)!r} is not a checkpoint (no model.safetensors)")
     optimizer, rng = path / "optimizer.pt", path / "rng.pt"
     return {
-        "run": json.loads((path / "config.json").read_text()),
-        "trainer": json.loads((path / "trainer_state.json").read_text()),
-        "rng": torch.load(rng, weights_only=True) if rng.is_file() else None,
-        "weights": load_file(path / "model.safetensors"),
-        "optimizer": torch.load(optimizer, weights_only=True) if optimizer.is_file() else None,
+        "run": _read(path / "config.json", lambda f: json.loads(f.read_text())),
+        "trainer": _read(path / "trainer_state.json", lambda f: json.loads(f.read_text())),
+        "rng": _read(rng, _torch_load) if rng.is_file() else None,
+        "weights": _read(path / "model.safetensors", load_file),
+        "optimizer": _read(optimizer, _torch_load) if optimizer.is_file() else None,
     }
+
+
+def _torch_load(path: Path):
+    return torch.load(path, weights_only=True)
+
+
+def _read(path: Path, load):
+    """`load(path)`, or a ValueError naming the file when it is missing or damaged."""
+    try:
+        return load(path)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint file {str(path)!r} is missing") from None
+    except (OSError, ValueError, SafetensorError, RuntimeError, EOFError, UnpicklingError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(
+            f"checkpoint file {str(path)!r} cannot be read ({reason}); it is damaged: use "
+            "another checkpoint"
+        ) from None
 
 
 def copy_weights(model: nn.Module, weights: dict, where: str = "the checkpoint") -> None:
@@ -146,6 +226,8 @@ def load_checkpoint(
 class CheckpointDir:
     """The checkpoints of one run: `step_NNNNNN/` directories, a `latest` pointer, and `best/`.
 
+    Opening one finishes or undoes whatever a save killed part-way left (see `recover`).
+
     Args:
         root: the run's checkpoint directory.  keep_last: how many step checkpoints to keep.
     """
@@ -153,33 +235,82 @@ class CheckpointDir:
     def __init__(self, root: Path, keep_last: int = 2):
         self.root, self.keep_last = Path(root), keep_last
         self.root.mkdir(parents=True, exist_ok=True)
-        # A save killed between its two renames leaves `X.old` (complete) and no `X`: put it back.
+        self.recover()
+
+    def recover(self) -> None:
+        """Bring every name back to a complete checkpoint after a save was cut short.
+
+        What a killed save can leave, and what becomes of it (save_checkpoint's three steps):
+            X.tmp             a save that never finished: removed (X, or X.old, is intact)
+            X.old and no X    killed between renaming X aside and the new X in: X.old is X again
+            X.old and X       killed before the replaced X.old was deleted: X.old removed
+            X.trash           a deletion cut short: removed
+        """
         for old in self.root.glob("*.old"):
             target = old.with_name(old.name.removesuffix(".old"))
             if target.exists():
-                shutil.rmtree(old)
+                _remove(old)
             else:
-                os.replace(old, target)
-        for leftover in self.root.glob("*.tmp"):  # a save that was interrupted
-            shutil.rmtree(leftover, ignore_errors=True)
+                _rename(old, target)
+        for leftover in [*self.root.glob("*.tmp"), *self.root.glob("*.trash")]:
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)  # latest.tmp
+
+    def steps(self) -> list[Path]:
+        """The complete step checkpoints, oldest first (by step number, not by name)."""
+        found = []
+        for path in self.root.glob("step_*"):
+            number = path.name.removeprefix("step_")
+            if number.isdigit() and is_complete(path):
+                found.append((int(number), path))
+        return [path for _, path in sorted(found)]
 
     def latest(self) -> Path | None:
+        """The checkpoint `latest` names; when that pointer is missing, empty or names no
+        complete checkpoint, the newest complete step checkpoint (None when there is none)."""
         pointer = self.root / LATEST
-        if not pointer.is_file():
-            return None
-        return self.root / pointer.read_text().strip()
+        name = pointer.read_text().strip() if pointer.is_file() else ""
+        if name and is_complete(self.root / name):
+            return self.root / name
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def last_good(self) -> Path | None:
+        """The newest step checkpoint whose weights load and are all finite (None if none)."""
+        for path in reversed(self.steps()):
+            try:
+                weights = load_file(path / "model.safetensors")
+            except (OSError, SafetensorError):
+                continue
+            if all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
+                return path
+        return None
 
     def save(self, step: int, *args, **kwargs) -> Path:
+        """save_checkpoint as `step_NNNNNN/`, point `latest` at it, keep the newest keep_last."""
         path = save_checkpoint(self.root / f"step_{step:06d}", *args, **kwargs)
         tmp = self.root / f"{LATEST}.tmp"
-        tmp.write_text(path.name)
-        os.replace(tmp, self.root / LATEST)
-        for old in sorted(self.root.glob("step_*[0-9]"))[: -self.keep_last]:
-            shutil.rmtree(old)
+        try:
+            _write_file(tmp, lambda f: f.write_text(path.name))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        _rename(tmp, self.root / LATEST)
+        others = [p for p in self.steps() if p != path]
+        for old in others[: max(len(others) - (self.keep_last - 1), 0)]:
+            _remove(old)
         return path
 
     def save_best(self, *args, **kwargs) -> Path:
         return save_checkpoint(self.root / "best", *args, **kwargs)
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory with the files every checkpoint has (a save
+    makes it appear whole, by a rename, so these tell a checkpoint from a stray directory)."""
+    return all((Path(path) / name).is_file() for name in REQUIRED_FILES)
 
 
 # --- opening a checkpoint as a model: the one loader --------------------------------------------
@@ -341,7 +472,7 @@ def save_pretrained(
     run = {**(run or {}), "model": to_dict(config)}
     if isinstance(model, EncoderForClassification):
         run["n_labels"] = model.classifier.out_features
-    _write_json(path / CONFIG, run)
+    _json_writer(run)(path / CONFIG)
     weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / WEIGHTS), metadata)
     if tokenizer is not None:

@@ -2,15 +2,20 @@
 the `latest` pointer, keep_last pruning, and save -> load identity."""
 
 import json
+import os
+import shutil
+import stat
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import attnlab.checkpoint as ckpt
+from attnlab.checkpoint import CheckpointDir, load_checkpoint, read_checkpoint, save_checkpoint
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.checkpoint import CheckpointDir, load_checkpoint, save_checkpoint
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.optim import build_optimizer
 
@@ -144,3 +149,97 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
     _, trainer, _ = load_checkpoint(tmp_path / "step_000001", build_model(run.model))
     assert trainer == {"step": 1, "again": True}
+
+
+def test_every_file_of_a_checkpoint_follows_the_umask(tmp_path):
+    """safetensors creates its file 0600; every file is made 0666 & ~umask like the others."""
+    model, optimizer, run = trained_pair()
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path / "c", model, optimizer, run, {"step": 1}, rng_state())
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()}
+    assert modes == {name: 0o644 for name in FILES}
+
+
+def _saved(path, step: int) -> int:
+    return json.loads((path / "trainer_state.json").read_text())["step"]
+
+
+@pytest.mark.parametrize(
+    "left",
+    [
+        "tmp",  # killed while writing the new best.tmp
+        "aside",  # killed after renaming best aside, before renaming the new one in
+        "both",  # killed after the new best is in, before best.old was deleted
+        "trash",  # killed while deleting
+    ],
+)
+def test_each_state_a_killed_replacement_of_best_leaves_is_recovered(tmp_path, left):
+    model, optimizer, run = trained_pair()
+    root = tmp_path / "checkpoints"
+    ckpts = CheckpointDir(root)
+    ckpts.save_best(model, optimizer, run, {"step": 1}, rng_state())
+    best, old, tmp = root / "best", root / "best.old", root / "best.tmp"
+    save_checkpoint(tmp_path / "new", model, optimizer, run, {"step": 2}, rng_state())
+    if left == "tmp":
+        shutil.copytree(tmp_path / "new", tmp)
+        (tmp / "trainer_state.json").unlink()  # half written
+        want = 1
+    elif left == "aside":
+        os.replace(best, old)
+        shutil.copytree(tmp_path / "new", tmp)
+        want = 1
+    elif left == "both":
+        os.replace(best, old)
+        os.replace(tmp_path / "new", best)
+        (old / "model.safetensors").unlink()  # half deleted
+        want = 2
+    else:
+        shutil.copytree(best, root / "step_000001.trash")
+        want = 1
+    CheckpointDir(root)
+    assert sorted(p.name for p in root.iterdir()) == ["best"]
+    assert _saved(best, 1) == want
+    load_checkpoint(best, build_model(run.model))  # complete
+
+
+def test_replacing_best_renames_the_old_one_aside_before_the_new_one_in(tmp_path, monkeypatch):
+    """The old best/ is deleted only after the new one has its name: at no instant is there
+    no complete best (the order the recovery above relies on)."""
+    model, optimizer, run = trained_pair()
+    root = tmp_path / "checkpoints"
+    ckpts = CheckpointDir(root)
+    ckpts.save_best(model, optimizer, run, {"step": 1})
+    events = []
+    real_rename, real_rmtree = ckpt._rename, shutil.rmtree
+    monkeypatch.setattr(
+        ckpt, "_rename", lambda a, b: (events.append(("rename", a.name, b.name)), real_rename(a, b))
+    )
+    monkeypatch.setattr(
+        ckpt.shutil,
+        "rmtree",
+        lambda p, **kw: (events.append(("rmtree", Path(p).name)), real_rmtree(p, **kw)),
+    )
+    ckpts.save_best(model, optimizer, run, {"step": 2})
+    renames = [e for e in events if e[0] == "rename" or e[1] != "best.tmp"]
+    assert renames == [
+        ("rename", "best", "best.old"),
+        ("rename", "best.tmp", "best"),
+        ("rename", "best.old", "best.old.trash"),
+        ("rmtree", "best.old.trash"),
+    ]
+    assert _saved(root / "best", 2) == 2
+
+
+def test_a_damaged_checkpoint_file_is_named(tmp_path):
+    model, optimizer, run = trained_pair()
+    path = save_checkpoint(tmp_path / "c", model, optimizer, run, {"step": 1}, rng_state())
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors' cannot be read"):
+        read_checkpoint(path)
+    (path / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match=r"trainer_state\.json' is missing"):
+        read_checkpoint(path)

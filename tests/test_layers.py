@@ -34,11 +34,6 @@ LAYERS = {
     "attnlab": 9,  # the public API (__init__) and `python -m attnlab` re-export from all layers
 }
 
-# Removed on other branches at the same time; the lead deletes this set after merging them.
-KNOWN = {
-    ("attnlab.training.loop", "attnlab.viz.loss"),  # plot_loss in the loop: loop engineer
-}
-
 
 def module_files() -> dict[str, Path]:
     """{dotted module name: file} for every module of the package (a package by its __init__)."""
@@ -123,10 +118,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: {t for t in targets if (m, t) not in KNOWN} for m, targets in graph.items()}
-
-
 def test_every_subpackage_has_its_own_layer():
     """A new top-level module or package (attnlab/server/, ...) needs an entry in LAYERS."""
     unplaced = [m for m in module_files() if entry(m) == "attnlab" and m != "attnlab.__main__"]
@@ -134,7 +125,7 @@ def test_every_subpackage_has_its_own_layer():
 
 
 def test_no_import_runs_upward_or_sideways():
-    graph = without_known(import_graph())
+    graph = import_graph()
     wrong = [
         f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
         for m in sorted(graph)
@@ -145,7 +136,7 @@ def test_no_import_runs_upward_or_sideways():
 
 
 def test_no_import_cycle():
-    graph = without_known(import_graph())
+    graph = import_graph()
     found = cycles(graph)
     lines = []
     for component in found:

@@ -7,6 +7,7 @@ or `attnlab train --nproc N ...`, which re-launches itself that way (DDP unless 
 import argparse
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from attnlab.training import distributed
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.tasks import build_task
+from attnlab.viz.loss import load_metrics, plot_loss
 
 DEFAULT_PRESET = "llama-char"
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
@@ -36,6 +38,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", default=None, help="YAML/JSON file: preset and section overrides")
     p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a train.out_dir that holds another run (deletes its checkpoints "
+        "and metrics)",
+    )
     p.add_argument(
         "--nproc",
         type=int,
@@ -97,10 +105,13 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(run_cfg.model)
     if int(os.environ.get("RANK", "0")) == 0:
         print(accelerators_line(run_cfg.train))  # each one is a flag: --train.<name>=false
-    state = train(model, task, run_cfg, resume=args.resume)
+    state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
     distributed.stop()  # leave torchrun's process group (nothing to do for one process)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return 0
+    out = Path(run_cfg.train.out_dir)
+    if (out / "metrics.jsonl").is_file():  # drawn here: training does not import viz
+        plot_loss(load_metrics(out / "metrics.jsonl"), out / "loss.png", title=str(out))
     metrics = {k: v for k, v in state.last_eval.items() if k != "sample"}
     print(f"\ntrained {state.step} steps; " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     print(f"checkpoints and metrics in {run_cfg.train.out_dir}")

@@ -2,6 +2,8 @@
 or a checkpoint written for another model. (Otherwise they surface deep inside a forward pass,
 or after hours of training.)"""
 
+from pathlib import Path
+
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
 
@@ -51,6 +53,23 @@ def check_run(run: RunConfig, task) -> None:
                     f"{t.context} (needs at least {t.context + 1}); use more text or a "
                     "shorter train.context"
                 )
+
+
+def check_new_run(out_dir: str | Path) -> None:
+    """ValueError when `out_dir` already holds a run (checkpoints or metrics) that a new run
+    would overwrite: the error says to pass --resume or --overwrite."""
+    out = Path(out_dir)
+    checkpoints, metrics = out / "checkpoints", out / "metrics.jsonl"
+    held = []
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        held.append("checkpoints/")
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        held.append("metrics.jsonl")
+    if held:
+        raise ValueError(
+            f"out_dir {str(out)!r} already holds a run ({' and '.join(held)}); pass --resume to "
+            "continue it, --overwrite to replace it, or another --train.out_dir"
+        )
 
 
 def check_same_model(saved: dict, current: dict, where) -> None:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.training.config import DataConfig
 from attnlab.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokenizer
+from attnlab.training.config import DataConfig
 
 STDLIB_SKIP = (
     "site-packages",

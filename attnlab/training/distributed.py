@@ -11,8 +11,10 @@ Each rank draws the same global batch from the same data generator and keeps its
           every rank holds 1/N of each parameter, gradient and optimizer state (dim 0 sharded);
           each block all-gathers its weights just before it runs and reduce-scatters its grads.
 
-Both average gradients over ranks. Each rank's loss is the mean over its share, so the update is
-the one a single process would make on the whole global batch.
+Both average gradients over ranks. Each rank's loss is its share's loss summed over its target
+tokens, times world / (the global batch's number of target tokens, `Ranks.sum` of the counts), so
+the average is the gradient of the global batch's mean loss: the update a single process would
+make on the whole global batch.
 
 Checkpoints keep the single-process format: full (unsharded) weights and optimizer state, which
 rank 0 writes and, on resume, reads and broadcasts. So a run may resume on another number of
@@ -136,6 +138,14 @@ class Ranks:
         x = x.clone()
         dist.all_reduce(x)  # SUM: gloo has no AVG
         return x / self.world
+
+    def sum(self, x: Tensor) -> Tensor:
+        """The sum of `x` over ranks (the global batch's token count, its summed loss)."""
+        if self.world == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x)  # SUM
+        return x
 
     def broadcast(self, obj):
         """Rank 0's `obj` (picklable) on every rank."""

@@ -36,7 +36,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer
 from attnlab.training.config import RunConfig
 from attnlab.training.data import pad_batch
-from attnlab.training.objectives import IGNORE_INDEX, cross_entropy
+from attnlab.training.objectives import IGNORE_INDEX, cross_entropy, n_targets
 
 HELD_OUT_SEED = 1_000_000_000  # held-out scenes: seeds from here up; training seeds below
 EVAL_CHUNK = 250  # held-out scenes per evaluation forward pass
@@ -220,8 +220,14 @@ class SceneTask:
         seeds = torch.randint(HELD_OUT_SEED, (b * world,), generator=gen)[rank * b : (rank + 1) * b]
         return self.batch(self.scenes(seeds.tolist()))
 
-    def loss(self, model: nn.Module, batch: dict) -> Tensor:
-        return cross_entropy(model(batch["images"], batch["ids"], batch["mask"]), batch["labels"])
+    def n_targets(self, batch: dict) -> int:
+        """The answer tokens (labels != IGNORE_INDEX)."""
+        return n_targets(batch["labels"], IGNORE_INDEX)
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> Tensor:
+        """The cross-entropy summed over the answer tokens (a scalar)."""
+        logits = model(batch["images"], batch["ids"], batch["mask"])
+        return cross_entropy(logits, batch["labels"], reduction="sum")
 
     @torch.no_grad()
     def answers(self, model: nn.Module, scenes: list[Scene], device) -> list[str]:
@@ -236,14 +242,14 @@ class SceneTask:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, n_batches: int, device) -> dict:
         """Loss and exact-match accuracy on every held-out scene (n_batches is not used)."""
-        loss, hits = 0.0, 0
+        loss, count, hits = 0.0, 0, 0
         for i in range(0, len(self.held_out), EVAL_CHUNK):
             chunk = self.held_out[i : i + EVAL_CHUNK]
             batch = {k: v.to(device) for k, v in self.batch(chunk).items()}
-            loss += self.loss(model, batch).item() * len(chunk)
+            loss += self.loss_sum(model, batch).item()
+            count += self.n_targets(batch)
             hits += sum(a == answer(s) for a, s in zip(self.answers(model, chunk, device), chunk))
-        n = len(self.held_out)
-        return {"val_loss": loss / n, "val_exact_match": hits / n}
+        return {"val_loss": loss / count, "val_exact_match": hits / len(self.held_out)}
 
     @torch.no_grad()
     def sample(self, model: nn.Module, n_tokens: int, device, prompt: str = "") -> str:

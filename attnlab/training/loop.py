@@ -1,21 +1,34 @@
 """The training loop: one readable `train()` from the first step to the last checkpoint.
 
-Per step: set the learning rate from the schedule, accumulate gradients over `grad_accum`
-micro-batches (each loss divided by grad_accum, so the sum is the mean over the global batch),
-clip the global gradient norm, step AdamW. Every `eval_every` steps: validation metrics, a text
-sample, and the best checkpoint; every `ckpt_every` steps: a checkpoint that `resume=True`
-continues from exactly (same weights, optimizer state, RNG and data position -> same losses).
+Per step: set the learning rate from the schedule, draw the `grad_accum` micro-batches of the
+global batch and count their target tokens, accumulate gradients (each micro-batch's loss summed
+over its tokens and divided by the global batch's count, so the sum is the global batch's mean
+loss however the tokens fall into micro-batches), stop if the loss or the gradient norm is not
+finite, clip the global gradient norm, step AdamW. Every `eval_every` steps: validation
+metrics, a text sample, and the best checkpoint; every `ckpt_every` steps: a checkpoint that
+`resume=True` continues from exactly (same weights, optimizer state, RNG and data position ->
+same losses).
+
+What cannot go wrong silently: a diverged step (NaN or inf in the loss or any gradient) is never
+applied nor saved, and the error names the newest checkpoint whose weights are finite; a new run
+refuses an out_dir that holds another run unless told to resume it or overwrite it; Ctrl-C saves
+the last completed step before it stops the run; a torn last line of metrics.jsonl (a run killed
+while writing it) is dropped on resume.
 
 Under torchrun (train.distributed "ddp" or "fsdp", see distributed.py) the same loop runs on
 every rank: each rank takes its slice of the global batch, gradients are averaged across ranks
-on the last micro-batch only, the logged loss is the mean over ranks, and rank 0 alone logs and
+on the last micro-batch only, the logged loss is the global batch's, and rank 0 alone logs and
 writes files while the others wait for it.
 """
 
 import json
 import math
+import os
+import shutil
+import signal
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -30,16 +43,17 @@ from attnlab.accel.sigmoid_gelu import use_sigmoid_gelu
 from attnlab.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.configs import to_dict
 from attnlab.training import distributed
-from attnlab.training.checks import check_run, check_same_model
+from attnlab.training.checks import check_new_run, check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_, resolve_device
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
-from attnlab.viz.loss import load_metrics, plot_loss
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what --overwrite removes
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    """The loss or a gradient became NaN or infinite; that step was not applied nor saved."""
 
 
 @dataclass
@@ -60,20 +74,40 @@ def _autocast(precision: str, device: torch.device):
 
 
 def train(
-    model: nn.Module, task, run: RunConfig, resume: bool = False, callbacks: tuple = ()
+    model: nn.Module,
+    task,
+    run: RunConfig,
+    resume: bool = False,
+    callbacks: tuple = (),
+    overwrite: bool = False,
 ) -> TrainState:
     """Train `model` on `task` as `run.train` says; returns the final TrainState.
 
     Args:
-        model: built from run.model.  task: LMTask | MLMTask | Seq2SeqTask.
+        model: built from run.model.  task: LMTask | MLMTask | Seq2SeqTask | SceneTask.
         run: the run config (saved in every checkpoint).
         resume: continue from the latest checkpoint in run.train.out_dir.
         callbacks: callables f(state, record) called after every logged step (on rank 0).
+        overwrite: start afresh in an out_dir that holds another run, deleting its checkpoints
+            and metrics (without it, or resume, that is a ValueError).
+
+    Raises:
+        TrainingDiverged: the loss or the gradient norm was NaN or inf (the step not applied).
+        KeyboardInterrupt: re-raised after the last completed step was saved (one process).
     """
     cfg = run.train
     check_run(run, task)
+    out = Path(cfg.out_dir)
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in out_dir, --overwrite deletes it: pass one")
+    if not (resume or overwrite):  # read before any rank writes (start() waits for all of them)
+        check_new_run(out)
     ranks = distributed.start(cfg.distributed, cfg.device)  # one process: rank 0 of 1
-    device, out = ranks.device, Path(cfg.out_dir)
+    device = ranks.device
+    if ranks.main:
+        _check_writable(out)
+        if overwrite:
+            _remove_run(out)
     if device.type == "cpu" and cfg.keep_freed_memory:
         keep_freed_memory()  # for the whole process, from here on
     torch.manual_seed(cfg.seed + ranks.rank)  # dropout masks differ across ranks
@@ -84,19 +118,45 @@ def train(
     data_gen = torch.Generator().manual_seed(cfg.seed)  # the same on every rank: one global batch
     ckpts = CheckpointDir(out / "checkpoints", cfg.keep_last) if ranks.main else None
     state = _resume(ckpts, model, optimizer, data_gen, run, ranks) if resume else TrainState()
+    saved_step = state.step  # the newest step on disk: Ctrl-C saves only what is newer
     if ranks.main:
         _truncate_metrics(out / "metrics.jsonl", state.step)
-    loss_of = compile_loss(task.loss, model, device) if cfg.compile else partial(task.loss, model)
+    loss_sum_of = partial(task.loss_sum, model)
+    if cfg.compile:
+        loss_sum_of = compile_loss(task.loss_sum, model, device)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
 
+    def diverged(what: str, step: int, before: str = "applying") -> TrainingDiverged:
+        last = ranks.broadcast(ckpts.last_good() if ranks.main else None)  # all ranks stop
+        return TrainingDiverged(
+            f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
+            f"{str(last) if last else 'none (none saved yet)'}"
+        )
+
     def save(best: bool = False) -> None:  # called on every rank: FSDP gathers the shards
+        nonlocal saved_step
         weights, optim_state = ranks.checkpoint_state(model, optimizer)
+        bad = ranks.broadcast(_first_non_finite(weights) if ranks.main else None)
+        if bad is not None:  # never a checkpoint that is not finite
+            raise diverged(f"weight {bad} is not finite", state.step, before="saving")
         rng = ranks.rng_state(data_gen)
         trainer = {"step": state.step, "best_val": state.best_val, "last_eval": state.last_eval}
-        if best and ranks.main:
-            ckpts.save_best(weights, optim_state, run, trainer, rng, task.tokenizer)
-        elif ranks.main:
-            ckpts.save(state.step, weights, optim_state, run, trainer, rng, task.tokenizer)
+        if ranks.main:
+            try:
+                if best:
+                    ckpts.save_best(weights, optim_state, run, trainer, rng, task.tokenizer)
+                else:
+                    ckpts.save(state.step, weights, optim_state, run, trainer, rng, task.tokenizer)
+            except OSError as e:  # a full disk, a read-only directory: say what is still there
+                last = ckpts.latest()
+                raise OSError(
+                    e.errno,
+                    f"could not save the step-{state.step} checkpoint in {str(ckpts.root)!r} "
+                    f"({e.strerror or e}: {e.filename}); the last good checkpoint is "
+                    f"{str(last) if last else 'none (none saved yet)'}",
+                ) from e
+        if not best:
+            saved_step = state.step
         ranks.barrier()  # the others wait until the checkpoint is complete
 
     bar = tqdm(
@@ -106,56 +166,71 @@ def train(
         disable=not (cfg.progress and ranks.main),
         dynamic_ncols=True,
     )
-    for step in bar:
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg, run.model.d_model)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for i in range(cfg.grad_accum):
-            batch = task.train_batch(data_gen, ranks.rank, ranks.world)  # this rank's slice
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with ranks.gradient_sync(model, sync=i == cfg.grad_accum - 1):
-                with _autocast(cfg.precision, device):
-                    loss = loss_of(batch) / cfg.grad_accum
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        loss_value = ranks.mean(loss_sum).item()  # the global batch's loss, the same on all ranks
-        if not math.isfinite(loss_value):  # so every rank stops here
-            last = ranks.broadcast(ckpts.latest() if ranks.main else None)
-            raise TrainingDiverged(
-                f"loss is {loss_value} at step {step + 1}; stopping. The last good "
-                f"checkpoint is {str(last) if last else 'none (none saved yet)'}"
-            )
-        scaler.unscale_(optimizer)
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
-        grad_norm = clip_grad_norm_(trained_tensors(optimizer), max_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        state.step = step + 1
-        state.losses.append(loss_value)
-        dt = time.perf_counter() - t0
-        record = {
-            "step": state.step,
-            "train_loss": loss_value,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "tokens_per_s": tokens_per_step / dt,
-        }
-        if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
-            record.update(_evaluate(model, task, cfg, ranks, state, save))
-        if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
-            _append(out / "metrics.jsonl", record)
-            bar.set_postfix(
-                loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"
-            )
-            for callback in callbacks:
-                callback(state, record)
-        if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
+    unapplied = None  # the RNG as the current step found it, until its update is applied
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            unapplied = _rng_state(data_gen)
+            lr = lr_at(step, cfg, run.model.d_model)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # This rank's slices of the global batch's micro-batches, and the global target count.
+            batches = [
+                task.train_batch(data_gen, ranks.rank, ranks.world) for _ in range(cfg.grad_accum)
+            ]
+            batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
+            count = torch.tensor(sum(map(task.n_targets, batches)), dtype=torch.float64)
+            n_targets = max(ranks.sum(count.to(device)).item(), 1.0)
+            loss_sum = torch.zeros((), device=device)
+            for i, batch in enumerate(batches):
+                with ranks.gradient_sync(model, sync=i == cfg.grad_accum - 1):
+                    with _autocast(cfg.precision, device):
+                        summed = loss_sum_of(batch)  # over this micro-batch's target tokens
+                    # The ranks average their gradients; times world, that is their sum.
+                    scaler.scale(summed * (ranks.world / n_targets)).backward()
+                loss_sum += summed.detach()
+            loss_value = ranks.sum(loss_sum).item() / n_targets  # the same on all ranks
+            if not math.isfinite(loss_value):
+                raise diverged(f"loss is {loss_value}", step + 1)
+            scaler.unscale_(optimizer)
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
+            grad_norm = float(clip_grad_norm_(trained_tensors(optimizer), max_norm))
+            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16: scaler skips
+                raise diverged(f"gradient norm is {grad_norm}", step + 1)
+            with _interrupts_deferred():  # the update is applied whole, or not at all
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                state.step, unapplied = step + 1, None
+                state.losses.append(loss_value)
+            dt = time.perf_counter() - t0
+            record = {
+                "step": state.step,
+                "train_loss": loss_value,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / dt,
+            }
+            if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
+                record.update(_evaluate(model, task, cfg, ranks, state, save))
+            if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
+                _append(out / "metrics.jsonl", record)
+                bar.set_postfix(
+                    loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"
+                )
+                for callback in callbacks:
+                    callback(state, record)
+            if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
+                save()
+    except KeyboardInterrupt:
+        # Keep the last completed step. With several ranks the others may not have stopped
+        # at the same point, so no collective (no save) is attempted.
+        if ranks.world == 1 and state.step > saved_step:
+            if unapplied is not None:  # stopped mid-step: the RNG back to where the step began
+                _set_rng_state(unapplied, data_gen)
+            optimizer.zero_grad(set_to_none=True)
             save()
-    if ranks.main and (out / "metrics.jsonl").is_file():
-        plot_loss(load_metrics(out / "metrics.jsonl"), out / "loss.png", title=str(out))
+        raise
     return state
 
 
@@ -212,17 +287,97 @@ def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> 
     )
 
 
+def _first_non_finite(weights) -> str | None:
+    """The name of the first tensor of `weights` (a module or a state dict) that holds a NaN
+    or an inf; None when all are finite."""
+    tensors = weights.state_dict() if isinstance(weights, nn.Module) else weights
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
+
+
+def _rng_state(data_gen: torch.Generator) -> dict:
+    return {"torch": torch.get_rng_state(), "data": data_gen.get_state()}
+
+
+def _set_rng_state(rng: dict, data_gen: torch.Generator) -> None:
+    torch.set_rng_state(rng["torch"])
+    data_gen.set_state(rng["data"])
+
+
+@contextmanager
+def _interrupts_deferred():
+    """Hold Ctrl-C (SIGINT) until the block is done; then raise KeyboardInterrupt. Only Python's
+    own handler is replaced (not one a caller installed), and only in the main thread."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _check_writable(out: Path) -> None:
+    """An OSError now, naming out_dir, rather than after the first steps."""
+    probe = out / ".attnlab_write_test"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"cannot write in out_dir {str(out)!r} ({e.strerror}); fix its permissions or "
+            "choose another --train.out_dir",
+        ) from None
+
+
+def _remove_run(out: Path) -> None:
+    """Delete the checkpoints, metrics and loss plot of the run in `out` (--overwrite)."""
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def _append(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records after `step` (left by a run that went on past its last checkpoint)."""
+    """Keep the records up to `step`: drop those of steps after the last checkpoint, and a torn
+    last line (a run killed while writing it). The file is replaced atomically."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    keep = []
+    for i, line in enumerate(lines, 1):
+        try:
+            record_step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            if i == len(lines):
+                break  # torn by a crash mid-write
+            raise ValueError(
+                f"{str(path)!r} line {i} is not a metrics record ({line[:40]!r}); delete that "
+                "line and resume again"
+            ) from None
+        if record_step <= step:
+            keep.append(line + "\n")
+    if "".join(keep) != text:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 
 
 # resolve_device lives in distributed.py; re-exported for older imports (cli/eval.py).

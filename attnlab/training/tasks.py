@@ -5,8 +5,11 @@
     Seq2SeqTask  a synthetic copy / reverse / sort task (encoder-decoder models)
     SceneTask    VQA / VLA on generated scenes (vision-language models; training/embodied.py)
 
-The loop only calls `train_batch`, `loss`, `evaluate` and `sample`, so it never branches on the
-objective. Evaluation draws from its own seeded generator, so it never disturbs the training RNG.
+The loop only calls `train_batch`, `n_targets`, `loss_sum`, `evaluate` and `sample`, so it never
+branches on the objective. `loss_sum` is the loss summed over a batch's target tokens and
+`n_targets` their number: the loop divides the sum over all micro-batches by the global batch's
+count, so gradient accumulation gives the global batch's mean (objectives.py). Evaluation
+draws from its own seeded generator, so it never disturbs the training RNG.
 """
 
 import math
@@ -20,7 +23,7 @@ from attnlab.tokenizer import Tokenizer
 from attnlab.training.config import RunConfig
 from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
 from attnlab.training.embodied import SceneTask
-from attnlab.training.objectives import clm_loss, mlm_loss, seq2seq_loss
+from attnlab.training.objectives import IGNORE_INDEX, clm_loss, mlm_loss, n_targets, seq2seq_loss
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
 
 EVAL_SEED = 1234
@@ -39,16 +42,23 @@ class LMTask:
         x, y = lm_batch(self.data.train, self.context, self.batch_size, gen, rank, world)
         return {"x": x, "y": y}
 
-    def loss(self, model: nn.Module, batch: dict) -> Tensor:
-        return clm_loss(model(batch["x"]), batch["y"])
+    def n_targets(self, batch: dict) -> int:
+        """Every position predicts the next token: B * T targets."""
+        return batch["y"].numel()
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> Tensor:
+        """The cross-entropy summed over the batch's n_targets tokens (a scalar)."""
+        return clm_loss(model(batch["x"]), batch["y"], reduction="sum")
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, n_batches: int, device) -> dict:
         gen = torch.Generator().manual_seed(EVAL_SEED)
-        losses = [
-            self.loss(model, _to(self._val_batch(gen), device)).item() for _ in range(n_batches)
-        ]
-        loss = sum(losses) / len(losses)
+        loss = count = 0
+        for _ in range(n_batches):
+            batch = _to(self._val_batch(gen), device)
+            loss += self.loss_sum(model, batch).item()
+            count += self.n_targets(batch)
+        loss /= count
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     def _val_batch(self, gen) -> dict:
@@ -112,21 +122,28 @@ class MLMTask(LMTask):
         x, _ = lm_batch(self.data.val, self.context, self.batch_size, gen)
         return self._mask(x, gen)
 
-    def loss(self, model, batch) -> Tensor:
-        return mlm_loss(model(batch["x"]), batch["labels"])
+    def n_targets(self, batch: dict) -> int:
+        """Only the masked positions count (labels != -100)."""
+        return n_targets(batch["labels"], IGNORE_INDEX)
+
+    def loss_sum(self, model, batch) -> Tensor:
+        """The cross-entropy summed over the batch's masked tokens (a scalar)."""
+        return mlm_loss(model(batch["x"]), batch["labels"], reduction="sum")
 
     @torch.no_grad()
     def evaluate(self, model, n_batches: int, device) -> dict:
+        """The mean loss and accuracy over all masked tokens of n_batches batches."""
         gen = torch.Generator().manual_seed(EVAL_SEED)
         loss = correct = total = 0.0
         for _ in range(n_batches):
             batch = _to(self._val_batch(gen), device)
             logits = model(batch["x"])  # (B, T, V)
-            loss += mlm_loss(logits, batch["labels"]).item()
-            picked = batch["labels"] != -100
+            loss += mlm_loss(logits, batch["labels"], reduction="sum").item()
+            picked = batch["labels"] != IGNORE_INDEX
             correct += (logits.argmax(-1)[picked] == batch["labels"][picked]).sum().item()
             total += picked.sum().item()
-        return {"val_loss": loss / n_batches, "val_mlm_accuracy": correct / max(total, 1)}
+        total = max(total, 1)
+        return {"val_loss": loss / total, "val_mlm_accuracy": correct / total}
 
     def sample(self, model, n_tokens: int, device, prompt: str = "") -> None:
         return None
@@ -168,26 +185,33 @@ class Seq2SeqTask:
         pairs = self._pairs(b * world, gen)[rank * b : (rank + 1) * b]
         return self._batch(pairs)
 
-    def loss(self, model, batch) -> Tensor:
+    def n_targets(self, batch: dict) -> int:
+        """The target tokens that are not padding."""
+        return n_targets(batch["labels"], self.pad)
+
+    def loss_sum(self, model, batch) -> Tensor:
+        """The (label-smoothed) cross-entropy summed over the non-padding targets (a scalar)."""
         logits = model(
             batch["src"],
             batch["tgt"],
             attention_mask=batch["src_mask"],
             decoder_attention_mask=batch["tgt_mask"],
         )
-        return seq2seq_loss(logits, batch["labels"], self.pad, self.run.train.label_smoothing)
+        eps = self.run.train.label_smoothing
+        return seq2seq_loss(logits, batch["labels"], self.pad, eps, reduction="sum")
 
     @torch.no_grad()
     def evaluate(self, model, n_batches: int, device) -> dict:
+        """The mean loss over every target token of the held-out pairs, and exact matches."""
         b = self.run.train.batch_size * 8
-        loss, hits = 0.0, 0
+        loss, count, hits = 0.0, 0, 0
         chunks = [self.val_pairs[i : i + b] for i in range(0, len(self.val_pairs), b)]
         for chunk in chunks:
             batch = _to(self._batch(chunk), device)
-            loss += self.loss(model, batch).item() * len(chunk)
+            loss += self.loss_sum(model, batch).item()
+            count += self.n_targets(batch)
             hits += sum(a == t for a, (_, t) in zip(self.translate(model, batch), chunk))
-        n = len(self.val_pairs)
-        return {"val_loss": loss / n, "val_exact_match": hits / n}
+        return {"val_loss": loss / count, "val_exact_match": hits / len(self.val_pairs)}
 
     def translate(self, model, batch: dict) -> list[str]:
         max_new = self.run.data.synthetic_max_len + 1

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.quantize import quantize_model
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from attnlab.quantize import quantize_model
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.tasks import build_task

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import attnlab.training.data as data_module
+from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.data import lm_batch, mask_tokens, pad_batch, prepare_text_data
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
 from attnlab.training.tasks import Seq2SeqTask
-from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
 
 
 def gen(seed: int = 0) -> torch.Generator:

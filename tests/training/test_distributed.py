@@ -3,6 +3,7 @@
 One torchrun launch runs every 2-process job in turn (starting processes is the slow part):
 
     ddp, fsdp            6 steps, per-rank batch 2 x 2 micro-batches, checkpoints at steps 3, 6
+    ddp_mlm              the same for masked LM: ranks hold different numbers of masked tokens
     ddp_from_fsdp, ...   resume at step 3 from the other wrapper's (or 1 process's) checkpoint
     failing              rank 1 raises in step 5: the whole job must end, non-zero, soon
 
@@ -22,16 +23,16 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from attnlab.configs import to_dict
-from attnlab.models.build import build_model
-from attnlab.models.presets import get_preset
-from attnlab.training import distributed
 from attnlab.checkpoint import (
     CheckpointDir,
     read_checkpoint,
     save_checkpoint,
     without_tied_names,
 )
+from attnlab.configs import to_dict
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.training import distributed
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.optim import build_optimizer
@@ -84,7 +85,7 @@ dist.destroy_process_group()
 """
 
 
-def make_run(root: Path, out: str, **train) -> RunConfig:
+def make_run(root: Path, out: str, preset: str = "llama-tiny", **train) -> RunConfig:
     text = root / "tiny.txt"
     if not text.is_file():
         text.write_text(
@@ -107,8 +108,9 @@ def make_run(root: Path, out: str, **train) -> RunConfig:
         progress=False,
     )
     train_kw.update(train)
-    data = DataConfig(source=str(text), cache_dir=str(root / "cache"))
-    return RunConfig(replace(get_preset("llama-tiny"), dropout=0.0), TrainConfig(**train_kw), data)
+    task = "mlm" if preset.startswith("bert") else "clm"
+    data = DataConfig(task=task, source=str(text), cache_dir=str(root / "cache"))
+    return RunConfig(replace(get_preset(preset), dropout=0.0), TrainConfig(**train_kw), data)
 
 
 def torchrun(root: Path, jobs: list[dict]) -> dict:
@@ -164,9 +166,11 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("distributed")
     # The 1-process reference first: it also prepares the token cache the ranks then share.
     single = make_run(root, "single", batch_size=2 * B)
-    losses = {"single": train_here(single)}
+    single_mlm = make_run(root, "single_mlm", "bert-tiny", batch_size=2 * B, sample_tokens=0)
+    losses = {"single": train_here(single), "single_mlm": train_here(single_mlm)}
     jobs = [
         job(make_run(root, "ddp", distributed="ddp"), "ddp"),
+        job(make_run(root, "ddp_mlm", "bert-tiny", distributed="ddp", sample_tokens=0), "ddp_mlm"),
         job(make_run(root, "fsdp", distributed="fsdp"), "fsdp"),
         job(
             make_run(root, "ddp_from_fsdp", distributed="ddp"),
@@ -233,6 +237,15 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(runs, wrapper):
     lines = (root / wrapper / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, STEPS + 1))
     assert "sample" in json.loads(lines[-1])  # sampling ran under the wrapper too
+
+
+@pytest.mark.slow
+def test_two_ranks_weigh_masked_tokens_as_one_process(runs):
+    """Token-weighted accumulation across ranks: each rank's slice holds a different number of
+    masked tokens, and the update is still the one batch's (the loop sums counts over ranks)."""
+    losses = runs["losses"]
+    assert len(losses["ddp_mlm"]) == STEPS
+    assert max(relative(a, b) for a, b in zip(losses["ddp_mlm"], losses["single_mlm"])) <= 1e-5
 
 
 @pytest.mark.slow

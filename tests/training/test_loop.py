@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.models.build import build_model
 from attnlab.checkpoint import CheckpointDir, load_checkpoint
+from attnlab.models.build import build_model
 from attnlab.training.loop import TrainingDiverged, train
 from attnlab.training.tasks import build_task
 from tests.compile_helpers import needs_compiler
@@ -48,7 +48,7 @@ def test_resume_gives_bit_identical_losses_and_weights(make_run, preset):
     model, task = fresh(full_run)
     x = task.train_batch(torch.Generator().manual_seed(0))
     with torch.no_grad():  # dropout is active, so the RNG state matters for resuming
-        assert not torch.equal(task.loss(model, x), task.loss(model, x))
+        assert not torch.equal(task.loss_sum(model, x), task.loss_sum(model, x))
     full = train(model, task, full_run)
 
     # Crash right after step 7 (past the step-6 checkpoint), then resume in a "new process".
@@ -149,9 +149,12 @@ class DivergingTask:
     def train_batch(self, gen, rank=0, world=1):
         return self.task.train_batch(gen, rank, world)
 
-    def loss(self, model, batch):
+    def n_targets(self, batch):
+        return self.task.n_targets(batch)
+
+    def loss_sum(self, model, batch):
         self.calls += 1
-        loss = self.task.loss(model, batch)
+        loss = self.task.loss_sum(model, batch)
         return loss * self.bad if self.calls >= self.at else loss
 
     def evaluate(self, *args):
@@ -178,19 +181,20 @@ def test_non_finite_loss_raises_naming_the_step_and_keeps_last_checkpoint(make_r
 
 
 def test_grad_accumulation_equals_one_big_batch(make_run):
-    """k micro-batches of b, each loss / k as the loop does, equal one batch of k*b."""
+    """k micro-batches of b, each loss sum / the k*b batch's targets as the loop does, equal
+    one batch of k*b."""
     k, b = 4, 3
     run = make_run("llama-tiny", batch_size=k * b)
     model, task = fresh(run)
     batch = task.train_batch(torch.Generator().manual_seed(3))  # (k*b, T)
     params = list(model.parameters())
 
-    big = task.loss(model, batch)
+    big = task.loss_sum(model, batch) / task.n_targets(batch)
     big_grads = torch.autograd.grad(big, params)
     acc_loss = torch.zeros(())
     for i in range(k):
         micro = {key: v[i * b : (i + 1) * b] for key, v in batch.items()}
-        loss = task.loss(model, micro) / k
+        loss = task.loss_sum(model, micro) / task.n_targets(batch)
         loss.backward()
         acc_loss += loss.detach()
 
@@ -211,7 +215,7 @@ def test_loop_grad_accumulation_sees_the_same_global_batch(make_run):
 
 
 class AutocastProbe:
-    """Wraps a task and records whether autocast was on (and in which dtype) inside loss()."""
+    """Wraps a task and records whether autocast was on (and in which dtype) inside loss_sum()."""
 
     def __init__(self, task):
         self.task, self.tokenizer, self.seen = task, task.tokenizer, set()
@@ -219,10 +223,13 @@ class AutocastProbe:
     def train_batch(self, gen, rank=0, world=1):
         return self.task.train_batch(gen, rank, world)
 
-    def loss(self, model, batch):
+    def n_targets(self, batch):
+        return self.task.n_targets(batch)
+
+    def loss_sum(self, model, batch):
         on = torch.is_autocast_enabled("cpu")
         self.seen.add((on, torch.get_autocast_dtype("cpu") if on else None))
-        return self.task.loss(model, batch)
+        return self.task.loss_sum(model, batch)
 
     def evaluate(self, *args):
         return self.task.evaluate(*args)

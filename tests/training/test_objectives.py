@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.training.objectives import clm_loss, cross_entropy, mlm_loss, seq2seq_loss
+from attnlab.training.objectives import (
+    clm_loss,
+    cross_entropy,
+    mlm_loss,
+    n_targets,
+    seq2seq_loss,
+)
 
 B, T, V, PAD = 3, 7, 11, 0
 
@@ -61,3 +67,26 @@ def test_gradient_matches_torch():
         logits.reshape(-1, V), labels.reshape(-1), ignore_index=PAD, label_smoothing=0.1
     ).backward()
     torch.testing.assert_close(ours, logits.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_sums_and_counts_equal_torch_reduction_sum(eps):
+    """What the tasks give the loop: the loss summed over the counted targets (F.cross_entropy
+    with reduction="sum") and their number; sum / count is torch's mean over them."""
+    logits = torch.randn(B, T, V) * 3
+    labels = torch.randint(1, V, (B, T))
+    labels[1, 2:] = PAD
+    flat = logits.reshape(-1, V), labels.reshape(-1)
+    want = F.cross_entropy(*flat, ignore_index=PAD, label_smoothing=eps, reduction="sum")
+    got = seq2seq_loss(logits, labels, PAD, eps, reduction="sum")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert n_targets(labels, PAD) == int((labels != PAD).sum()) == B * T - (T - 2)
+    mean = F.cross_entropy(*flat, ignore_index=PAD, label_smoothing=eps)
+    torch.testing.assert_close(got / n_targets(labels, PAD), mean, rtol=1e-6, atol=1e-6)
+    masked = torch.where(labels == PAD, -100, labels)
+    torch.testing.assert_close(
+        mlm_loss(logits, masked, reduction="sum"),
+        F.cross_entropy(*flat, reduction="sum", ignore_index=PAD),
+        rtol=1e-6,
+        atol=1e-5,
+    )
