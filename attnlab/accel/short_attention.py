@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.attention import Attention
-from attnlab.components.backends import BACKENDS, eager_attention, sdpa_attention
+from attnlab.components.backends import eager_attention, sdpa_attention
 
 SHORT_KEYS_CPU = 64  # inside torch.compile on CPU, attend to at most this many keys written out
-NAME = "short"  # the backend name this module registers
+NAME = "short"  # the backend name a layer reports once it uses this one
 
 
 def written_out_is_faster(q: Tensor, k: Tensor) -> bool:
@@ -48,8 +48,7 @@ def use_short_attention(model: nn.Module) -> int:
 
     Layers configured "eager" stay eager (they may be returning weights for pictures).
     """
-    BACKENDS.setdefault(NAME, short_attention)
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.backend == "sdpa"]
     for m in layers:
-        m.backend = NAME
+        m.backend, m.attend = NAME, short_attention
     return len(layers)

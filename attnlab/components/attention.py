@@ -71,6 +71,7 @@ class Attention(nn.Module):
             raise ValueError(f"unknown attention backend {backend!r}; choose from {list(BACKENDS)}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale, self.dropout, self.backend, self.cross = scale, dropout, backend, cross
+        self.attend = BACKENDS[backend]  # (q, k, v, ...) -> (out, probabilities or None)
         kv_dim = d_model if kv_dim is None else kv_dim
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(kv_dim, n_kv_heads * head_dim, bias=qkv_bias)
@@ -114,7 +115,7 @@ class Attention(nn.Module):
             check_mask(mask, B, H, T, k.shape[2])
         args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
         dropout = self.dropout if self.training else 0.0
-        out, _ = BACKENDS[self.backend](q, k, v, dropout=dropout, **args)  # (B, H, T, D)
+        out, _ = self.attend(q, k, v, dropout=dropout, **args)  # (B, H, T, D)
         if self.capture_weights:
             # Recomputed on the eager path, so the output above stays on the fast path.
             self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]

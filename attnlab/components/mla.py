@@ -83,6 +83,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim = R, Dn, Dv
         self.scale = (Dn + R) ** -0.5 if scale is None else scale  # explicit: absorb changes D
         self.dropout, self.backend, self.absorb = dropout, backend, absorb
+        self.attend = BACKENDS[backend]  # (q, k, v, ...) -> (out, probabilities or None)
         if q_lora_rank is None:
             self.q_proj = nn.Linear(d_model, H * (Dn + R), bias=False)
         else:
@@ -127,7 +128,7 @@ class MultiHeadLatentAttention(nn.Module):
         )
         q, k, v = (self.absorbed_qkv if self.absorb else self.plain_qkv)(q_nope, q_pe, c_kv, k_pe)
         dropout = self.dropout if self.training else 0.0
-        out, _ = BACKENDS[self.backend](q, k, v, dropout=dropout, **args)  # (B, H, T, Dv or r)
+        out, _ = self.attend(q, k, v, dropout=dropout, **args)  # (B, H, T, Dv or r)
         if self.capture_weights:
             # Recomputed on the eager path, so the output above stays on the fast path.
             self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
