@@ -10,8 +10,8 @@ from attnlab.cli.__main__ import main
 from attnlab.cli.options import merge_sections, read_config_file
 from attnlab.models.presets import get_preset
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
+from tests.data import SHAKESPEARE
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
 
@@ -26,7 +26,7 @@ def one_thread():
 
 @pytest.fixture
 def tiny_text(tmp_path) -> Path:
-    text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else "To be or not. " * 1500
+    text = SHAKESPEARE.read_text()[:20_000]
     path = tmp_path / "tiny.txt"
     path.write_text(text)
     return path
