@@ -73,8 +73,9 @@ def test_train_three_steps_writes_everything_and_samples(tmp_path, tiny_text, ca
     assert all(r["train_loss"] > 0 for r in records)
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "trained 3 steps" in out and "--- sample ---" in out
-    sample = out.split("--- sample ---\n", 1)[1]
+    assert "trained 3 steps" in out and "--- sample from the evaluation at step 3 ---" in out
+    assert f"loss plot: {run / 'loss.png'}" in out and "threads: " in out
+    sample = out.split("at step 3 ---\n", 1)[1]
     assert len(sample.strip()) > 0
 
     cfg = saved_config(tmp_path)
