@@ -14,8 +14,10 @@ Task = Literal["clm", "mlm", "seq2seq", "vqa", "vla"]
 class DataConfig:
     """Where tokens come from.
 
-    source: "stdlib" (the running Python's standard library .py files), a text file or a
-        directory of text files, or "synthetic:copy" / "synthetic:reverse" / "synthetic:sort".
+    source: "stdlib" (the running Python's standard library .py files), a named public dataset
+        ("shakespeare": downloaded once into the user's cache, see training/datasets.py), a
+        text file or a directory of text files, or "synthetic:copy" / "synthetic:reverse" /
+        "synthetic:sort".
     tokenizer: "char", "bpe" (trained on the training text), or a path to a tokenizer.json.
     max_chars: cap on the text read from a directory ("stdlib"), files taken in sorted order.
     val_fraction: the last fraction of the token stream is the validation split.
