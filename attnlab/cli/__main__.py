@@ -186,6 +186,7 @@ def _explain_os_error(e: OSError) -> str:
         errno.EROFS: "the file system is read-only: write elsewhere (e.g. --train.out_dir)",
         errno.ENOENT: "check the path",
         errno.EISDIR: "give a file, not a directory",
+        errno.ENOTDIR: "a part of that path is a file, not a directory: choose another path",
     }.get(e.errno, "")
     return f"{where}{what}" + (f"; {hint}" if hint else "")
 
