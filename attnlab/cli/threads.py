@@ -3,8 +3,8 @@
 PyTorch's CPU kernels run on an OpenMP team. A team thread that reaches a barrier first spins
 (busy-waits) for its partners, which is fastest on idle cores. When another process holds one of
 the cores, the partner it waits for is descheduled and the spinning thread burns its time slice
-for nothing: every step then waits a scheduler tick per barrier, and two threads run several times
-slower than one (issue 19 measured 11.5x). So the policy is:
+for nothing: every step then waits a scheduler tick per barrier, and two threads run many times
+slower than one. So the policy is:
 
 - threads: one per core this process may use (`os.sched_getaffinity`) that the 1-minute load
   average leaves free (rounded), at least one. A quiet machine gets all its cores; a machine whose
