@@ -146,9 +146,8 @@ def explain(e: Exception, args: argparse.Namespace) -> tuple[str, int] | None:
 
     from attnlab.training.loop import TrainingDiverged
 
-    culprit = next(
-        (getattr(args, a) for a in ("ckpt", "src", "model", "config") if getattr(args, a, None)),
-        None,
+    culprit = next(  # the checkpoint or model directory the command opened, if any
+        (getattr(args, a) for a in ("ckpt", "src", "model") if getattr(args, a, None)), None
     )
     if isinstance(culprit, list):
         culprit = " ".join(map(str, culprit))

@@ -242,6 +242,19 @@ CASES = [
         "broken",
     ),
     (
+        "corrupt config.json",
+        lambda t, c: [
+            "generate",
+            "--ckpt",
+            str(broken_copy(c, t, lambda d: (d / "config.json").write_text("{oops"))),
+            "--prompt",
+            "d",
+        ],
+        None,
+        2,
+        "broken",
+    ),
+    (
         "corrupt tokenizer.json in a checkpoint",
         lambda t, c: [
             "generate",
