@@ -100,7 +100,7 @@ def parse_value(annotation, text: str) -> Any:
             return arg(text)
         except (TypeError, ValueError):
             continue
-    raise ValueError(f"cannot read {text!r} as {annotation}")
+    raise ValueError(f"cannot read {text!r} as {type_name(annotation)}")
 
 
 def override(cfg: C, path: str, text: str, _full: str | None = None) -> C:
@@ -127,16 +127,63 @@ def override(cfg: C, path: str, text: str, _full: str | None = None) -> C:
 
 
 def _read_text(cls: type, key: str, annotation, value):
-    """A string given for a non-string field, read as that field's type. YAML needs this: it
-    reads `lr: 3e-4` as the string "3e-4" (YAML 1.1 floats need a dot, as in 3.0e-4)."""
+    """A value from a file, checked against the field's type; a string given for a non-string
+    field is read as that type. YAML needs this: it reads `lr: 3e-4` as the string "3e-4" (YAML
+    1.1 floats need a dot, as in 3.0e-4)."""
     args = get_args(annotation) if _is_union(annotation) else (annotation,)
     takes_text = any(a is str or get_origin(a) is Literal for a in args)  # Literals: check_literals
-    if not isinstance(value, str) or takes_text:
-        return value
-    try:
-        return parse_value(annotation, value)
-    except ValueError:
-        raise ValueError(f"{cls.__name__}.{key}: cannot read {value!r} as {annotation}") from None
+    if isinstance(value, str) and not takes_text:
+        try:
+            return parse_value(annotation, value)
+        except ValueError:
+            raise ValueError(
+                f"{cls.__name__}.{key}: cannot read {value!r} as {type_name(annotation)}"
+            ) from None
+    if not _has_type(value, args):
+        raise ValueError(
+            f"{cls.__name__}.{key} must be {type_name(annotation)}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return float(value) if float in args and type(value) is int else value
+
+
+def _has_type(value, args: tuple) -> bool:
+    """Whether `value` fits one of a field's types. Strict where Python is lenient: a bool is
+    not an int (YAML `n_layers: true` would build a 1-layer model), a float is not an int
+    (`steps: 4.5`), a list is not a number; an int is a float (`lr: 1`)."""
+    for arg in args:
+        if arg is type(None):
+            ok = value is None
+        elif get_origin(arg) is Literal:
+            ok = True  # check_literals names the choices
+        elif arg is bool:
+            ok = isinstance(value, bool)
+        elif arg is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif arg is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        elif isinstance(arg, type):
+            ok = isinstance(value, arg)
+        else:
+            ok = True  # a generic alias (tuple[int, ...]): left to the dataclass
+        if ok:
+            return True
+    return False
+
+
+def type_name(annotation) -> str:
+    """A field's type as a user reads it: "an int", "a float or None", "one of ['a', 'b']"."""
+    args = get_args(annotation) if _is_union(annotation) else (annotation,)
+    words = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}
+    names = []
+    for arg in args:
+        if arg is type(None):
+            names.append("None")
+        elif get_origin(arg) is Literal:
+            names.append(f"one of {list(get_args(arg))}")
+        else:
+            names.append(words.get(arg, getattr(arg, "__name__", str(arg))))
+    return " or ".join(names)
 
 
 def _required(f: dataclasses.Field) -> bool:
@@ -174,4 +221,5 @@ __all__ = [
     "check_literals",
     "parse_value",
     "override",
+    "type_name",
 ]

@@ -5,6 +5,10 @@
 - byte-level BPE (Radford et al. 2019), trained with the `tokenizers` library's BpeTrainer.
 
 Both carry the special tokens every family needs: <pad> <unk> <bos> <eos> <mask> <cls> <sep>.
+
+Unknown characters are replaced visibly, never dropped: a character the tokenizer never saw
+encodes to <unk>, and `decode` writes every <unk> as U+FFFD, the Unicode replacement character
+("ab\ufffdc" for "abxc" when "x" was never seen).
 """
 
 from collections import Counter
@@ -15,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "<cls>", "<sep>"]
+UNKNOWN_CHAR = "\ufffd"  # what decode writes for <unk>: visible, where a skipped token would vanish
 
 
 class Tokenizer:
@@ -50,7 +55,15 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"no tokenizer.json at {str(path)!r}")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(
+                f"{path} is not a readable tokenizer.json ({reason}): write it again, or point "
+                "to another one"
+            ) from None
+        return cls(backend)
 
     def save(self, path: str | Path) -> None:
         self.backend.save(str(path))
@@ -70,7 +83,17 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+        """Text of `ids`; special tokens are skipped (if asked), except <unk>, written as U+FFFD."""
+        ids = list(ids)
+        unk = self.special_ids.get("<unk>")
+        if not skip_special or unk is None or unk not in ids:
+            return self.backend.decode(ids, skip_special_tokens=skip_special)
+        pieces, start = [], 0
+        for i, t in enumerate(ids + [unk]):  # decode the runs between <unk>s, join with U+FFFD
+            if t == unk:
+                pieces.append(self.backend.decode(ids[start:i], skip_special_tokens=True))
+                start = i + 1
+        return UNKNOWN_CHAR.join(pieces)
 
 
 def train_char_tokenizer(texts: Iterable[str]) -> Tokenizer:

@@ -4,6 +4,8 @@ A thin wrapper over attnlab/analysis/rank.py; flags come from its RankAnalysis d
 """
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 
 from attnlab.analysis.rank import RankAnalysis, random_spectra, rank_analysis
 from attnlab.cli.viz import add_dataclass_flags, options_from_args
@@ -21,11 +23,18 @@ ANALYSES = {
 def add_parser(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join(ANALYSES) + "}")
     for name, (cls, summary) in ANALYSES.items():
-        add_dataclass_flags(sub.add_parser(name, help=summary, description=summary), cls)
+        q = sub.add_parser(name, help=summary, description=summary)
+        q.add_argument(
+            "--out", default=None, metavar="DIR", help="directory for the pictures (DIR/rank.png)"
+        )
+        add_dataclass_flags(q, cls)
 
 
 def run(args: argparse.Namespace) -> int:
     opts = options_from_args(RankAnalysis, args)
+    if args.out is not None and opts.plot is None:  # --out DIR, as `attnlab viz` takes it
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        opts = replace(opts, plot=str(Path(args.out) / "rank.png"))
     rows, report = rank_analysis(opts)
     print(report)
     if opts.plot:

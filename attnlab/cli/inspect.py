@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from attnlab.configs import from_dict
@@ -28,6 +29,19 @@ def load_model_config(spec: str) -> ModelConfig:
         kind = type(data).__name__
         raise ValueError(f"{spec!r} must hold a JSON object (a ModelConfig), got a {kind}")
     return from_dict(ModelConfig, data.get("model", data))
+
+
+def positions_warning(spec: str, cfg: ModelConfig, context: int) -> str:
+    """The warning for a context longer than a model's positions (its max_seq_len)."""
+    past = (
+        "its learned position table has no row past them"
+        if cfg.position == "learned"
+        else f"{cfg.position} positions past them were never trained"
+    )
+    return (
+        f"warning: {spec} has {cfg.max_seq_len:,} positions and --context is {context:,}: {past} "
+        "(the figures below are for the longer context all the same)"
+    )
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -64,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         context = cfg.max_seq_len if args.context is None else args.context
         if i:
             print()
+        if context > cfg.max_seq_len:
+            print(positions_warning(spec, cfg, context), file=sys.stderr)
         print(format_stats(spec, cfg, inspect_config(cfg, context)))
         print(format_costs(cfg, args.batch, context))
         if args.plot:

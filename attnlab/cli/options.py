@@ -6,22 +6,79 @@ override the dataclass (or preset, or YAML) value through `dataclasses.replace`.
 """
 
 import argparse
+import dataclasses
 import json
+import sys
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import yaml
 
-from attnlab.configs import leaf_fields, merge, override
+from attnlab.configs import leaf_fields, merge, override, type_name
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> None:
-    """Add one `--section.field` flag per leaf field of each section's dataclass."""
+class CLIParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (`attnlab train: error: ...`, exit 2) and
+    that never guesses: prefix matching is off, so `--model.n_l=3` is an error, not n_layers."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A subcommand's parser names the flags it does not know itself (argparse would leave
+        # them to the top-level parser, whose message then names no command).
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    sections: dict[str, type],
+    defaults: dict | None = None,
+    notes: dict[str, str] | None = None,
+) -> None:
+    """Add one `--section.field` flag per leaf field of each section's dataclass.
+
+    Args:
+        defaults: {section: instance} whose values the help shows as defaults.
+        notes: {section: words} said after a section's defaults, e.g. "of the llama-char
+            preset" for a model section whose defaults come from the preset.
+    """
+    defaults, notes = defaults or {}, notes or {}
     for section, cls in sections.items():
         group = parser.add_argument_group(f"{section} ({cls.__name__} fields)")
         for path, annotation in leaf_fields(cls):
             name = f"{section}.{path}"
-            type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
-            group.add_argument(f"--{name}", dest=name, default=None, metavar="V", help=type_name)
+            if section in defaults:
+                default = _dotted_value(defaults[section], path)
+                note = f" {notes[section]}" if section in notes else ""
+                help_text = f"{_short_type(annotation)}; default {default!r}{note}"
+            else:
+                help_text = _short_type(annotation)
+            group.add_argument(f"--{name}", dest=name, default=None, metavar="V", help=help_text)
+
+
+def _short_type(annotation) -> str:
+    args = get_args(annotation) if get_origin(annotation) is not Literal else (annotation,)
+    lits = [a for a in args if get_origin(a) is Literal]
+    if lits:  # the choices, written as they are typed on the command line
+        return "one of " + ", ".join(str(c) for c in get_args(lits[0]))
+    return type_name(annotation)
+
+
+def _dotted_value(cfg, path: str):
+    for part in path.split("."):
+        if cfg is None or not dataclasses.is_dataclass(cfg):
+            return None
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def apply_config_flags(configs: dict, args: argparse.Namespace) -> tuple[dict, set[str]]:
@@ -31,7 +88,10 @@ def apply_config_flags(configs: dict, args: argparse.Namespace) -> tuple[dict, s
         section, _, path = name.partition(".")
         if value is None or section not in configs or not path:
             continue
-        configs[section] = override(configs[section], path, value)
+        try:
+            configs[section] = override(configs[section], path, value)
+        except ValueError as e:
+            raise ValueError(f"--{name}={value}: {e}") from None
         given.add(name)
     return configs, given
 
@@ -42,7 +102,15 @@ def read_config_file(path: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"no such config file {str(path)!r}")
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix that line") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{where}: not valid YAML ({problem}); fix that line") from None
     if not isinstance(data, dict):
         raise ValueError(
             f"{str(path)!r} must hold a mapping of sections, got {type(data).__name__}"
@@ -50,9 +118,32 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-def merge_sections(configs: dict, data: dict) -> dict:
-    """Merge {section: {field: value}} into {section: config}; unknown sections are errors."""
+def merge_sections(configs: dict, data: dict, source: str | Path | None = None) -> dict:
+    """Merge {section: {field: value}} into {section: config}; unknown sections are errors.
+
+    Args:
+        source: the file `data` came from, named in error messages.
+    """
+    where = f"{source}: " if source is not None else ""
     unknown = sorted(set(data) - set(configs))
     if unknown:
-        raise ValueError(f"unknown config sections {unknown}; valid: {sorted(configs)}")
-    return {k: merge(v, data.get(k, {})) for k, v in configs.items()}
+        raise ValueError(f"{where}unknown config sections {unknown}; valid: {sorted(configs)}")
+    merged = {}
+    for k, v in configs.items():
+        section = data.get(k) or {}
+        if not isinstance(section, dict):
+            raise ValueError(f"{where}section {k!r} must be a mapping of fields, got {section!r}")
+        try:
+            merged[k] = merge(v, section)
+        except ValueError as e:
+            raise ValueError(f"{where}section {k!r}: {e}") from None
+    return merged
+
+
+def require_device(device: str, flag: str) -> None:
+    """Raise a ValueError naming `flag` when `device` is CUDA and torch has no CUDA device."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"{flag}={device}: {why}; use {flag}=cpu (or auto)")

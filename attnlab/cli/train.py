@@ -16,25 +16,28 @@ from attnlab.cli.options import (
     apply_config_flags,
     merge_sections,
     read_config_file,
+    require_device,
 )
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
-from attnlab.models.presets import get_preset
+from attnlab.models.presets import PRESETS, get_preset
 from attnlab.training import distributed
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.tasks import build_task
-from attnlab.viz.loss import load_metrics, plot_loss
 
 DEFAULT_PRESET = "llama-char"
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s [--preset NAME] [--config FILE] [--resume] [--SECTION.FIELD=V ...]"
     p.add_argument(
         "--preset",
         default=None,
-        help=f"model preset (default {DEFAULT_PRESET}, or the config file's 'preset')",
+        metavar="NAME",
+        help=f"model preset (default {DEFAULT_PRESET}, or the config file's 'preset'), one of: "
+        + ", ".join(PRESETS),
     )
     p.add_argument("--config", default=None, help="YAML/JSON file: preset and section overrides")
     p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
@@ -51,7 +54,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="train on N processes of this machine: re-launch through torchrun (--standalone)",
     )
-    add_config_flags(p, SECTIONS)
+    defaults = {"model": get_preset(DEFAULT_PRESET), "train": TrainConfig(), "data": DataConfig()}
+    add_config_flags(p, SECTIONS, defaults, {"model": f"(preset {DEFAULT_PRESET})"})
 
 
 def run_config_from_args(args: argparse.Namespace):
@@ -60,7 +64,7 @@ def run_config_from_args(args: argparse.Namespace):
     file_preset = file.pop("preset", None)  # popped even when --preset wins over it
     preset = args.preset or file_preset or DEFAULT_PRESET
     configs = {"model": get_preset(preset), "train": TrainConfig(), "data": DataConfig()}
-    configs = merge_sections(configs, file)
+    configs = merge_sections(configs, file, args.config)
     configs, given = apply_config_flags(configs, args)
     run = RunConfig(**configs)
     task = build_task(run)
@@ -80,7 +84,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """`torchrun` arguments that re-run this command in `args.nproc` processes (one machine)."""
     argv = ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "attnlab", args.command]
     for name, value in vars(args).items():
-        if name in ("command", "nproc") or value is None or value is False:
+        if name in ("command", "nproc", "thread_choice") or value is None or value is False:
             continue
         argv.append(f"--{name}" if value is True else f"--{name}={value}")
     if getattr(args, "train.distributed") is None:
@@ -101,21 +105,54 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return 0
     run_cfg, task = run_config_from_args(args)
+    require_device(run_cfg.train.device, "--train.device")
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports
     torch.manual_seed(run_cfg.train.seed)  # the same initial weights on every run and every rank
     model = build_model(run_cfg.model)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(accelerators_line(run_cfg.train))  # each one is a flag: --train.<name>=false
+    if main_rank:
+        print(run_header(run_cfg, model, args))
     state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
     distributed.stop()  # leave torchrun's process group (nothing to do for one process)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+    if not main_rank:
         return 0
-    out = Path(run_cfg.train.out_dir)
-    if (out / "metrics.jsonl").is_file():  # drawn here: training does not import viz
-        plot_loss(load_metrics(out / "metrics.jsonl"), out / "loss.png", title=str(out))
-    metrics = {k: v for k, v in state.last_eval.items() if k != "sample"}
-    print(f"\ntrained {state.step} steps; " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    print(f"checkpoints and metrics in {run_cfg.train.out_dir}")
-    sample = state.last_eval.get("sample")  # from the final evaluation: the same model and seed
-    if sample is not None:
-        print(f"\n--- sample ---\n{sample}")
+    print(final_report(state, run_cfg))
     return 0
+
+
+def run_header(run_cfg: RunConfig, model: torch.nn.Module, args: argparse.Namespace) -> str:
+    """What is about to run: model, data, output, and the threads chosen (cli/threads.py)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    d, t = run_cfg.data, run_cfg.train
+    lines = [
+        f"model: {run_cfg.model.arch}, {run_cfg.model.n_layers} layers, d_model "
+        f"{run_cfg.model.d_model}, {n_params / 1e6:.2f}M parameters",
+        f"data: {d.source} ({d.task}, tokenizer {d.tokenizer}, vocab {run_cfg.model.vocab_size})",
+        f"train: {t.steps} steps of {t.batch_size}x{t.context} tokens on {t.device}, "
+        f"out_dir {t.out_dir}",
+    ]
+    lines.append(accelerators_line(t))  # each one is a flag: --train.<name>=false
+    choice = getattr(args, "thread_choice", None)
+    if choice is not None:
+        lines.append(choice.describe())
+    return "\n".join(lines)
+
+
+def final_report(state, run_cfg: RunConfig) -> str:
+    """The closing lines: metrics, where the files are, the loss plot, and the last sample.
+
+    The sample is the one the final evaluation drew (same model, same seed): it is labelled with
+    its step rather than printed again as if it were new."""
+    out = Path(run_cfg.train.out_dir)
+    metrics = {k: v for k, v in state.last_eval.items() if k != "sample"}
+    lines = [
+        f"\ntrained {state.step} steps; " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+        f"checkpoints and metrics in {out}",
+    ]
+    if (out / "metrics.jsonl").is_file():
+        from attnlab.viz.loss import load_metrics, plot_loss
+
+        lines.append(f"loss plot: {plot_loss(load_metrics(out), out / 'loss.png', str(out))}")
+    sample = state.last_eval.get("sample")
+    if sample is not None:
+        lines.append(f"\n--- sample from the evaluation at step {state.step} ---\n{sample}")
+    return "\n".join(lines)

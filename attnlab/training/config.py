@@ -14,8 +14,10 @@ Task = Literal["clm", "mlm", "seq2seq", "vqa", "vla"]
 class DataConfig:
     """Where tokens come from.
 
-    source: "stdlib" (the running Python's standard library .py files), a text file or a
-        directory of text files, or "synthetic:copy" / "synthetic:reverse" / "synthetic:sort".
+    source: "stdlib" (the running Python's standard library .py files), a named public dataset
+        ("shakespeare": downloaded once into the user's cache, see training/datasets.py), a
+        text file or a directory of text files, or "synthetic:copy" / "synthetic:reverse" /
+        "synthetic:sort".
     tokenizer: "char", "bpe" (trained on the training text), or a path to a tokenizer.json.
     max_chars: cap on the text read from a directory ("stdlib"), files taken in sorted order.
     val_fraction: the last fraction of the token stream is the validation split.
@@ -43,7 +45,10 @@ class DataConfig:
     def __post_init__(self):
         check_literals(self)
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+            raise ValueError(
+                f"data.val_fraction must be in (0, 1), got {self.val_fraction}; e.g. 0.1 keeps "
+                "the last tenth of the text for validation"
+            )
 
 
 @dataclass(frozen=True)
@@ -111,17 +116,25 @@ class TrainConfig:
         )
         for name in at_least_one:
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"train.{name} must be >= 1, got {getattr(self, name)}: set --train.{name}"
+                )
         for name in ("warmup", "grad_clip", "weight_decay", "sample_tokens"):
             if getattr(self, name) < 0:
-                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(
+                    f"train.{name} must be >= 0, got {getattr(self, name)}: set --train.{name}"
+                )
         if self.flat_adamw and self.distributed != "none":
             raise ValueError(
                 f"train.flat_adamw works in one process only, not with "
                 f"distributed={self.distributed!r}: set train.flat_adamw=false"
             )
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}")
+            raise ValueError(
+                f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
+                f"from lr to min_lr, so set --train.min_lr too "
+                f"(e.g. --train.min_lr={self.lr / 10:g})"
+            )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from attnlab.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokenizer
+from attnlab.training import datasets
 from attnlab.training.config import DataConfig
 
 STDLIB_SKIP = (
@@ -42,7 +43,8 @@ class TokenData:
 
 
 def corpus_files(source: str) -> list[Path]:
-    """The text files behind `source`: "stdlib", a file, or a directory (sorted, recursive)."""
+    """The text files behind `source`: "stdlib", a named dataset ("shakespeare", downloaded once
+    into the user's cache: training/datasets.py), a file, or a directory (sorted, recursive)."""
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return [
@@ -50,24 +52,54 @@ def corpus_files(source: str) -> list[Path]:
             for p in sorted(root.rglob("*.py"))
             if not any(part in STDLIB_SKIP for part in p.relative_to(root).parts)
         ]
+    if source in datasets.DATASETS and not Path(source).exists():
+        return [datasets.resolve(source)]
     path = Path(source)
     if path.is_file():
         return [path]
     if path.is_dir():
         return [p for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith(".")]
-    raise ValueError(f"data source {source!r} is neither 'stdlib', a file nor a directory")
+    raise ValueError(
+        f"data.source {source!r} is neither 'stdlib', a dataset ({', '.join(datasets.DATASETS)}), "
+        "a file nor a directory"
+    )
+
+
+# A text file has no NUL bytes, and its bytes decode as UTF-8. A few bad bytes (a damaged line, a
+# pasted Latin-1 word) are replaced by U+FFFD and tolerated; above 1% of the bytes the file is
+# binary or in another encoding, and the model would learn replacement characters: an error.
+MAX_UNDECODABLE = 0.01
 
 
 def read_texts(files: list[Path], max_chars: int) -> list[str]:
-    """Read files in order until `max_chars` characters (undecodable bytes are replaced)."""
+    """Read files in order until `max_chars` characters (a few undecodable bytes are replaced;
+    a file with NUL bytes, or with more than MAX_UNDECODABLE of its bytes undecodable, is a
+    ValueError naming it)."""
     texts, total = [], 0
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        text = decode_text(f, f.read_bytes())
         texts.append(text[: max_chars - total])
         total += len(texts[-1])
         if total >= max_chars:
             break
     return texts
+
+
+def decode_text(path: Path, data: bytes) -> str:
+    """`data` (the bytes of `path`) as text, or a ValueError if it is not a text file."""
+    if b"\0" in data:
+        raise ValueError(
+            f"{path} holds NUL bytes: it is not a text file (give data.source a UTF-8 text file)"
+        )
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # replaced, not written so
+    if data and bad / len(data) > MAX_UNDECODABLE:
+        raise ValueError(
+            f"{path}: {bad / len(data):.0%} of its bytes are not UTF-8 (at most "
+            f"{MAX_UNDECODABLE:.0%} may be): it is not a UTF-8 text file; convert it (e.g. "
+            "iconv -t utf-8) or give data.source another file"
+        )
+    return text
 
 
 def _fingerprint(cfg: DataConfig, files: list[Path]) -> str:

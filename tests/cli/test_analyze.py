@@ -73,3 +73,11 @@ def test_errors(ckpt, capsys):
     assert ">= 1" in capsys.readouterr().err
     assert main(["analyze", "rank", "--n", "500", "--ckpt", str(ckpt)]) == 2
     assert "max_seq_len" in capsys.readouterr().err
+
+
+def test_out_names_a_directory_for_the_plot(tmp_path, capsys):
+    """README's `attnlab analyze rank --out pictures/` (the flag was only --plot FILE)."""
+    out = tmp_path / "pictures"
+    assert main([*ARGS, "--out", str(out)]) == 0
+    assert (out / "rank.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out / 'rank.png'}" in capsys.readouterr().out

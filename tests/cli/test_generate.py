@@ -9,9 +9,9 @@ from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from tests.data import SHAKESPEARE
 from tests.viz.checkpoints import make_checkpoint
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 PROMPT = "ROMEO:"
 
 
@@ -28,7 +28,7 @@ def one_thread():
 def run_dir(tmp_path_factory) -> Path:
     """A run directory holding a 3-step checkpoint of a 1-layer, d_model 32 Llama."""
     tmp = tmp_path_factory.mktemp("generate")
-    text = SHAKESPEARE.read_text()[:4000] if SHAKESPEARE.is_file() else "To be or not. " * 300
+    text = SHAKESPEARE.read_text()[:4000]
     (tmp / "tiny.txt").write_text(text)
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -75,3 +75,11 @@ def test_config_file_missing_fields(capsys, tmp_path):
     path.write_text(json.dumps({"d_model": 64}))
     assert main(["inspect", str(path)]) == 2
     assert "arch" in capsys.readouterr().err
+
+
+def test_a_context_past_the_positions_is_warned_about(capsys):
+    assert main(["inspect", "--context", "4096", "gpt2"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: gpt2 has 1,024 positions and --context is 4,096" in err
+    assert main(["inspect", "--context", "1024", "gpt2"]) == 0
+    assert "warning" not in capsys.readouterr().err

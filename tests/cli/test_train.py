@@ -10,8 +10,8 @@ from attnlab.cli.__main__ import main
 from attnlab.cli.options import merge_sections, read_config_file
 from attnlab.models.presets import get_preset
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
+from tests.data import SHAKESPEARE
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
 
@@ -26,7 +26,7 @@ def one_thread():
 
 @pytest.fixture
 def tiny_text(tmp_path) -> Path:
-    text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else "To be or not. " * 1500
+    text = SHAKESPEARE.read_text()[:20_000]
     path = tmp_path / "tiny.txt"
     path.write_text(text)
     return path
@@ -73,8 +73,9 @@ def test_train_three_steps_writes_everything_and_samples(tmp_path, tiny_text, ca
     assert all(r["train_loss"] > 0 for r in records)
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "trained 3 steps" in out and "--- sample ---" in out
-    sample = out.split("--- sample ---\n", 1)[1]
+    assert "trained 3 steps" in out and "--- sample from the evaluation at step 3 ---" in out
+    assert f"loss plot: {run / 'loss.png'}" in out and "threads: " in out
+    sample = out.split("at step 3 ---\n", 1)[1]
     assert len(sample.strip()) > 0
 
     cfg = saved_config(tmp_path)

@@ -8,7 +8,6 @@ reference (dequantize + fp32 F.linear) path alike.
 
 import copy
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from attnlab.quantize import quantize_model
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.tasks import build_task
+from tests.data import SHAKESPEARE
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 EVAL_BATCHES = 16  # x 16 sequences x 64 characters, the same seeded batches for every model
 MAX_RISE = {"int8": 0.01, "int4": 0.05}
 
@@ -28,8 +27,6 @@ MAX_RISE = {"int8": 0.01, "int4": 0.05}
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(model, task) after 250 steps, on one thread (reproducible, and kind to shared CPUs)."""
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} is missing")
     tmp = tmp_path_factory.mktemp("shakespeare")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

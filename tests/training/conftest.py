@@ -12,9 +12,8 @@ import torch
 
 from attnlab.models.presets import get_preset
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
+from tests.data import SHAKESPEARE
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-FALLBACK = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 TASK_OF_ARCH = {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "seq2seq"}
 
 
@@ -28,8 +27,8 @@ def one_thread():
 
 @pytest.fixture
 def tiny_text(tmp_path) -> Path:
-    """The first 20k characters of Tiny Shakespeare (or a repeated stand-in) in tmp_path."""
-    text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else FALLBACK * 250
+    """The first 20k characters of Tiny Shakespeare (the fixture in tests/data) in tmp_path."""
+    text = SHAKESPEARE.read_text()[:20_000]
     path = tmp_path / "tiny.txt"
     path.write_text(text)
     return path

@@ -225,3 +225,33 @@ def test_synthetic_bad_names_and_sizes():
         synthetic_tokenizer(99)
     with pytest.raises(ValueError, match="min_len <= max_len, got 5, 3"):
         synthetic_pairs("copy", 3, 5, 5, 3, gen())
+
+
+# --- files that are not text ------------------------------------------------------------------
+
+
+def test_a_file_with_nul_bytes_is_not_text(tmp_path):
+    path = tmp_path / "program.bin"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=rf"{path} holds NUL bytes: it is not a text file"):
+        prepare_text_data(data_cfg(tmp_path, path))
+
+
+def test_random_bytes_are_not_text(tmp_path):
+    path = tmp_path / "random.dat"
+    raw = np.random.default_rng(0).integers(1, 256, 20_000, dtype=np.uint8).tobytes()
+    path.write_bytes(raw)  # no NUL, but about half the bytes are not UTF-8
+    with pytest.raises(ValueError, match=rf"{path}: \d+% of its bytes are not UTF-8"):
+        prepare_text_data(data_cfg(tmp_path, path))
+
+
+def test_a_few_bad_bytes_are_replaced_and_tolerated(tmp_path, tiny_text):
+    raw = tiny_text.read_bytes()
+    path = tmp_path / "nearly.txt"
+    path.write_bytes(raw[:1000] + b"caf\xe9" + raw[1000:])  # one Latin-1 byte in 20k: under 1%
+    data = prepare_text_data(data_cfg(tmp_path, path))
+    assert "\ufffd" in data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist())
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café crème brûlée à la française ".encode("latin-1") * 200)  # ~10% bad
+    with pytest.raises(ValueError, match="not UTF-8"):
+        prepare_text_data(data_cfg(tmp_path, bad))

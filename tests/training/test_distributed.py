@@ -37,9 +37,8 @@ from attnlab.training.config import DataConfig, RunConfig, TrainConfig
 from attnlab.training.loop import train
 from attnlab.training.optim import build_optimizer
 from attnlab.training.tasks import build_task
+from tests.data import SHAKESPEARE
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-FALLBACK = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 B, ACCUM, STEPS, CUT = 2, 2, 6, 3  # per-rank batch, micro-batches, steps, checkpoint step
 LAUNCH_TIMEOUT = 240  # seconds; a hang fails the test instead of the whole session
 TOLERANCE = 1e-5  # relative: 2 ranks and 1 process sum the same numbers in another order
@@ -88,9 +87,7 @@ dist.destroy_process_group()
 def make_run(root: Path, out: str, preset: str = "llama-tiny", **train) -> RunConfig:
     text = root / "tiny.txt"
     if not text.is_file():
-        text.write_text(
-            SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else FALLBACK * 250
-        )
+        text.write_text(SHAKESPEARE.read_text()[:20_000])
     train_kw = dict(
         steps=STEPS,
         batch_size=B,

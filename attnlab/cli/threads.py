@@ -1,0 +1,75 @@
+"""How many CPU threads a command computes with, chosen so that a busy machine does not collapse.
+
+PyTorch's CPU kernels run on an OpenMP team. A team thread that reaches a barrier first spins
+(busy-waits) for its partners, which is fastest on idle cores. When another process holds one of
+the cores, the partner it waits for is descheduled and the spinning thread burns its time slice
+for nothing: every step then waits a scheduler tick per barrier, and two threads run many times
+slower than one. So the policy is:
+
+- threads: one per core this process may use (`os.sched_getaffinity`) that the 1-minute load
+  average leaves free (rounded), at least one. A quiet machine gets all its cores; a machine whose
+  cores are all busy gets one thread, which cannot wait for anyone.
+- wait policy: with more than one thread, OMP_WAIT_POLICY=PASSIVE (waiting threads sleep instead
+  of spinning), so a process that starts after the choice was made slows a step down in proportion
+  instead of stalling it. libgomp reads the variable once, when torch is imported, so it is set
+  before the command's modules are; a value the user exported is left as it is.
+
+`--threads N` overrides the count (and the policy's guess); the run header prints the choice.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The thread count a command runs with, and what it was chosen from."""
+
+    threads: int
+    cores: int
+    load: float | None
+    source: str = "load"  # "load" (the policy), "--threads", or "caller" (main() in a process
+    # that had already imported torch, such as a test, keeps that process's setting)
+
+    def describe(self) -> str:
+        """The run header's line, e.g. "threads: 1 (2 cores, load 1.3)"."""
+        load = "load unknown" if self.load is None else f"load {self.load:.1f}"
+        how = {"load": "", "--threads": ", set by --threads", "caller": ", as the caller set"}
+        return f"threads: {self.threads} ({self.cores} cores, {load}{how[self.source]})"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def choose_threads(requested: int | None = None) -> ThreadChoice:
+    """One thread per core the load leaves free (at least one), or `requested` when given."""
+    cores = usable_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be >= 1, got {requested}")
+        return ThreadChoice(requested, cores, load, "--threads")
+    free = cores if load is None else math.floor(cores - load + 0.5)
+    return ThreadChoice(max(1, min(cores, free)), cores, load)
+
+
+def set_wait_policy(choice: ThreadChoice) -> None:
+    """Before torch is imported: let waiting OpenMP threads sleep when there is more than one."""
+    if choice.threads > 1:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def apply_threads(choice: ThreadChoice) -> None:
+    """Give torch's intra-op pool the chosen number of threads."""
+    import torch  # here, so that set_wait_policy can run before torch starts its pool
+
+    torch.set_num_threads(choice.threads)

@@ -1,0 +1,94 @@
+"""The CLI's thread policy (cli/threads.py): one thread per core the load leaves free, passive
+OpenMP waiting with more than one, `--threads N` wins, and the run header says which."""
+
+import os
+
+import pytest
+import torch
+
+from attnlab.cli import threads
+from attnlab.cli.__main__ import main
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """machine(cores, load): pretend this process may use `cores` cores under `load`."""
+
+    def set_machine(cores: int, load: float | None):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+        if load is None:
+
+            def no_load():
+                raise OSError("no load average here")
+
+            monkeypatch.setattr(os, "getloadavg", no_load)
+        else:
+            monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+
+    return set_machine
+
+
+@pytest.mark.parametrize(
+    "cores, load, expected",
+    [
+        (2, 0.1, 2),  # quiet: every core
+        (2, 0.6, 1),  # rounds: 1.4 free cores -> 1
+        (2, 1.3, 1),  # another process holds a core: one thread, which waits for no one
+        (2, 6.0, 1),  # busier than the cores: still one
+        (16, 3.2, 13),
+        (8, None, 8),  # no load average (not Linux): the cores
+    ],
+)
+def test_threads_follow_the_free_cores(machine, cores, load, expected):
+    machine(cores, load)
+    choice = threads.choose_threads()
+    assert (choice.threads, choice.cores, choice.source) == (expected, cores, "load")
+
+
+def test_the_flag_wins_and_must_be_positive(machine):
+    machine(2, 1.3)
+    assert (
+        threads.choose_threads(2).threads == 2 and threads.choose_threads(2).source == "--threads"
+    )
+    with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
+        threads.choose_threads(0)
+
+
+def test_the_header_line(machine):
+    machine(2, 1.3)
+    assert threads.choose_threads().describe() == "threads: 1 (2 cores, load 1.3)"
+    assert (
+        threads.choose_threads(3).describe() == "threads: 3 (2 cores, load 1.3, set by --threads)"
+    )
+
+
+def test_several_threads_wait_passively_unless_the_user_said_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    threads.set_wait_policy(threads.ThreadChoice(1, 2, 1.3))
+    assert "OMP_WAIT_POLICY" not in os.environ  # one thread never waits for a partner
+    threads.set_wait_policy(threads.ThreadChoice(2, 2, 0.1))
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    threads.set_wait_policy(threads.ThreadChoice(2, 2, 0.1))
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_threads_flag_sets_torch_anywhere_on_the_line(capsys):
+    before = torch.get_num_threads()
+    try:
+        assert main(["inspect", "gpt2-tiny", "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+        assert main(["--threads=1", "inspect", "gpt2-tiny"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_main_called_in_a_process_with_torch_keeps_the_callers_threads(capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["inspect", "gpt2-tiny"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

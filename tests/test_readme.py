@@ -1,0 +1,157 @@
+"""Every `attnlab ...` command line in README.md's bash blocks runs, as a user would type it.
+
+The commands are read from whatever README.md holds now (so the test follows the README), and run
+in order in one scratch folder, the way a reader goes down the page: `train` writes runs/default,
+which `eval`, `generate` and `viz` then open. To keep them fast, OVERRIDES below appends a few
+flags per command (tiny sizes, the text fixture instead of a download) and `setup_for` prepares
+what a line takes as already there (a local stand-in for a download); nothing else is changed. A
+command whose words and flags were already run is not run twice.
+"""
+
+import re
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli.__main__ import main
+from attnlab.training import datasets
+from tests.data import SHAKESPEARE
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+TINY_TRAIN = [
+    "--train.steps=2",
+    "--train.batch_size=2",
+    "--train.context=16",
+    "--train.eval_every=2",
+    "--train.eval_batches=1",
+    "--train.sample_tokens=8",
+    "--train.progress=false",
+    "--model.n_layers=1",
+    "--model.d_model=32",
+    "--data.max_chars=20000",
+]
+
+# (command words, a regex the line must match or ""): flags appended to that line.
+OVERRIDES = [
+    (("train",), r"--config recipes/(shakespeare|bert)", ["--data.source=fixture.txt"]),
+    (("train",), "", TINY_TRAIN),
+    # README's --resume line continues a run of its own preset: in runs/default, which the first
+    # line trained with llama-char, it would stop on the changed model config.
+    (("train",), r"--resume", ["--train.out_dir=runs/resumed"]),
+    (("eval",), "", ["--batches", "1"]),
+    (("generate",), "", ["--max-new-tokens", "8"]),
+    (("analyze", "rank"), "", ["--n", "8", "16", "--d-k", "2", "4", "--heads", "1", "2"]),
+]
+
+_PUNCT = {";", "&&", "||", "|", "&"}
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """argv (after `attnlab`) of every attnlab command in the bash blocks of `text`."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            words, segment = list(lexer), []
+            for word in [*words, ";"]:
+                if word in _PUNCT:
+                    if segment and Path(segment[0]).name == "attnlab":
+                        commands.append(segment[1:])
+                    segment = []
+                else:
+                    segment.append(word)
+    unique = []
+    for argv in commands:
+        if argv not in unique:
+            unique.append(argv)
+    return unique
+
+
+COMMANDS = readme_commands(README.read_text())
+
+
+def overridden(argv: list[str]) -> list[str]:
+    line = " ".join(argv)
+    extra = []
+    for words, pattern, flags in OVERRIDES:
+        if tuple(argv[: len(words)]) == words and (not pattern or re.search(pattern, line)):
+            extra += flags
+    return argv + extra
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A scratch folder holding the recipes (as a clone does) and the text fixture."""
+    ws = tmp_path_factory.mktemp("readme")
+    (ws / "recipes").symlink_to(REPO / "recipes")
+    text = SHAKESPEARE.read_text()[:20_000]
+    (ws / "fixture.txt").write_text(text)
+    return ws
+
+
+def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
+    """Whatever a README line takes as already there (beyond what earlier lines made)."""
+    if argv[:2] == ["data", "get"]:
+        # No download in tests: the dataset's URL and hash become the text fixture's, so the
+        # command runs its whole path (fetch, check, rename into the cache) on a local file.
+        fixture = ws / "fixture.txt"
+        local = replace(
+            datasets.DATASETS[argv[2]], url=fixture.as_uri(), sha256=datasets.sha256_of(fixture)
+        )
+        monkeypatch.setitem(datasets.DATASETS, argv[2], local)
+    if argv[0] == "train" and "--resume" in argv:
+        # --resume continues a run: the first time, there is none to continue, so start it.
+        plain = [a for a in overridden(argv) if a != "--resume"]
+        if not (ws / "runs" / "resumed" / "checkpoints").is_dir():
+            assert main(plain) == 0
+
+
+def test_the_readme_shows_commands():
+    assert COMMANDS, "no `attnlab ...` line found in README.md's bash blocks"
+    assert ["train"] in COMMANDS
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a)[:60] for a in COMMANDS])
+def test_readme_command_runs(argv, workspace, monkeypatch, capsys):
+    monkeypatch.chdir(workspace)
+    monkeypatch.setenv("ATTNLAB_DATA", str(workspace / "no_downloads"))
+    setup_for(argv, workspace, monkeypatch)
+    try:
+        code = main(overridden(argv))
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 0, f"`attnlab {shlex.join(argv)}` failed:\n{err}"
+
+
+def test_the_readme_commands_are_found_in_every_form():
+    text = (
+        "```bash\n"
+        "python3 -m venv .venv && .venv/bin/attnlab train  # comment\n"
+        'attnlab generate --prompt "def f(x):" --stream; echo done\n'
+        "```\n"
+        "```python\nattnlab train --not-bash\n```\n"
+    )
+    assert readme_commands(text) == [["train"], ["generate", "--prompt", "def f(x):", "--stream"]]
+
+
+def test_attnlab_in_a_shell_is_the_main_run_here():
+    """The commands run through main() here; `attnlab` in a shell is the same function."""
+    assert 'attnlab = "attnlab.cli.__main__:main"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_the_readme_python_example_runs(workspace, monkeypatch, capsys):
+    """The README's Python block, as written, after the main job (tiny) made runs/default."""
+    monkeypatch.chdir(workspace)
+    if not (workspace / "runs" / "default").is_dir():
+        assert main(overridden(["train"])) == 0
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md shows no Python example"
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    assert "torch.Size([2, 16, 256])" in capsys.readouterr().out
