@@ -524,12 +524,16 @@ def main() -> None:
         "--no-compile", dest="compile", action="store_false", help="skip the torch.compile variant"
     )
     parser.add_argument("--profile", action="store_true", help="profile even if targets pass")
+    parser.add_argument(
+        "--shapes", nargs="+", choices=["gpt2-small", "llama-110m"], help="default: both"
+    )
     args = parser.parse_args()
     args.prompt = 8 if args.quick else 32
     args.new_tokens = 32 if args.quick else 256
     args.rounds = 2 if args.quick else 3
     args.compile = args.compile and not args.quick
     shapes = {"gpt2-small": gpt2(), "llama-110m": llama_110m()}
+    shapes = {k: v for k, v in shapes.items() if k in (args.shapes or shapes)}
     if args.quick:
         shapes = {f"{k} (quick: 2x256)": quick(v) for k, v in shapes.items()}
 
