@@ -111,14 +111,7 @@ def save_checkpoint(
 
     `model` and `optimizer` may also be full state dicts (gathered from FSDP shards; a tied
     matrix under one name only). `tokenizer` (with a .save(path)) is stored as tokenizer.json,
-    so a checkpoint generates text on its own.
-
-    An existing `path` is replaced in three steps, each leaving a complete checkpoint findable:
-    rename it aside to `path.old`, rename the new one in, delete `path.old`. On an OSError (a
-    full disk, a read-only directory) the unfinished `path.tmp` is removed and the error raised;
-    `path` is untouched."""
-    path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    so a checkpoint generates text on its own. Written as `_write_dir` says: all or nothing."""
     weights = model
     if isinstance(model, nn.Module):
         weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
@@ -133,6 +126,16 @@ def save_checkpoint(
     files["trainer_state.json"] = _json_writer(trainer_state)
     if tokenizer is not None:
         files["tokenizer.json"] = tokenizer.save
+    return _write_dir(Path(path), files)
+
+
+def _write_dir(path: Path, files: dict) -> Path:
+    """Write the directory `path` atomically: `files` ({name: write(file_path)}) into
+    `path.tmp`, each synced to disk, then renamed in. An existing `path` is replaced in three
+    steps, each leaving a complete directory findable: rename it aside to `path.old`, rename
+    the new one in, delete `path.old`. On an OSError (a full disk, a read-only directory) the
+    unfinished `path.tmp` is removed and the error raised; `path` is untouched."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -260,22 +263,11 @@ class CheckpointDir:
 
     def steps(self) -> list[Path]:
         """The complete step checkpoints, oldest first (by step number, not by name)."""
-        found = []
-        for path in self.root.glob("step_*"):
-            number = path.name.removeprefix("step_")
-            if number.isdigit() and is_complete(path):
-                found.append((int(number), path))
-        return [path for _, path in sorted(found)]
+        return step_checkpoints(self.root)
 
     def latest(self) -> Path | None:
-        """The checkpoint `latest` names; when that pointer is missing, empty or names no
-        complete checkpoint, the newest complete step checkpoint (None when there is none)."""
-        pointer = self.root / LATEST
-        name = pointer.read_text().strip() if pointer.is_file() else ""
-        if name and is_complete(self.root / name):
-            return self.root / name
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest checkpoint of the run (see `latest_checkpoint`)."""
+        return latest_checkpoint(self.root)
 
     def last_good(self) -> Path | None:
         """The newest step checkpoint whose weights load and are all finite (None if none)."""
@@ -313,6 +305,28 @@ def is_complete(path: Path) -> bool:
     return all((Path(path) / name).is_file() for name in REQUIRED_FILES)
 
 
+def step_checkpoints(root: Path) -> list[Path]:
+    """The complete `step_NNNNNN/` checkpoints under `root`, oldest first (by step number)."""
+    found = []
+    for path in Path(root).glob("step_*"):
+        number = path.name.removeprefix("step_")
+        if number.isdigit() and is_complete(path):
+            found.append((int(number), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names; when that pointer is missing, empty or names no
+    complete checkpoint, the newest complete step checkpoint (None when there is none)."""
+    root = Path(root)
+    pointer = root / LATEST
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name and is_complete(root / name):
+        return root / name
+    steps = step_checkpoints(root)
+    return steps[-1] if steps else None
+
+
 # --- opening a checkpoint as a model: the one loader --------------------------------------------
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 
@@ -343,8 +357,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / CONFIG).is_file():
         return path
     for root in (path, path / "checkpoints"):
-        if (root / LATEST).is_file():
-            return root / (root / LATEST).read_text().strip()
+        if (latest := latest_checkpoint(root)) is not None:
+            return latest
     return path  # open_checkpoint says what is missing
 
 
@@ -465,16 +479,15 @@ def save_pretrained(
     config.json holds `run` (default: none but the model) with its "model" section set to
     `config` and, for a classifier, "n_labels"; model.safetensors stores a tied tensor once
     (under its first name, as save_checkpoint does), with `metadata` (a quantized model's
-    scheme); tokenizer.json is written when given.
+    scheme); tokenizer.json is written when given. Written atomically, as a training
+    checkpoint is (`_write_dir`).
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     run = {**(run or {}), "model": to_dict(config)}
     if isinstance(model, EncoderForClassification):
         run["n_labels"] = model.classifier.out_features
-    _json_writer(run)(path / CONFIG)
     weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / WEIGHTS), metadata)
+    weights = {k: v.contiguous() for k, v in weights.items()}
+    files = {CONFIG: _json_writer(run), WEIGHTS: lambda f: save_file(weights, str(f), metadata)}
     if tokenizer is not None:
-        tokenizer.save(path / TOKENIZER)
-    return path
+        files[TOKENIZER] = tokenizer.save
+    return _write_dir(Path(path), files)

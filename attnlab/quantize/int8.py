@@ -17,7 +17,7 @@ Three forward paths compute the same thing:
   dtype: it agrees with the reference to bf16 precision (~2^-8 relative), see the tests.
 - compiled: one token inside torch.compile (a compiled decode_step) is written as
   (x * q).sum(-1) * scales, which inductor turns into a single fused int8 GEMV (see
-  `compiled_forward`; measured 2-3x faster than the aten kernel on a 2-core AMD EPYC).
+  `compiled_forward`; faster than the aten kernel, benchmarks/README.md has the figures).
 
 The kernel's multi-row path (more than one token) in PyTorch 2.13 uses aligned vector loads
 without tails: it crashes or returns garbage unless in_features % 16 == 0, the activations are
