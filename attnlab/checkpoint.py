@@ -299,31 +299,32 @@ class CheckpointDir:
         return save_checkpoint(self.root / "best", *args, **kwargs)
 
 
-def is_complete(path: Path) -> bool:
-    """Whether `path` is a checkpoint directory with the files every checkpoint has (a save
-    makes it appear whole, by a rename, so these tell a checkpoint from a stray directory)."""
-    return all((Path(path) / name).is_file() for name in REQUIRED_FILES)
+def is_complete(path: Path, required: tuple[str, ...] = REQUIRED_FILES) -> bool:
+    """Whether `path` is a checkpoint directory with the files every training checkpoint has (a
+    save makes it appear whole, by a rename, so these tell a checkpoint from a stray directory).
+    `required`: the files to look for instead (a model to open needs only config and weights)."""
+    return all((Path(path) / name).is_file() for name in required)
 
 
-def step_checkpoints(root: Path) -> list[Path]:
+def step_checkpoints(root: Path, required: tuple[str, ...] = REQUIRED_FILES) -> list[Path]:
     """The complete `step_NNNNNN/` checkpoints under `root`, oldest first (by step number)."""
     found = []
     for path in Path(root).glob("step_*"):
         number = path.name.removeprefix("step_")
-        if number.isdigit() and is_complete(path):
+        if number.isdigit() and is_complete(path, required):
             found.append((int(number), path))
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(root: Path) -> Path | None:
+def latest_checkpoint(root: Path, required: tuple[str, ...] = REQUIRED_FILES) -> Path | None:
     """The checkpoint `root/latest` names; when that pointer is missing, empty or names no
     complete checkpoint, the newest complete step checkpoint (None when there is none)."""
     root = Path(root)
     pointer = root / LATEST
     name = pointer.read_text().strip() if pointer.is_file() else ""
-    if name and is_complete(root / name):
+    if name and is_complete(root / name, required):
         return root / name
-    steps = step_checkpoints(root)
+    steps = step_checkpoints(root, required)
     return steps[-1] if steps else None
 
 
@@ -357,7 +358,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / CONFIG).is_file():
         return path
     for root in (path, path / "checkpoints"):
-        if (latest := latest_checkpoint(root)) is not None:
+        if (latest := latest_checkpoint(root, required=(CONFIG, WEIGHTS))) is not None:
             return latest
     return path  # open_checkpoint says what is missing
 

@@ -77,6 +77,18 @@ def test_a_training_checkpoint_and_its_run_directory(tmp_path):
         same_outputs(loaded.model, model, cfg.vocab_size)
 
 
+def test_a_run_directory_with_a_dangling_latest_opens_its_newest_complete_step(tmp_path):
+    """As resume does (CheckpointDir.latest): `latest` naming nothing falls back to a step."""
+    cfg = replace(get_preset("llama-tiny"), n_layers=1)
+    model = build_model(cfg).eval()
+    ckpts = CheckpointDir(tmp_path / "run" / "checkpoints")
+    ckpts.save(2, model, None, RunConfig(cfg), {"step": 2})
+    (ckpts.root / "latest").write_text("step_000009")  # a pointer to a checkpoint that is gone
+    loaded = open_checkpoint(tmp_path / "run")
+    assert loaded.path == ckpts.root / "step_000002"
+    same_outputs(loaded.model, model, cfg.vocab_size)
+
+
 def test_an_hf_directory_opens_through_the_converter(tmp_path):
     cfg = get_preset("gpt2-tiny")
     model = build_model(cfg).eval()
