@@ -7,33 +7,42 @@ where every concept lives):
     model = attnlab.build_model(cfg)                 # the network, freshly initialised
     ckpt = attnlab.open_checkpoint("runs/default")   # any checkpoint -> model, config, tokenizer
     text = attnlab.generate_text(ckpt.model, ckpt.tokenizer, "def ", max_new_tokens=40)
+
+Each name is imported on first use (PEP 562), so `import attnlab.cli` does not import torch:
+the CLI sets the OpenMP wait policy before torch starts its thread pool (cli/threads.py).
 """
 
-from attnlab.checkpoint import Loaded, open_checkpoint, save_pretrained
-from attnlab.inference.beam import beam_search
-from attnlab.inference.generate import generate, generate_text, stream_tokens
-from attnlab.inference.sampling import SamplingConfig
-from attnlab.models.build import build_model
-from attnlab.models.config import ModelConfig
-from attnlab.models.inspect import count_parameters
-from attnlab.models.presets import PRESETS, get_preset
-from attnlab.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokenizer
+import importlib
 
-__all__ = [
-    "PRESETS",
-    "Loaded",
-    "ModelConfig",
-    "SamplingConfig",
-    "Tokenizer",
-    "beam_search",
-    "build_model",
-    "count_parameters",
-    "generate",
-    "generate_text",
-    "get_preset",
-    "open_checkpoint",
-    "save_pretrained",
-    "stream_tokens",
-    "train_bpe_tokenizer",
-    "train_char_tokenizer",
-]
+# name -> the module that is its one home
+_HOMES = {
+    "Loaded": "attnlab.checkpoint",
+    "open_checkpoint": "attnlab.checkpoint",
+    "save_pretrained": "attnlab.checkpoint",
+    "beam_search": "attnlab.inference.beam",
+    "generate": "attnlab.inference.generate",
+    "generate_text": "attnlab.inference.generate",
+    "stream_tokens": "attnlab.inference.generate",
+    "SamplingConfig": "attnlab.inference.sampling",
+    "build_model": "attnlab.models.build",
+    "ModelConfig": "attnlab.models.config",
+    "count_parameters": "attnlab.models.inspect",
+    "PRESETS": "attnlab.models.presets",
+    "get_preset": "attnlab.models.presets",
+    "Tokenizer": "attnlab.tokenizer",
+    "train_bpe_tokenizer": "attnlab.tokenizer",
+    "train_char_tokenizer": "attnlab.tokenizer",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

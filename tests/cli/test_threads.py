@@ -2,6 +2,8 @@
 OpenMP waiting with more than one, `--threads N` wins, and the run header says which."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,3 +94,11 @@ def test_main_called_in_a_process_with_torch_keeps_the_callers_threads(capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_cli_does_not_import_torch_before_choosing_threads():
+    """OMP_WAIT_POLICY is read when torch loads its OpenMP runtime: `import attnlab` (the public
+    API is imported lazily) and the CLI's entry module must leave torch unimported."""
+    probe = "import sys, attnlab, attnlab.cli.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
