@@ -6,9 +6,12 @@ the cores, the partner it waits for is descheduled and the spinning thread burns
 for nothing: every step then waits a scheduler tick per barrier, and two threads run many times
 slower than one. So the policy is:
 
-- threads: one per core this process may use (`os.sched_getaffinity`) that the 1-minute load
-  average leaves free (rounded), at least one. A quiet machine gets all its cores; a machine whose
-  cores are all busy gets one thread, which cannot wait for anyone.
+- threads: one per core this process may use (`os.sched_getaffinity`) that other processes leave
+  free (rounded), at least one. A quiet machine gets all its cores; a machine whose cores are all
+  busy gets one thread, which cannot wait for anyone. "Busy" is measured now, over a quarter of a
+  second of /proc/stat (the CPUs' busy time, scaled to cores), not from the 1-minute load average:
+  that average still counts a job that ended a minute ago, and would give a machine that just
+  became quiet one thread. Where /proc/stat cannot be read, the load average is the estimate.
 - wait policy: with more than one thread, OMP_WAIT_POLICY=PASSIVE (waiting threads sleep instead
   of spinning), so a process that starts after the choice was made slows a step down in proportion
   instead of stalling it. libgomp reads the variable once, when torch is imported, so it is set
@@ -19,7 +22,10 @@ slower than one. So the policy is:
 
 import math
 import os
+import time
 from dataclasses import dataclass
+
+SAMPLE_S = 0.25  # how long /proc/stat is watched to see how many cores are busy now
 
 
 @dataclass(frozen=True)
@@ -47,13 +53,36 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_threads(requested: int | None = None) -> ThreadChoice:
-    """One thread per core the load leaves free (at least one), or `requested` when given."""
-    cores = usable_cores()
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from the first line of /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
+    """How many cores other processes keep busy now (this process is not computing yet): the
+    busy fraction of all CPUs over `sample_s` seconds times their number; else the 1-minute load
+    average; None when neither can be read."""
     try:
-        load = os.getloadavg()[0]
+        busy0, total0 = _cpu_times()
+        time.sleep(sample_s)
+        busy1, total1 = _cpu_times()
+        if total1 > total0:
+            return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
     except (AttributeError, OSError):
-        load = None
+        return None
+
+
+def choose_threads(requested: int | None = None) -> ThreadChoice:
+    """One thread per core the other processes leave free (at least one), or `requested`."""
+    cores = usable_cores()
+    load = busy_cores()
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")

@@ -4,6 +4,7 @@ OpenMP waiting with more than one, `--threads N` wins, and the run header says w
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,14 +19,7 @@ def machine(monkeypatch):
 
     def set_machine(cores: int, load: float | None):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-        if load is None:
-
-            def no_load():
-                raise OSError("no load average here")
-
-            monkeypatch.setattr(os, "getloadavg", no_load)
-        else:
-            monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(threads, "busy_cores", lambda: load)
 
     return set_machine
 
@@ -38,7 +32,7 @@ def machine(monkeypatch):
         (2, 1.3, 1),  # another process holds a core: one thread, which waits for no one
         (2, 6.0, 1),  # busier than the cores: still one
         (16, 3.2, 13),
-        (8, None, 8),  # no load average (not Linux): the cores
+        (8, None, 8),  # no /proc/stat and no load average: the cores
     ],
 )
 def test_threads_follow_the_free_cores(machine, cores, load, expected):
@@ -54,6 +48,35 @@ def test_the_flag_wins_and_must_be_positive(machine):
     )
     with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
         threads.choose_threads(0)
+
+
+def test_busy_cores_are_measured_now_from_proc_stat(monkeypatch):
+    """One core of two busy over the sample, whatever the (stale) load average says."""
+    samples = iter([(1000, 4000), (1100, 4200)])  # busy +100 of +200 jiffies: half the CPUs
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.9, 1.9))
+    assert threads.busy_cores(sample_s=0) == pytest.approx(1.0)
+
+
+def test_busy_cores_fall_back_to_the_load_average(monkeypatch):
+    def unreadable():
+        raise OSError("no /proc/stat here")
+
+    monkeypatch.setattr(threads, "_cpu_times", unreadable)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.7, 0.7, 0.7))
+    assert threads.busy_cores(sample_s=0) == 0.7
+
+
+def test_a_spinning_process_is_seen_as_one_busy_core():
+    """The real measurement, against a real process spinning on one core for the sample."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        busy = threads.busy_cores(sample_s=0.5)
+    finally:
+        spin.kill()
+    assert busy is not None and 0.7 <= busy <= (os.cpu_count() or 1)
 
 
 def test_the_header_line(machine):
