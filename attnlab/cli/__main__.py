@@ -7,7 +7,7 @@ import json
 import sys
 
 from attnlab.cli.options import CLIParser, require_device
-from attnlab.cli.threads import ThreadChoice, apply_threads, choose_threads, set_wait_policy
+from attnlab.cli.threads import ThreadChoice, apply_threads, choose_threads
 
 # Each subcommand is a module of attnlab.cli with add_parser(parser) and run(args); imported only
 # when chosen, so one command's dependencies never slow down (or break) another.
@@ -119,9 +119,7 @@ def _thread_choice(requested: int | None) -> ThreadChoice:
         torch = sys.modules["torch"]
         base = choose_threads()
         return ThreadChoice(torch.get_num_threads(), base.cores, base.load, "caller")
-    choice = choose_threads(requested)
-    set_wait_policy(choice)  # before the command's module imports torch
-    return choice
+    return choose_threads(requested)
 
 
 def check_devices(args: argparse.Namespace) -> None:

@@ -12,10 +12,10 @@ slower than one. So the policy is:
   second of /proc/stat (the CPUs' busy time, scaled to cores), not from the 1-minute load average:
   that average still counts a job that ended a minute ago, and would give a machine that just
   became quiet one thread. Where /proc/stat cannot be read, the load average is the estimate.
-- wait policy: with more than one thread, OMP_WAIT_POLICY=PASSIVE (waiting threads sleep instead
-  of spinning), so a process that starts after the choice was made slows a step down in proportion
-  instead of stalling it. libgomp reads the variable once, when torch is imported, so it is set
-  before the command's modules are; a value the user exported is left as it is.
+- wait policy: left as OpenMP's default (spin a while, then sleep). OMP_WAIT_POLICY=PASSIVE
+  (sleep at once) would soften a process that starts mid-run, but on a quiet machine it made the
+  main job slower with two threads than with one (the wake-ups cost more than the second core
+  buys at these sizes; figures in benchmarks/README.md), so it is for the user to export.
 
 `--threads N` overrides the count (and the policy's guess); the run header prints the choice.
 """
@@ -91,14 +91,8 @@ def choose_threads(requested: int | None = None) -> ThreadChoice:
     return ThreadChoice(max(1, min(cores, free)), cores, load)
 
 
-def set_wait_policy(choice: ThreadChoice) -> None:
-    """Before torch is imported: let waiting OpenMP threads sleep when there is more than one."""
-    if choice.threads > 1:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def apply_threads(choice: ThreadChoice) -> None:
     """Give torch's intra-op pool the chosen number of threads."""
-    import torch  # here, so that set_wait_policy can run before torch starts its pool
+    import torch  # here: `attnlab --help` and the argument errors need no torch
 
     torch.set_num_threads(choice.threads)

@@ -1,5 +1,5 @@
-"""The CLI's thread policy (cli/threads.py): one thread per core the load leaves free, passive
-OpenMP waiting with more than one, `--threads N` wins, and the run header says which."""
+"""The CLI's thread policy (cli/threads.py): one thread per core other processes leave free now,
+`--threads N` wins, and the run header says which."""
 
 import os
 import subprocess
@@ -87,17 +87,6 @@ def test_the_header_line(machine):
     )
 
 
-def test_several_threads_wait_passively_unless_the_user_said_otherwise(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    threads.set_wait_policy(threads.ThreadChoice(1, 2, 1.3))
-    assert "OMP_WAIT_POLICY" not in os.environ  # one thread never waits for a partner
-    threads.set_wait_policy(threads.ThreadChoice(2, 2, 0.1))
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    threads.set_wait_policy(threads.ThreadChoice(2, 2, 0.1))
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
-
-
 def test_threads_flag_sets_torch_anywhere_on_the_line(capsys):
     before = torch.get_num_threads()
     try:
@@ -120,8 +109,9 @@ def test_main_called_in_a_process_with_torch_keeps_the_callers_threads(capsys):
 
 
 def test_the_cli_does_not_import_torch_before_choosing_threads():
-    """OMP_WAIT_POLICY is read when torch loads its OpenMP runtime: `import attnlab` (the public
-    API is imported lazily) and the CLI's entry module must leave torch unimported."""
+    """`import attnlab` (the public API is imported lazily) and the CLI's entry module leave
+    torch unimported: a process that has imported torch already keeps its own thread setting
+    (main() called from a test or a notebook), so an eager import would switch the policy off."""
     probe = "import sys, attnlab, attnlab.cli.__main__; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
