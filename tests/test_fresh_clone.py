@@ -1,8 +1,8 @@
 """A bare clone passes: the repository's tracked files, copied into an empty folder with nothing
-beside it (no ../shared, no caches, no data home), pass the fast tier there.
+beside it (no sibling folders, no caches, no data home), pass the fast tier there.
 
 This is the guard that keeps tests from reading files outside the repository (issue 19 found
-tests reading ../shared/data and passing only on machines that had it)."""
+tests reading a data folder next to the checkout and passing only on machines that had it)."""
 
 import os
 import shutil
