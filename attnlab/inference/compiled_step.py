@@ -41,7 +41,7 @@ from attnlab.accel.gemv import use_gemv
 from attnlab.accel.packing import pack_weights
 from attnlab.accel.short_attention import use_short_attention
 from attnlab.components.kv_cache import ModelCache
-from attnlab.inference.generate import decode_step
+from attnlab.inference.steps import decode_step
 
 # Inductor inlines a cheap elementwise producer into the loop of each consumer. Feeding a GEMV,
 # that recomputes it once per output row: a LayerNorm's output (~12 ops per element) 3072 times

@@ -24,13 +24,12 @@ from torch import Tensor, nn
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.beam import beam_search
 from attnlab.inference.sampling import SamplingConfig, sample
-from attnlab.inference.steps import (  # noqa: F401  (prefill, left_pad: this module's API too)
+from attnlab.inference.steps import (
     decode_step,
     decoder_of,
     encode_source,
     fill_cache,
     left_pad,
-    prefill,
     prefix_length,
 )
 
@@ -111,7 +110,7 @@ def stream_tokens(
         source, source_mask: (B, M) encoder input and its mask (encoder-decoder models), or
             (B, C_in, H, W) images and None (vision-language models).
         step_fn: replaces `decode_step` (e.g. a torch.compile'd one, such as
-            `attnlab.inference.gemv.compile_decode_step(model)`), same signature.
+            `attnlab.inference.compiled_step.compile_decode_step(model)`), same signature.
         max_context: feed the model at most this many tokens (default: its position table,
             unlimited without one); see the module docstring for the crop.
         crop_to: when the text outgrows the window, continue from its last `crop_to` tokens

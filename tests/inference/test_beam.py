@@ -18,8 +18,9 @@ from torch import nn
 
 from attnlab.components.positions.base import NoPosition
 from attnlab.inference.beam import beam_search
-from attnlab.inference.generate import generate, left_pad
+from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.inference.steps import left_pad
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig
 from attnlab.models.presets import get_preset

@@ -12,7 +12,8 @@ from attnlab.cli.__main__ import main
 from attnlab.components.kv_cache import ModelCache
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.inference.beam import beam_search
-from attnlab.inference.generate import decode_step, generate, left_pad, prefill
+from attnlab.inference.generate import generate
+from attnlab.inference.steps import decode_step, left_pad, prefill
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
 from attnlab.models.inspect import DTYPE_BYTES, inspect_config, kv_cache_bytes_per_token
