@@ -6,7 +6,7 @@ import argparse
 from attnlab.checkpoint import open_checkpoint
 from attnlab.configs import from_dict
 from attnlab.training.config import RunConfig
-from attnlab.training.loop import resolve_device
+from attnlab.training.distributed import resolve_device
 from attnlab.training.tasks import build_task
 
 

@@ -45,7 +45,7 @@ from attnlab.configs import to_dict
 from attnlab.training import distributed
 from attnlab.training.checks import check_new_run, check_run, check_same_model
 from attnlab.training.config import RunConfig
-from attnlab.training.distributed import Ranks, clip_grad_norm_, resolve_device
+from attnlab.training.distributed import Ranks, clip_grad_norm_
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 
@@ -378,7 +378,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
-
-
-# resolve_device lives in distributed.py; re-exported for older imports (cli/eval.py).
-__all__ = ["train", "TrainState", "TrainingDiverged", "resolve_device"]
