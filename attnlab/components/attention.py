@@ -35,7 +35,8 @@ class Attention(nn.Module):
         qk_norm: RMS-normalise q and k per head before the dot product (Dehghani et al. 2023).
         dropout: dropout on the attention probabilities (training only).
         scale: score scale; None -> 1 / sqrt(D) (T5 uses 1.0).
-        backend: "sdpa" (fused kernels) or "eager" (written out, can return probabilities).
+        backend: "sdpa" (fused kernels), "eager" (written out, can return probabilities) or
+            "flash" (FlashAttention-2 written out; probabilities recomputed from its saved L).
         cross: this layer attends to encoder memory instead of its own input.
         norm_eps: epsilon of the QK-norm.
     """

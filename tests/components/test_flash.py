@@ -17,6 +17,7 @@ from attnlab.components.attention import Attention
 from attnlab.components.backends import BACKENDS, eager_attention
 from attnlab.components.context import AttentionContext
 from attnlab.components.flash import FlashAttention, flash_attention
+from attnlab.components.kv_cache import ModelCache
 from attnlab.models.build import build_model
 from attnlab.models.presets import PRESETS
 
@@ -215,3 +216,44 @@ def test_flash_model_equals_sdpa_model(preset):
     ref_params = dict(sdpa_model.named_parameters())
     for name, p in flash_model.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name].grad, atol=GRAD_ATOL, rtol=0, msg=name)
+
+
+def test_flash_causal_forward_skips_the_blocks_above_the_diagonal(monkeypatch):
+    """T = S = 8 in 2 x 2 tiles: 4 + 3 + 2 + 1 = 10 tiles on or below the diagonal, not 16."""
+    import attnlab.components.flash as flash_module
+
+    calls, real = [], flash_module._block_scores
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(flash_module, "_block_scores", counting)
+    q = torch.randn(1, 1, 8, 4, requires_grad=True)
+    out, _ = flash_attention(q, q, q, is_causal=True, block_q=2, block_k=2)
+    assert len(calls) == 10
+    out.sum().backward()
+    assert len(calls) == 20  # the backward recomputes the same 10 tiles
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
+def test_flash_model_decodes_from_a_cache_like_sdpa(preset):
+    """Prefill then decode through a left-padded KV cache (T != S, padding mask) as with sdpa."""
+    torch.manual_seed(8)
+    cfg = PRESETS[preset]()
+    models = {b: build_model(_with_backend(cfg, b)).eval() for b in ("flash", "sdpa")}
+    models["sdpa"].load_state_dict(models["flash"].state_dict())
+    key_valid = torch.ones(2, 9, dtype=torch.bool)
+    key_valid[1, :2] = False  # row 1 is left-padded
+    ids = torch.randint(cfg.vocab_size, (2, 6))
+    logits = {}
+    for backend, model in models.items():
+        cache = ModelCache.for_decoder(model, key_valid)
+        with torch.no_grad():
+            steps = [model(ids[:, :4], cache=cache, slots=torch.arange(4))[:, -1]]
+            for slot in (4, 5):
+                steps.append(
+                    model(ids[:, slot : slot + 1], cache=cache, slots=torch.tensor([slot]))[:, -1]
+                )
+        logits[backend] = torch.stack(steps)
+    torch.testing.assert_close(logits["flash"], logits["sdpa"], atol=FWD_ATOL, rtol=0)
