@@ -257,3 +257,28 @@ def test_flash_model_decodes_from_a_cache_like_sdpa(preset):
                 )
         logits[backend] = torch.stack(steps)
     torch.testing.assert_close(logits["flash"], logits["sdpa"], atol=FWD_ATOL, rtol=0)
+
+
+def test_capture_attention_on_a_flash_model_equals_the_sdpa_models_maps(monkeypatch):
+    """viz.capture on a flash model: every layer's maps, and the eager path is never called."""
+    from attnlab.viz.capture import capture_attention
+
+    torch.manual_seed(9)
+    cfg = PRESETS["t5-tiny"]()  # encoder self, decoder self and cross attention, T5 bias
+    flash_model = build_model(_with_backend(cfg, "flash")).eval()
+    sdpa_model = build_model(_with_backend(cfg, "sdpa")).eval()
+    sdpa_model.load_state_dict(flash_model.state_dict())
+    src, tgt = torch.randint(cfg.vocab_size, (2, 7)), torch.randint(cfg.vocab_size, (2, 5))
+    with torch.no_grad(), capture_attention(sdpa_model) as expected:
+        sdpa_model(src, tgt)
+
+    def no_eager(*args, **kwargs):
+        raise AssertionError("the eager path was called")
+
+    monkeypatch.setitem(BACKENDS, "eager", no_eager)
+    with torch.no_grad(), capture_attention(flash_model) as maps:
+        flash_model(src, tgt)
+    assert set(maps.weights) == set(expected.weights) == {"encoder_self", "decoder_self", "cross"}
+    for kind, layers in expected.weights.items():
+        for i, w in layers.items():
+            torch.testing.assert_close(maps.weights[kind][i], w, atol=FWD_ATOL, rtol=0)
