@@ -282,3 +282,15 @@ def test_capture_attention_on_a_flash_model_equals_the_sdpa_models_maps(monkeypa
     for kind, layers in expected.weights.items():
         for i, w in layers.items():
             torch.testing.assert_close(maps.weights[kind][i], w, atol=FWD_ATOL, rtol=0)
+
+
+def test_flash_bfloat16_inputs_accumulate_in_float32():
+    """bf16 in, bf16 out and gradients, computed in fp32: near fp32 SDPA within bf16 rounding."""
+    torch.manual_seed(10)
+    q, k, v = _leaves((1, 2, 9, 8), (1, 1, 9, 8), (1, 1, 9, 8), dtype=torch.bfloat16)
+    out, _ = flash_attention(q, k, v, is_causal=True, block_q=4, block_k=4)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=0)
+    out.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
