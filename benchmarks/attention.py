@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/attention.py            # full table, a few minutes on 2 cores
     .venv/bin/python benchmarks/attention.py --quick    # T=256 only, few repeats (~20 s)
+    .venv/bin/python benchmarks/attention.py --long     # also flash at T=16384 (slow on CPU)
 
 1. `eager_attention` vs `sdpa_attention` from attnlab.components.backends, on already-projected
    causal q, k, v of shape (B, H, T, D), fp32: forward + backward at T = 256, 1024, 2048 and
@@ -9,6 +10,10 @@
    memory is measured in a fresh subprocess per (backend, T, mode), see benchmarks/_timing.py.
 2. The `Attention` module (sdpa backend, causal, no_grad) against the same math done with bare
    `F.linear` x 4 + `F.scaled_dot_product_attention`, to price the module's Python plumbing.
+3. The written-out FlashAttention-2 (`flash_attention`, attnlab.components.flash) against sdpa
+   and eager: causal forward + backward at T = 1024, 4096 (and 16384 with --long), time and
+   peak memory as in section 1. Eager is timed up to T = 4096 only; its peak memory is tried at
+   every T and reported as n/a where the subprocess fails.
 
 Shared machines are noisy: read the ratios, each measured within one run, not the milliseconds.
 """
@@ -53,6 +58,13 @@ MODULE_REPEATS, QUICK_MODULE_REPEATS = 30, 10
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 TARGET_T, TARGET_SPEEDUP, TARGET_MEMORY, TARGET_OVERHEAD_PCT = 2048, 2.0, 4.0, 10.0
+
+# Section 3, flash: (T, timing repeats), causal forward + backward.
+FLASH_NAMES = ("eager", "sdpa", "flash")
+FLASH_CASES, LONG_FLASH_CASES, QUICK_FLASH_CASES = [(1024, 3), (4096, 2)], [(16384, 1)], [(256, 2)]
+FLASH_EAGER_MAX_T = 4096  # eager's (T, T) tensors grow past a small machine beyond this
+# Issue 20's bars at T = 16384: flash's extra memory <= 1/8 of eager's and <= 2x sdpa's.
+FLASH_TARGET_T, TARGET_FLASH_VS_EAGER, TARGET_FLASH_VS_SDPA = 16384, 1 / 8, 2.0
 
 
 def make_inputs(T: int, mode: str, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -197,7 +209,70 @@ def module_overhead(repeats: int) -> float:
     return overhead
 
 
-def print_targets(rows: dict[tuple[int, str], dict], overhead: float) -> None:
+def nan_ratio(a: float, b: float) -> float:
+    """a / b, NaN where b is missing (NaN) or not positive: a ratio that was not measured."""
+    return a / b if b > 0 else float("nan")
+
+
+def try_peak(backend: str, T: int, mode: str) -> float:
+    """`measure_peak`, or NaN where the subprocess fails (out of memory at a long T)."""
+    try:
+        return measure_peak(backend, T, mode)
+    except RuntimeError:
+        return float("nan")
+
+
+def compare_flash(cases: list[tuple[int, int]]) -> dict[int, dict]:
+    """Section 3: flash against sdpa and eager, causal fwd+bwd; return the rows keyed by T."""
+    mode = "fwd+bwd"
+    print("3. flash (FlashAttention-2 written in PyTorch) vs sdpa and eager: causal attention,")
+    print(f"   forward + backward on projected q, k, v (B={B}, H={H}, T, D={D}), fp32")
+    print("   time and peak measured as in section 1 (interleaved medians; fresh subprocess);")
+    print(f"   eager timed for T <= {FLASH_EAGER_MAX_T}, its peak n/a where the subprocess fails")
+    print("   slow x = flash ms / sdpa ms; mem/eager, mem/sdpa = flash MiB over that backend's;")
+    print("   max|diff| = flash against sdpa, outputs and gradients elementwise")
+    print()
+    head = f"{'T':>6} {'reps':>4} {'eager ms':>9} {'sdpa ms':>8} {'flash ms':>9} {'slow x':>7}"
+    print(
+        head + f" {'eager MiB':>10} {'sdpa MiB':>9} {'flash MiB':>10} {'mem/eager':>10}"
+        f" {'mem/sdpa':>9} {'max|diff|':>10}"
+    )
+    rows = {}
+    for T, repeats in cases:
+        names = [n for n in FLASH_NAMES if n != "eager" or T <= FLASH_EAGER_MAX_T]
+        inputs = make_inputs(T, mode)
+        flash, sdpa = attention_step("flash", *inputs), attention_step("sdpa", *inputs)
+        diff = max((a - b).abs().max().item() for a, b in zip(flash, sdpa, strict=True))
+        del flash, sdpa
+        steps = {name: partial(attention_step, name, *inputs) for name in names}
+        times = interleaved(steps, repeats)
+        del inputs, steps
+        ms = {
+            name: median_ms(times[name]) if name in times else float("nan") for name in FLASH_NAMES
+        }
+        mib = {name: try_peak(name, T, mode) for name in FLASH_NAMES}
+        row = dict(
+            ms=ms,
+            mib=mib,
+            slowdown=ratio(ms["flash"], ms["sdpa"]),
+            vs_eager=nan_ratio(mib["flash"], mib["eager"]),
+            vs_sdpa=nan_ratio(mib["flash"], mib["sdpa"]),
+        )
+        rows[T] = row
+        print(
+            f"{T:>6} {repeats:>4} {ms['eager']:>9.1f} {ms['sdpa']:>8.1f} {ms['flash']:>9.1f}"
+            f" {row['slowdown']:>7.2f} {mib['eager']:>10.1f} {mib['sdpa']:>9.1f}"
+            f" {mib['flash']:>10.1f} {row['vs_eager']:>10.3f} {row['vs_sdpa']:>9.2f}"
+            f" {diff:>10.1e}",
+            flush=True,
+        )
+    print()
+    return rows
+
+
+def print_targets(
+    rows: dict[tuple[int, str], dict], overhead: float, flash_rows: dict[int, dict]
+) -> None:
     print("Targets")
     row = rows.get((TARGET_T, "fwd+bwd"))
     checks = [
@@ -213,11 +288,23 @@ def print_targets(rows: dict[tuple[int, str], dict], overhead: float) -> None:
     verdict = "PASS" if overhead <= TARGET_OVERHEAD_PCT else "MISS"
     label = "Attention module overhead over bare ops"
     print(f"   {label:<46} {overhead:>11.2f}%   <= {TARGET_OVERHEAD_PCT:g}%   {verdict}")
+    T = FLASH_TARGET_T
+    for label, key, target in (
+        (f"T={T} fwd+bwd: flash peak / eager peak", "vs_eager", TARGET_FLASH_VS_EAGER),
+        (f"T={T} fwd+bwd: flash peak / sdpa peak", "vs_sdpa", TARGET_FLASH_VS_SDPA),
+    ):
+        if T not in flash_rows:
+            print(f"   {label:<46} {'not measured (--long)':>12}   <= {target:g}x")
+            continue
+        value = flash_rows[T][key]
+        verdict = "n/a" if value != value else ("PASS" if value <= target else "MISS")
+        print(f"   {label:<46} {value:>11.3f}x   <= {target:g}x   {verdict}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T=256 only, few repeats (smoke test)")
+    parser.add_argument("--long", action="store_true", help="also flash vs sdpa at T=16384")
     parser.add_argument(
         "--case",
         nargs=3,
@@ -239,7 +326,9 @@ def main() -> None:
     print()
     rows = compare_backends(QUICK_CASES if args.quick else FULL_CASES)
     overhead = module_overhead(QUICK_MODULE_REPEATS if args.quick else MODULE_REPEATS)
-    print_targets(rows, overhead)
+    flash_cases = QUICK_FLASH_CASES if args.quick else FLASH_CASES
+    flash_rows = compare_flash(flash_cases + (LONG_FLASH_CASES if args.long else []))
+    print_targets(rows, overhead, flash_rows)
 
 
 if __name__ == "__main__":

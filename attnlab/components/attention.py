@@ -35,7 +35,8 @@ class Attention(nn.Module):
         qk_norm: RMS-normalise q and k per head before the dot product (Dehghani et al. 2023).
         dropout: dropout on the attention probabilities (training only).
         scale: score scale; None -> 1 / sqrt(D) (T5 uses 1.0).
-        backend: "sdpa" (fused kernels) or "eager" (written out, can return probabilities).
+        backend: "sdpa" (fused kernels), "eager" (written out, can return probabilities) or
+            "flash" (FlashAttention-2 written out; probabilities recomputed from its saved L).
         cross: this layer attends to encoder memory instead of its own input.
         norm_eps: epsilon of the QK-norm.
     """
@@ -115,10 +116,14 @@ class Attention(nn.Module):
             check_mask(mask, B, H, T, k.shape[2])
         args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
         dropout = self.dropout if self.training else 0.0
-        out, _ = self.attend(q, k, v, dropout=dropout, **args)  # (B, H, T, D)
-        if self.capture_weights:
+        # The flash backend recomputes the probabilities from its saved log-sum-exp.
+        from_flash = self.capture_weights and self.backend == "flash"
+        out, weights = self.attend(q, k, v, dropout=dropout, return_weights=from_flash, **args)
+        if self.capture_weights and weights is None:
             # Recomputed on the eager path, so the output above stays on the fast path.
-            self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
+            weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
+        if self.capture_weights:
+            self.weights = weights  # (B, H, T, S)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)
 

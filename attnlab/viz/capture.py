@@ -1,9 +1,10 @@
 """Capture attention probabilities from a model's forward pass, per layer and head.
 
 Each `Attention` layer has a `capture_weights` flag: when it is set, the layer recomputes its
-probabilities on the eager backend and leaves them in `.weights`, while its output stays on the
-fast path, so the model computes exactly what it computes without capture. This module finds
-the layers, sets the flags, reads the probabilities back after a forward, and restores the flags:
+probabilities on the eager backend (a flash layer, from its saved log-sum-exp instead) and leaves
+them in `.weights`, while its output stays on the fast path, so the model computes exactly what
+it computes without capture. This module finds the layers, sets the flags, reads the
+probabilities back after a forward, and restores the flags:
 
     with capture_attention(model) as maps:
         model(ids)

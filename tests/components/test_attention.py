@@ -298,7 +298,7 @@ def test_causal_future_tokens_never_change_the_past(cfg, data):
         (dict(d_model=30, n_heads=4), ["d_model=30", "n_heads=4"]),
         (dict(d_model=32, n_heads=8, n_kv_heads=3), ["n_heads=8", "n_kv_heads=3"]),
         (dict(d_model=32, n_heads=4, n_kv_heads=0), ["n_kv_heads=0"]),
-        (dict(d_model=32, n_heads=4, backend="flash"), ["'flash'", "sdpa", "eager"]),
+        (dict(d_model=32, n_heads=4, backend="fused"), ["'fused'", "sdpa", "eager"]),
     ],
 )
 def test_bad_constructor_arguments_raise_naming_the_values(kwargs, fragments):

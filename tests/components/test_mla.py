@@ -64,8 +64,8 @@ def test_cross_attention_is_rejected():
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        MultiHeadLatentAttention(32, 4, 16, 8, 8, 8, backend="flash")
+    with pytest.raises(ValueError, match="unknown attention backend 'fused'"):
+        MultiHeadLatentAttention(32, 4, 16, 8, 8, 8, backend="fused")
 
 
 def test_default_scale_is_the_full_query_width():

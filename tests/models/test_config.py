@@ -62,8 +62,8 @@ def test_unknown_variant_names(field, value):
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match=r"backend='flash'"):
-        AttentionConfig(backend="flash")
+    with pytest.raises(ValueError, match=r"backend='fused'"):
+        AttentionConfig(backend="fused")
 
 
 def test_unknown_rope_layout():
@@ -174,7 +174,7 @@ def test_override_nested_and_top_level():
         ("attention.heads", "4", r"AttentionConfig has no field 'heads'"),
         ("rope.scaling.factor", "2", r"'rope.scaling.factor': section 'rope.scaling' is None"),
         ("n_layers", "four", r"'four'"),
-        ("attention.backend", "flash", r"'flash'"),
+        ("attention.backend", "fused", r"'fused'"),
         ("attention.n_heads", "3", r"n_heads=3.*n_kv_heads=2"),
         ("attention.n_heads", "6", r"d_model=64.*n_heads=6"),
     ],
