@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from attnlab.components.kv_cache import ModelCache
 from attnlab.inference.beam import beam_search
-from attnlab.inference.generate import decode_step, generate, left_pad, prefill, stream_tokens
+from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.inference.steps import decode_step, left_pad, prefill
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
 from attnlab.models.presets import get_preset
