@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.components.flex import flex_attention_backend
 from attnlab.components.masks import causal_mask
 
-Backend = Literal["sdpa", "eager"]
+Backend = Literal["sdpa", "eager", "flex"]
 
 
 def repeat_kv(x: Tensor, G: int) -> Tensor:
@@ -132,4 +133,4 @@ def _with_causal(mask: Tensor | None, T: int, S: int, device) -> Tensor:
     return causal if mask is None else mask & causal
 
 
-BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
+BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_backend}
