@@ -252,3 +252,43 @@ def test_alibi_gradients_equal_dense_eager_on_gpu():
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=0)
+
+
+def _captured_tensors(fn):
+    """Every tensor a function closes over, following closures of closures (the readers)."""
+    found = []
+    for cell in fn.__closure__ or ():
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif callable(value) and getattr(value, "__closure__", None):
+            found += _captured_tensors(value)
+    return found
+
+
+@pytest.mark.parametrize("scheme", [ALiBi(H), T5Bias(H, bidirectional=False)], ids=type)
+def test_score_mod_form_builds_nothing_quadratic(scheme):
+    """The prepared score_mod holds O(T + S) numbers per head, never the (H, T, S) bias."""
+    S = 64
+    scheme.bias_form = "score_mod"
+    pos = torch.arange(S)
+    terms = scheme.prepare(pos, pos, bound=S)
+    assert callable(terms.bias)
+    sizes = [t.numel() for t in _captured_tensors(terms.bias)]
+    assert sizes and max(sizes) <= H * 2 * S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", ["alibi", "t5_bias"])
+def test_cached_greedy_decoding_through_flex_equals_eager(position):
+    from attnlab.inference.generate import generate
+    from attnlab.inference.sampling import SamplingConfig
+
+    torch.manual_seed(0)
+    eager = tiny_decoder(position, "eager")
+    flex = tiny_decoder(position, "flex")
+    flex.load_state_dict(eager.state_dict())
+    prompts, greedy = [[1, 2, 3, 4], [5, 6]], SamplingConfig(temperature=0.0)
+    ref = generate(eager, prompts, 6, greedy, max_total_len=16)
+    out = generate(flex, prompts, 6, greedy, max_total_len=16)
+    assert out == ref
