@@ -292,3 +292,22 @@ def test_cached_greedy_decoding_through_flex_equals_eager(position):
     ref = generate(eager, prompts, 6, greedy, max_total_len=16)
     out = generate(flex, prompts, 6, greedy, max_total_len=16)
     assert out == ref
+
+
+@pytest.mark.slow
+def test_attention_layer_takes_a_block_mask_in_its_context():
+    """A document BlockMask reaches an Attention layer through AttentionContext.mask."""
+    from attnlab.components.attention import Attention
+    from attnlab.components.context import AttentionContext
+
+    torch.manual_seed(0)
+    eager = Attention(32, H, n_kv_heads=2, backend="eager").eval()
+    flex = Attention(32, H, n_kv_heads=2, backend="flex").eval()
+    flex.load_state_dict(eager.state_dict())
+    x = torch.randn(B, T, 32)
+    ids = doc_ids()
+    blocks = block_mask(document_mask_mod(ids), B, None, T, T)
+    with torch.no_grad():
+        ref = eager(x, AttentionContext(mask=dense_document_mask(ids)))
+        out = flex(x, AttentionContext(mask=blocks))
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
