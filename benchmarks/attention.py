@@ -15,6 +15,15 @@
    peak memory as in section 1. Eager is timed up to T = 4096 only; its peak memory is tried at
    every T and reported as n/a where the subprocess fails.
 
+4. The flex backend (compiled FlexAttention) against sdpa with today's dense tensors: ALiBi as a
+   score_mod vs SDPA with the dense (H, T, S) ALiBi bias at T = 4096, and causal and
+   sliding-window-256 masks at T = 1024 and 4096. Each step includes the once-per-forward
+   preparation (the bias or score_mod, the dense mask or BlockMask). FlexAttention has no
+   backward on CPU (PyTorch 2.13), so on CPU the section times the forward only; with
+   `--device cuda` it times forward + backward and reads peak memory from the CUDA allocator.
+
+    .venv/bin/python benchmarks/attention.py --flex-only --device cuda   # section 4 on a GPU
+
 Shared machines are noisy: read the ratios, each measured within one run, not the milliseconds.
 """
 
@@ -30,6 +39,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from _timing import (
+    MiB,
     cpu_name,
     interleaved,
     median_ms,
@@ -42,6 +52,9 @@ from torch import Tensor
 from attnlab.components.attention import Attention
 from attnlab.components.backends import BACKENDS
 from attnlab.components.context import AttentionContext
+from attnlab.components.flex import block_mask
+from attnlab.components.masks import sliding_window_mask, sliding_window_mask_mod
+from attnlab.components.positions import ALiBi
 
 B, H, D = 1, 8, 64  # backend comparison: one sequence, 8 heads of 64
 CAUSAL = AttentionContext(is_causal=True)  # the module benchmark: causal, nothing else
@@ -301,6 +314,125 @@ def print_targets(
         print(f"   {label:<46} {value:>11.3f}x   <= {target:g}x   {verdict}")
 
 
+FLEX_H, FLEX_WINDOW = 4, 256  # the issue's ALiBi measurement used 4 heads
+FLEX_CASES = [("alibi", 4096), ("causal", 1024), ("causal", 4096)]
+FLEX_CASES += [("sliding_256", 1024), ("sliding_256", 4096)]
+QUICK_FLEX_CASES = [("alibi", 256), ("causal", 256), ("sliding_256", 256)]
+FLEX_REPEATS, QUICK_FLEX_REPEATS = 5, 2
+# Acceptance (issue 20): ALiBi through flex at T = 4096, forward + backward, against today's
+# dense-bias SDPA path, which needed +1,123 MiB: at most a tenth of that, at least 2x faster.
+TARGET_ALIBI_MIB, TARGET_ALIBI_SPEEDUP = 1123 / 10, 2.0
+
+
+def flex_step(variant: str, impl: str, q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None):
+    """One attention call (sdpa with dense tensors, or flex with functions), backward if `dout`.
+
+    The bias or mask is prepared inside the step, as a model prepares it once per forward.
+    """
+    T, device = q.shape[2], q.device
+    args: dict = dict(is_causal=True)
+    if variant == "alibi":
+        alibi = ALiBi(FLEX_H).to(device)
+        pos = torch.arange(T, device=device)
+        args["bias"] = alibi.score_mod(pos, pos) if impl == "flex" else alibi.score_bias(pos, pos)
+    elif variant == "sliding_256":
+        args["is_causal"] = False
+        if impl == "flex":
+            mod = sliding_window_mask_mod(FLEX_WINDOW)
+            args["mask"] = block_mask(mod, None, None, T, T, device)
+        else:
+            args["mask"] = sliding_window_mask(T, FLEX_WINDOW, device=device)  # (T, T) bool
+    attend = BACKENDS[impl]
+    if dout is None:
+        with torch.no_grad():
+            out = attend(q, k, v, **args)[0]
+    else:
+        q.grad = k.grad = v.grad = None
+        out = attend(q, k, v, **args)[0]  # (B, H, T, D)
+        out.backward(dout)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
+def flex_inputs(T: int, device: str, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q, k, v (B, FLEX_H, T, D) and, where flex has a backward (CUDA), the output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    grad = device == "cuda"
+    q, k, v = (torch.randn(B, FLEX_H, T, D, generator=gen).to(device) for _ in range(3))
+    dout = torch.randn(B, FLEX_H, T, D, generator=gen).to(device) if grad else None
+    return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), dout
+
+
+def flex_peak(variant: str, impl: str, T: int, device: str) -> float:
+    """Peak MiB of one step above its inputs: the CUDA allocator's, or RSS in a subprocess."""
+    if device == "cuda":
+        inputs = flex_inputs(T, device)
+        flex_step(variant, impl, *inputs)  # compile and warm up at this very shape
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        flex_step(variant, impl, *inputs)
+        return (torch.cuda.max_memory_allocated() - base) / MiB
+    cmd = [sys.executable, os.path.abspath(__file__), "--flex-case", variant, impl, str(T)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **MALLOC_ENV))
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def run_flex_case(variant: str, impl: str, T: int) -> None:
+    """Subprocess entry (CPU): print one forward step's peak RSS above the inputs, as JSON."""
+    use_all_cores()
+    inputs = flex_inputs(T, "cpu")
+    flex_step(variant, impl, *inputs)  # compile and warm up at this very shape
+    mib, method = peak_rss_mib(lambda: flex_step(variant, impl, *inputs))
+    print(json.dumps({"peak_mib": mib, "method": method}))
+
+
+def compare_flex(cases: list[tuple[str, int]], repeats: int, device: str) -> dict:
+    """Section 4: sdpa with dense tensors vs flex with functions; return rows by (variant, T)."""
+    mode = "fwd+bwd" if device == "cuda" else "fwd (no flex backward on CPU)"
+    print(f"4. flex vs sdpa (B={B}, H={FLEX_H}, T, D={D}), fp32, {device}, {mode}")
+    print("   alibi: sdpa + dense (H, T, T) ALiBi bias vs flex + ALiBi score_mod, causal")
+    print("   causal: sdpa is_causal vs flex causal BlockMask; sliding_256: sdpa + dense (T, T)")
+    print(f"   window-{FLEX_WINDOW} mask vs flex BlockMask; each step prepares its bias / mask")
+    print(f"   time: median of {repeats} rounds, interleaved, after compiling at the same shape")
+    print("   speed x = sdpa ms / flex ms; memory: peak MiB of one step above its inputs")
+    print()
+    print(f"{'case':<12} {'T':>5} {'sdpa ms':>9} {'flex ms':>9} {'speed x':>8}", end="")
+    print(f" {'sdpa MiB':>9} {'flex MiB':>9} {'max|diff|':>10}")
+    rows = {}
+    for variant, T in cases:
+        inputs = flex_inputs(T, device)
+        outs = [flex_step(variant, impl, *inputs).detach() for impl in ("sdpa", "flex")]
+        diff = (outs[0] - outs[1]).abs().max().item()
+        del outs
+        steps = {impl: partial(flex_step, variant, impl, *inputs) for impl in ("sdpa", "flex")}
+        ms = {name: median_ms(t) for name, t in interleaved(steps, repeats).items()}
+        mib = {impl: flex_peak(variant, impl, T, device) for impl in ("sdpa", "flex")}
+        rows[(variant, T)] = dict(ms=ms, mib=mib, speedup=ratio(ms["sdpa"], ms["flex"]))
+        print(
+            f"{variant:<12} {T:>5} {ms['sdpa']:>9.1f} {ms['flex']:>9.1f}"
+            f" {rows[(variant, T)]['speedup']:>8.2f} {mib['sdpa']:>9.1f} {mib['flex']:>9.1f}"
+            f" {diff:>10.1e}",
+            flush=True,
+        )
+    print()
+    row = rows.get(("alibi", 4096))
+    label = f"ALiBi T=4096 {mode}"
+    if row is None:
+        print(f"   {label}: not measured (--quick)")
+    else:
+        ok_mib = "PASS" if row["mib"]["flex"] <= TARGET_ALIBI_MIB else "MISS"
+        ok_speed = "PASS" if row["speedup"] >= TARGET_ALIBI_SPEEDUP else "MISS"
+        print(
+            f"   {label}: flex peak {row['mib']['flex']:.1f} MiB <= {TARGET_ALIBI_MIB:.1f} {ok_mib}"
+        )
+        print(f"   {label}: speed-up {row['speedup']:.2f}x >= {TARGET_ALIBI_SPEEDUP:g}x {ok_speed}")
+    print()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T=256 only, few repeats (smoke test)")
@@ -311,7 +443,19 @@ def main() -> None:
         metavar=("BACKEND", "T", "MODE"),
         help="internal: measure one step's peak memory, e.g. --case eager 2048 fwd+bwd",
     )
+    parser.add_argument(
+        "--flex-case",
+        nargs=3,
+        metavar=("VARIANT", "IMPL", "T"),
+        help="internal: one flex-section step's peak memory on CPU, e.g. alibi flex 4096",
+    )
+    parser.add_argument("--flex-only", action="store_true", help="run section 4 (flex) only")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="section 4 only")
     args = parser.parse_args()
+    if args.flex_case:
+        variant, impl, T = args.flex_case
+        run_flex_case(variant, impl, int(T))
+        return
     if args.case:
         backend, T, mode = args.case
         if backend not in BACKENDS or mode not in ("fwd", "fwd+bwd"):
@@ -324,11 +468,15 @@ def main() -> None:
     print(f", {cpu_name()}, {platform.system()} {platform.release()}")
     print("Shared machines are noisy: compare the RATIOS, each measured within this one run.")
     print()
-    rows = compare_backends(QUICK_CASES if args.quick else FULL_CASES)
-    overhead = module_overhead(QUICK_MODULE_REPEATS if args.quick else MODULE_REPEATS)
-    flash_cases = QUICK_FLASH_CASES if args.quick else FLASH_CASES
-    flash_rows = compare_flash(flash_cases + (LONG_FLASH_CASES if args.long else []))
-    print_targets(rows, overhead, flash_rows)
+    if not args.flex_only:
+        rows = compare_backends(QUICK_CASES if args.quick else FULL_CASES)
+        overhead = module_overhead(QUICK_MODULE_REPEATS if args.quick else MODULE_REPEATS)
+        flash_cases = QUICK_FLASH_CASES if args.quick else FLASH_CASES
+        flash_rows = compare_flash(flash_cases + (LONG_FLASH_CASES if args.long else []))
+        print_targets(rows, overhead, flash_rows)
+        print()
+    flex_cases = QUICK_FLEX_CASES if args.quick else FLEX_CASES
+    compare_flex(flex_cases, QUICK_FLEX_REPEATS if args.quick else FLEX_REPEATS, args.device)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.components.flash import flash_attention
+from attnlab.components.flex import flex_attention_backend
 from attnlab.components.masks import causal_mask
 
-Backend = Literal["sdpa", "eager", "flash"]
+Backend = Literal["sdpa", "eager", "flash", "flex"]
 
 
 def repeat_kv(x: Tensor, G: int) -> Tensor:
@@ -133,4 +134,9 @@ def _with_causal(mask: Tensor | None, T: int, S: int, device) -> Tensor:
     return causal if mask is None else mask & causal
 
 
-BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+BACKENDS = {
+    "eager": eager_attention,
+    "sdpa": sdpa_attention,
+    "flash": flash_attention,
+    "flex": flex_attention_backend,
+}

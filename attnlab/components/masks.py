@@ -3,6 +3,9 @@
 Every builder returns a tensor that broadcasts against scores shaped (B, H, T, S):
 (T, S) when all rows share it, (B, 1, T, S) when it depends on the batch row. Combine masks with
 `&`.
+Each builder also has a `*_mask_mod` form for the flex backend (components/flex.py): a function
+(b, h, i, j) -> bool of one score's indices, so that no (T, S) tensor is built at all; combine
+those with `and_masks` / `or_masks` from `torch.nn.attention.flex_attention`.
 
     causal (T=S=4)    sliding window 2    prefix-LM, prefix 2    padding [1 1 1 0]
     # . . .           # . . .             # # . .                # # # .
@@ -11,8 +14,14 @@ Every builder returns a tensor that broadcasts against scores shaped (B, H, T, S
     # # # #           . . # #             # # # #                # # # .
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""(b, h, i, j) -> True where query i of row b, head h may attend to key j (0-d tensors)."""
 
 
 def causal_mask(T: int, S: int | None = None, device=None) -> Tensor:
@@ -97,8 +106,103 @@ def permutation_mask(order: Tensor) -> Tensor:
     return rank[None, :] < rank[:, None]
 
 
-def check_mask(mask: Tensor, B: int, H: int, T: int, S: int) -> None:
-    """Raise a ValueError unless `mask` is a bool tensor that broadcasts to (B, H, T, S)."""
+def causal_mask_mod(offset: int = 0) -> MaskMod:
+    """`causal_mask` as a mask_mod: query i sees keys j <= i + offset (offset = S - T)."""
+
+    def causal(b, h, i, j):
+        return j <= i + offset
+
+    return causal
+
+
+def sliding_window_mask_mod(window: int, offset: int = 0) -> MaskMod:
+    """`sliding_window_mask` as a mask_mod: itself and the window - 1 keys before it."""
+    if window < 1:
+        raise ValueError(f"sliding window must be >= 1, got window={window}")
+
+    def sliding_window(b, h, i, j):
+        return (j <= i + offset) & (j > i + offset - window)
+
+    return sliding_window
+
+
+def prefix_lm_mask_mod(prefix_len: int | Tensor) -> MaskMod:
+    """`prefix_lm_mask` as a mask_mod.
+
+    Args:
+        prefix_len: int, or (B,) tensor of per-row prefix lengths (the mask then reads row b).
+    """
+    if isinstance(prefix_len, int):
+
+        def prefix_lm(b, h, i, j):
+            return (j <= i) | (j < prefix_len)
+
+        return prefix_lm
+
+    def prefix_lm_per_row(b, h, i, j):
+        return (j <= i) | (j < prefix_len[b])
+
+    return prefix_lm_per_row
+
+
+def document_mask_mod(doc_ids: Tensor, causal: bool = True) -> MaskMod:
+    """Packed sequences: a token sees only tokens of its own document (causally, by default).
+
+        doc_ids [0 0 1 1 1], causal:
+        # . . . .
+        # # . . .
+        . . # . .
+        . . # # .
+        . . # # #
+
+    Args:
+        doc_ids: (T,) or (B, T) int document id of every token (queries and keys alike).
+        causal: also hide later tokens of the same document.
+    """
+    if doc_ids.dim() not in (1, 2):
+        raise ValueError(f"doc_ids must be (T,) or (B, T), got shape {tuple(doc_ids.shape)}")
+    ids = doc_ids if doc_ids.dim() == 2 else doc_ids[None]  # (B|1, T)
+    batched = ids.shape[0] > 1
+
+    def document(b, h, i, j):
+        row = b if batched else 0
+        same = ids[row, i] == ids[row, j]
+        return same & (j <= i) if causal else same
+
+    return document
+
+
+def permutation_mask_mod(order: Tensor, include_self: bool = False) -> MaskMod:
+    """`permutation_mask` as a mask_mod (XLNet): i sees j iff j comes earlier in `order`.
+
+    Args:
+        order: (T,) a permutation of range(T); order[r] is the position predicted r-th.
+        include_self: also see itself (XLNet's content stream); False is the query stream.
+    """
+    T = order.numel()
+    if sorted(order.tolist()) != list(range(T)):
+        raise ValueError(f"order must be a permutation of range({T}), got {order.tolist()}")
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(T, device=order.device)  # rank[i]: when position i is predicted
+
+    def permutation(b, h, i, j):
+        return (rank[j] <= rank[i]) if include_self else (rank[j] < rank[i])
+
+    return permutation
+
+
+def check_mask(mask: Tensor | BlockMask, B: int, H: int, T: int, S: int) -> None:
+    """Raise a ValueError unless `mask` is a bool tensor that broadcasts to (B, H, T, S).
+
+    A BlockMask (the flex backend's form) must have exactly T queries and S keys.
+    """
+    if isinstance(mask, BlockMask):
+        if tuple(mask.shape[-2:]) != (T, S):
+            raise ValueError(
+                f"BlockMask of shape {tuple(mask.shape)} does not match T={T}, S={S}; "
+                "build it for these lengths"
+            )
+        return
     if mask.dtype != torch.bool:
         raise ValueError(f"masks are boolean (True = may attend), got dtype {mask.dtype}")
     shape = tuple(mask.shape)

@@ -55,7 +55,10 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
     # Position tables are computed, not learned: build them on the CPU even inside a meta-device
     # build, so a model whose weights are assigned later has nothing left to recompute.
     with torch.device("cpu"):
-        return builders[cfg.position]()
+        scheme = builders[cfg.position]()
+    if a.backend == "flex":
+        scheme.bias_form = "score_mod"  # the flex backend reads a bias as a function, not (H, T, S)
+    return scheme
 
 
 def _rope_class(cfg: ModelConfig) -> type[RoPE]:

@@ -10,7 +10,8 @@ with small slopes see far back, heads with large slopes stay local, and the bias
 to lengths never seen in training. The paper is causal (j <= i, so |j - i| = i - j); the absolute
 value is the usual symmetric extension for encoders.
 
-A float score bias moves SDPA off its flash kernel (onto the memory-efficient or math kernel).
+A float score bias moves SDPA off its flash kernel (onto the memory-efficient or math kernel);
+the flex backend takes the same bias as a `score_mod` closed over the H slopes alone.
 
 Shapes: B batch, H heads, T query length, S key length.
 """
@@ -20,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnlab.components.positions.base import PositionScheme
+from attnlab.components.positions.base import PositionScheme, ScoreMod, position_reader
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -77,3 +78,23 @@ class ALiBi(PositionScheme):
         distance = (k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)).abs()  # (T, S) or (B, T, S)
         distance = distance.unsqueeze(-3).float()  # (1, T, S) or (B, 1, T, S)
         return -self.slopes.float()[:, None, None] * distance  # (H, T, S) or (B, H, T, S)
+
+    def score_mod(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> ScoreMod:
+        """`score_bias` as a score_mod: score - m_h * |k_pos[j] - q_pos[i]|, nothing (T, S) built.
+
+        Args:
+            q_pos: (T,) or (B, T) query positions.
+            k_pos: (S,) or (B, S) key positions.
+            bound: unused (the slopes do not depend on the length).
+
+        Returns:
+            (score, b, h, i, j) -> score.
+        """
+        slopes = self.slopes.float()  # (H,)
+        q_at, k_at = position_reader(q_pos), position_reader(k_pos)
+
+        def alibi(score, b, h, i, j):
+            distance = (k_at(b, j) - q_at(b, i)).abs()
+            return score - (slopes[h] * distance).to(score.dtype)
+
+        return alibi

@@ -14,6 +14,13 @@ per forward, and each layer only applies it (gpt-fast builds `freqs_cis` once th
                                              rows (RoPE) or the score bias (ALiBi, T5)
     q, k = terms.rotate_qk(q, k)             in every layer; `terms.bias` is added to the scores
 
+The flex attention backend (components/flex.py) takes the bias in a second form, a `score_mod`:
+a function (score, b, h, i, j) -> score of one score's indices, closed over a few numbers per
+head (ALiBi's slopes, T5's bias per relative distance), so the (H, T, S) tensor is never built.
+A scheme built for that backend has `bias_form = "score_mod"` (models/build.py sets it), and
+`prepare` then puts `score_mod(...)` into `PositionTerms.bias` in place of the tensor; layers
+hand it to their backend either way.
+
 Positions are absolute int64 indices, shaped (T,) when every row of the batch shares them or
 (B, T) when rows differ (left-padded batches, cached decoding). A score bias moves SDPA off its
 flash kernel (it becomes a float mask), so bias-based schemes run on the math/efficient kernels.
@@ -21,9 +28,14 @@ flash kernel (it becomes a float mask), so bias-based schemes run on the math/ef
 Shapes: B batch, T query length, S key length, C d_model, H query heads, K kv heads, D head_dim.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import Tensor, nn
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+"""(score, b, h, i, j) -> the modified score, every argument a 0-d tensor (FlexAttention)."""
 
 
 @dataclass(frozen=True)
@@ -31,10 +43,11 @@ class PositionTerms:
     """A scheme's share of one forward, prepared once and applied by every layer.
 
     Attributes:
-        bias: (H, T, S) or (B, H, T, S) float32 added to the scores, or None.
+        bias: (H, T, S) or (B, H, T, S) float32 added to the scores; or, for a scheme with
+            `bias_form = "score_mod"`, a score_mod (score, b, h, i, j) -> score; or None.
     """
 
-    bias: Tensor | None = None
+    bias: Tensor | ScoreMod | None = None
 
     def rotate_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate the queries and the new keys (both at the queries' positions); here: as given.
@@ -51,11 +64,21 @@ class PositionTerms:
 NO_TERMS = PositionTerms()
 
 
+def position_reader(pos: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """(b, i) -> pos[i] for (T,) positions, pos[b, i] for (B, T): for a score_mod to read."""
+    if pos.dim() == 1:
+        return lambda b, i: pos[i]
+    return lambda b, i: pos[b, i]
+
+
 class PositionScheme(nn.Module):
     """Base class: a scheme with no position information (every hook is the identity)."""
 
     # The largest number of positions the scheme can represent (a table's size), or None.
     max_positions: int | None = None
+    # Which form `prepare` gives the score bias in: a dense tensor, or a score_mod for the flex
+    # backend (set by the builder; schemes without a bias ignore it).
+    bias_form: Literal["tensor", "score_mod"] = "tensor"
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """Add absolute position information to token embeddings.
@@ -94,6 +117,18 @@ class PositionScheme(nn.Module):
         """
         return None
 
+    def score_mod(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> ScoreMod | None:
+        """`score_bias` as a score_mod: score + bias[b, h, i, j], without building the tensor.
+
+        Args:
+            q_pos: (T,) or (B, T).  k_pos: (S,) or (B, S).
+            bound: every position is below this, when known (see `prepare`).
+
+        Returns:
+            (score, b, h, i, j) -> score, reading q_pos[i] / k_pos[j] (row b for 2-D); or None.
+        """
+        return None
+
     def prepare(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> PositionTerms:
         """What every layer of one forward needs, computed once by the model.
 
@@ -107,9 +142,13 @@ class PositionScheme(nn.Module):
                 length, the cache size), so no scheme has to read the largest one from the device.
 
         Returns:
-            PositionTerms: here the score bias (None for schemes without one).
+            PositionTerms: here the score bias (None for schemes without one), as a tensor or,
+            with `bias_form = "score_mod"`, as a score_mod.
         """
-        bias = self.score_bias(q_pos, k_pos)
+        if self.bias_form == "score_mod":
+            bias = self.score_mod(q_pos, k_pos, bound)
+        else:
+            bias = self.score_bias(q_pos, k_pos)
         return NO_TERMS if bias is None else PositionTerms(bias=bias)
 
 

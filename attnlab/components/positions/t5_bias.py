@@ -11,7 +11,8 @@ buckets between keys before and after the query; causal (decoder) attention only
       j - i  > 0:  the same, shifted by 16
 
 T5 shares one bias table across layers (only the first layer owns it). A float score bias moves
-SDPA off its flash kernel.
+SDPA off its flash kernel; the flex backend takes it as a `score_mod` that reads a bias per
+relative distance, (2 * bound - 1, H) numbers instead of (H, T, S).
 
 Shapes: B batch, H heads, T query length, S key length.
 """
@@ -21,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnlab.components.positions.base import PositionScheme
+from attnlab.components.positions.base import PositionScheme, ScoreMod, position_reader
 
 
 def relative_position_bucket(
@@ -109,3 +110,34 @@ class T5Bias(PositionScheme):
         )
         bias = self.relative_attention_bias(buckets)  # (T, S, H) or (B, T, S, H)
         return bias.movedim(-1, -3).float()  # (H, T, S) or (B, H, T, S)
+
+    def score_mod(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> ScoreMod:
+        """`score_bias` as a score_mod: the bias of each relative distance, looked up per score.
+
+        The buckets depend on j - i alone, so the learned table is gathered once per forward
+        for every distance -(bound - 1) .. bound - 1, and each score reads its row.
+
+        Args:
+            q_pos: (T,) or (B, T) query positions.
+            k_pos: (S,) or (B, S) key positions.
+            bound: every position is below this; None -> read the largest from the tensors.
+
+        Returns:
+            (score, b, h, i, j) -> score.
+        """
+        if bound is None:
+            bound = int(max(q_pos.max(), k_pos.max())) + 1  # one host sync, once per forward
+        distances = torch.arange(-(bound - 1), bound, device=q_pos.device)  # (2 * bound - 1,)
+        buckets = relative_position_bucket(
+            distances, self.bidirectional, self.num_buckets, self.max_distance
+        )
+        by_distance = self.relative_attention_bias(buckets).float()  # (2 * bound - 1, H)
+        q_at, k_at = position_reader(q_pos), position_reader(k_pos)
+        last = 2 * bound - 2
+
+        def t5_bias(score, b, h, i, j):
+            # Clamped: a masked slot of a cache may hold any position; its score is discarded.
+            row = (k_at(b, j) - q_at(b, i) + bound - 1).clamp(0, last)
+            return score + by_distance[row, h].to(score.dtype)
+
+        return t5_bias
