@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.components.masks import causal_mask
+from attnlab.components.triton_attention import triton_attention
 
 Backend = Literal["sdpa", "eager"]
 
@@ -133,3 +134,4 @@ def _with_causal(mask: Tensor | None, T: int, S: int, device) -> Tensor:
 
 
 BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
+BACKENDS["triton"] = triton_attention  # FlashAttention-2 in Triton: CUDA (or TRITON_INTERPRET=1)
