@@ -217,6 +217,33 @@ def _hypothesis_shapes(examples: int) -> dict:
     return {"failures": failures[-1:]}
 
 
+def _layer_gap() -> dict:
+    """A GQA causal Attention layer on backend "triton" vs the same weights on "eager"."""
+    from attnlab.components.attention import Attention
+    from attnlab.components.context import AttentionContext
+
+    torch.manual_seed(0)
+    eager = Attention(64, n_heads=4, n_kv_heads=2, backend="eager")
+    ours = Attention(64, n_heads=4, n_kv_heads=2, backend="triton")
+    ours.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 19, 64)
+    ctx = AttentionContext(is_causal=True)
+    out_e, out_t = eager(x, ctx), ours(x, ctx)
+    out_e.square().sum().backward()
+    out_t.square().sum().backward()
+    grads = [
+        (a.grad - b.grad).abs().max().item() for a, b in zip(eager.parameters(), ours.parameters())
+    ]
+    return {"out": (out_e - out_t).abs().max().item(), "grad": max(grads)}
+
+
+@pytest.mark.slow
+def test_attention_layer_on_triton_backend():
+    """The registry reaches the layer: Attention(backend="triton") equals backend="eager"."""
+    result = _run_in_interpreter({"layer": None})
+    assert result["out"] <= OUT_TOL and result["grad"] <= GRAD_TOL, result
+
+
 @pytest.mark.slow
 def test_hypothesis_shapes():
     """Shapes drawn by hypothesis (odd lengths, T != S, GQA, padding) equal the eager path."""
@@ -226,7 +253,9 @@ def test_hypothesis_shapes():
 
 if __name__ == "__main__":  # the child process: TRITON_INTERPRET=1 is already set
     cases = json.loads(sys.argv[1])
-    if "hypothesis" in cases:
+    if "layer" in cases:
+        print(json.dumps(_layer_gap()))
+    elif "hypothesis" in cases:
         print(json.dumps(_hypothesis_shapes(cases["hypothesis"])))
     else:
         print(json.dumps({name: _diffs(case) for name, case in cases.items()}))
