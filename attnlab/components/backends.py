@@ -20,8 +20,9 @@ from torch import Tensor
 from attnlab.components.flash import flash_attention
 from attnlab.components.flex import flex_attention_backend
 from attnlab.components.masks import causal_mask
+from attnlab.components.triton_attention import triton_attention
 
-Backend = Literal["sdpa", "eager", "flash", "flex"]
+Backend = Literal["sdpa", "eager", "flash", "flex", "triton"]
 
 
 def repeat_kv(x: Tensor, G: int) -> Tensor:
@@ -139,4 +140,5 @@ BACKENDS = {
     "sdpa": sdpa_attention,
     "flash": flash_attention,
     "flex": flex_attention_backend,
+    "triton": triton_attention,  # FlashAttention-2 in Triton: CUDA (or TRITON_INTERPRET=1)
 }

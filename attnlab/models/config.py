@@ -37,7 +37,7 @@ class AttentionConfig:
     qk_norm: bool = False
     softmax_scale: float | None = None
     sliding_window: int | None = None
-    backend: Literal["sdpa", "eager", "flash", "flex"] = "sdpa"
+    backend: Literal["sdpa", "eager", "flash", "flex", "triton"] = "sdpa"
     kind: Literal["standard", "mla"] = "standard"
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
