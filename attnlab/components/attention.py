@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
 from attnlab.components.context import NO_CONTEXT, AttentionContext
+from attnlab.components.flex import dense_terms
 from attnlab.components.kv_cache import KVCache
 from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
@@ -120,7 +121,9 @@ class Attention(nn.Module):
         from_flash = self.capture_weights and self.backend == "flash"
         out, weights = self.attend(q, k, v, dropout=dropout, return_weights=from_flash, **args)
         if self.capture_weights and weights is None:
-            # Recomputed on the eager path, so the output above stays on the fast path.
+            # Recomputed on the eager path, so the output above stays on the fast path (a flex
+            # layer's mask_mod / score_mod become the dense tensors eager takes).
+            args["mask"], args["bias"] = dense_terms(mask, args["bias"], B, H, T, k.shape[2])
             weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
         if self.capture_weights:
             self.weights = weights  # (B, H, T, S)

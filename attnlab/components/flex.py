@@ -156,3 +156,29 @@ def flex_attention_backend(
         enable_gqa=k.shape[1] != H,
     )  # (B, H, T, D)
     return out, None
+
+
+def dense_terms(
+    mask: Tensor | BlockMask | None, bias: Tensor | ScoreMod | None, B: int, H: int, T: int, S: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """A flex layer's mask and bias as the dense tensors the eager path takes (for pictures).
+
+    A BlockMask's mask_mod and a score_mod are evaluated on every (b, h, i, j) by broadcasting
+    index tensors, which builds what the flex path never does: (B, H, T, S) tensors. So only
+    `capture_weights` (attention maps, at picture sizes) calls this.
+
+    Returns:
+        (mask bool (B, H, T, S) or as given, bias float (B, H, T, S) or as given).
+    """
+    idx = [
+        torch.arange(n).view([-1 if d == k else 1 for d in range(4)])
+        for k, n in enumerate((B, H, T, S))
+    ]  # b (B,1,1,1), h (1,H,1,1), i (1,1,T,1), j (1,1,1,S)
+    if isinstance(mask, BlockMask):
+        b, h, i, j = (t.to(mask.kv_num_blocks.device) for t in idx)
+        mask = mask.mask_mod(b, h, i, j).expand(B, H, T, S)
+    if callable(bias) and not isinstance(bias, Tensor):
+        device = mask.device if isinstance(mask, Tensor) else None
+        b, h, i, j = (t.to(device) for t in idx)
+        bias = bias(torch.zeros(B, H, T, S, device=device), b, h, i, j)
+    return mask, bias

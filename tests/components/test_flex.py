@@ -30,6 +30,7 @@ from attnlab.components.masks import (
 from attnlab.components.positions import ALiBi, T5Bias
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig
+from attnlab.viz.capture import capture_attention
 
 ATOL = 1e-5
 # Each distinct shape and mod compiles once; past dynamo's default limit of 8, flex would warn
@@ -206,6 +207,24 @@ def test_decoder_through_flex_equals_eager(position, window):
             out = flex(ids, attention_mask=mask)
             keep = slice(None) if mask is None else mask
             torch.testing.assert_close(out[keep], ref[keep], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", ["alibi", "t5_bias"])
+def test_attention_maps_of_a_flex_model_equal_the_eager_models(position):
+    """capture_attention on a flex layer: its score_mod becomes the dense bias eager draws with."""
+    torch.manual_seed(0)
+    eager = tiny_decoder(position, "eager")
+    flex = tiny_decoder(position, "flex")
+    flex.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 50, (B, T))
+    with torch.no_grad():
+        with capture_attention(eager) as want, capture_attention(flex) as got:
+            eager(ids)
+            flex(ids)
+    assert list(got.weights["decoder_self"]) == list(want.weights["decoder_self"]) == [0, 1]
+    for layer, probs in want.weights["decoder_self"].items():
+        torch.testing.assert_close(got.weights["decoder_self"][layer], probs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
