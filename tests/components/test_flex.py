@@ -133,7 +133,7 @@ def test_flex_masks_equal_dense_eager(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pos2d", [False, True], ids=["shared", "per_row"])
+@pytest.mark.parametrize("pos2d", [False, True], ids=["same_rows", "per_row"])
 def test_alibi_score_mod_equals_dense_bias(pos2d):
     alibi = ALiBi(H)
     pos = torch.arange(T)
