@@ -40,6 +40,30 @@ def self_attention_mask(
     return mask, False
 
 
+def custom_attention_mask(
+    attn_mask: Tensor, B: int, T: int, attention_mask: Tensor | None
+) -> Tensor:
+    """A caller's (T, T) or (B, T, T) self-attention mask, checked, with the padding mask.
+
+    Args:
+        attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j.
+        B, T: batch and length of the ids.  attention_mask: (B, T) True = real token, or None.
+
+    Returns:
+        bool (T, T) or (B, 1, T, T).
+    """
+    shapes = ((T, T), (B, T, T))
+    if attn_mask.dtype != torch.bool or tuple(attn_mask.shape) not in shapes:
+        raise ValueError(
+            f"attn_mask must be a bool tensor of shape {shapes[0]} or {shapes[1]} (True = may "
+            f"attend), got {attn_mask.dtype} {tuple(attn_mask.shape)}"
+        )
+    mask = attn_mask if attn_mask.dim() == 2 else attn_mask[:, None]  # (T, T) or (B, 1, T, T)
+    if attention_mask is not None:
+        mask = mask & padding_mask(attention_mask)  # (B, 1, T, T)
+    return mask
+
+
 def cached_attention_mask(slots: Tensor, key_valid: Tensor, window: int | None) -> Tensor:
     """The self-attention mask against a preallocated cache.
 
@@ -99,6 +123,7 @@ class DecoderLM(nn.Module):
         cache=None,
         slots: Tensor | None = None,
         last_only: bool = False,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits.
 
@@ -114,11 +139,16 @@ class DecoderLM(nn.Module):
             slots: (T,) cache slots of `ids`, with a cache.
             last_only: the logits of the last position only (generation's prefill needs no
                 more, and the head is the largest matmul: GPT-2's is 768 x 50257).
+            attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j: replaces
+                the causal (and sliding-window) mask, e.g. a prefix-LM or permutation mask
+                (components/masks.py); combined with `attention_mask`. Not with a cache.
 
         Returns:
             (B, T, V) logits, or (B, 1, V) with last_only.
         """
-        ctx, pos = self.context(ids, attention_mask, pos, memory, memory_mask, cache, slots)
+        ctx, pos = self.context(
+            ids, attention_mask, pos, memory, memory_mask, cache, slots, attn_mask
+        )
         x = self.drop(self.positions.embed(self.embed(ids), pos))  # (B, T, C)
         x = self.run_blocks(x, ctx, cache)  # (B, T, C)
         if last_only:
@@ -134,18 +164,24 @@ class DecoderLM(nn.Module):
         memory_mask: Tensor | None,
         cache,
         slots: Tensor | None,
+        attn_mask: Tensor | None = None,
     ) -> tuple[AttentionContext, Tensor]:
         """What every block needs, computed once per forward (arguments as `forward`).
 
         Returns:
             (ctx, pos): the AttentionContext, and the positions of `ids`, (T,) or (B, T).
         """
-        T = ids.shape[1]
+        B, T = ids.shape
+        if attn_mask is not None and cache is not None:
+            raise ValueError("attn_mask cannot be used with a KV cache; pass cache=None")
         if cache is None:
             bound = T if pos is None else None  # default positions: all below T, known from shape
             pos = torch.arange(T, device=ids.device) if pos is None else pos
             k_pos = pos
-            mask, is_causal = self_attention_mask(T, T, attention_mask, self.window, ids.device)
+            if attn_mask is None:
+                mask, is_causal = self_attention_mask(T, T, attention_mask, self.window, ids.device)
+            else:
+                mask, is_causal = custom_attention_mask(attn_mask, B, T, attention_mask), False
         else:
             pos, k_pos = cache.pos[:, slots], cache.pos  # (B, T), (B, S_max)
             bound = k_pos.shape[1]  # a row's positions never exceed its slots

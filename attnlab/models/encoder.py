@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from attnlab.components.context import AttentionContext
 from attnlab.components.masks import padding_mask
 from attnlab.components.positions.base import PositionScheme
+from attnlab.models.decoder import custom_attention_mask
 
 
 class Encoder(nn.Module):
@@ -45,12 +46,22 @@ class Encoder(nn.Module):
         ids: Tensor,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """ids: (B, T); attention_mask: (B, T) True = real token -> hidden states (B, T, C)."""
-        T = ids.shape[1]
+        """ids: (B, T); attention_mask: (B, T) True = real token -> hidden states (B, T, C).
+
+        attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j, in place of
+        full bidirectional attention (e.g. a prefix-LM mask); combined with `attention_mask`.
+        """
+        B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
+        if attn_mask is not None:
+            mask = custom_attention_mask(attn_mask, B, T, attention_mask)  # (T,T) / (B,1,T,T)
+        else:
+            mask = None if attention_mask is None else padding_mask(attention_mask)  # (B,1,1,T)
         ctx = AttentionContext(  # once per forward, for every block
-            mask=None if attention_mask is None else padding_mask(attention_mask),  # (B,1,1,T)
+            mask=mask,
             positions=self.positions.prepare(pos, pos, bound=T),
         )
         x = self.positions.embed(self.embed(ids), pos)  # (B, T, C)

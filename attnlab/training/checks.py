@@ -9,6 +9,8 @@ from attnlab.training.distributed import resolve_device
 
 TASK_ARCH = {
     "clm": "decoder",
+    "prefix_lm": "decoder",
+    "permutation_lm": "decoder",
     "mlm": "encoder",
     "seq2seq": "encoder_decoder",
     "vqa": "vlm",

@@ -7,13 +7,15 @@ from typing import Literal
 from attnlab.configs import check_literals
 from attnlab.models.config import ModelConfig
 
-Task = Literal["clm", "mlm", "seq2seq", "vqa", "vla"]
+Task = Literal["clm", "mlm", "seq2seq", "vqa", "vla", "prefix_lm", "permutation_lm"]
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from.
 
+    task: "clm", "mlm", "seq2seq", "vqa", "vla", or, for decoder models, "prefix_lm" (UniLM)
+        and "permutation_lm" (XLNet's content stream) (training/tasks.py).
     source: "stdlib" (the running Python's standard library .py files), a named public dataset
         ("shakespeare": downloaded once into the user's cache, see training/datasets.py), a
         text file or a directory of text files, or "synthetic:copy" / "synthetic:reverse" /

@@ -1,6 +1,8 @@
 """What is trained: a task owns its data, draws batches, computes the loss and evaluates.
 
     LMTask       causal LM on a token stream (decoder models)
+    PrefixLMTask prefix LM (UniLM): bidirectional over a random prefix, causal after it
+    PermutationLMTask  permutation LM (XLNet's content stream): a random factorisation order
     MLMTask      masked LM on the same kind of stream (encoder models)
     Seq2SeqTask  a synthetic copy / reverse / sort task (encoder-decoder models)
     SceneTask    VQA / VLA on generated scenes (vision-language models; training/embodied.py)
@@ -17,6 +19,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.masks import permutation_mask, prefix_lm_mask
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.tokenizer import Tokenizer
@@ -149,6 +152,78 @@ class MLMTask(LMTask):
         return None
 
 
+class _MaskedOrderTask(LMTask):
+    """An LM whose batches carry their own attention mask (B, T, T) and labels (-100 = none).
+
+    A subclass says how a window of ids x (B, T) with next tokens y (B, T) becomes
+    {"x", "attn_mask", "labels"} (`_objective`); drawing, loss and counting are shared.
+    """
+
+    def _objective(self, x: Tensor, y: Tensor, gen: torch.Generator) -> dict:
+        raise NotImplementedError
+
+    def train_batch(self, gen, rank: int = 0, world: int = 1) -> dict:
+        # Draw the whole global batch, then slice: the masks (and the generator's state) are
+        # then the same for any number of ranks.
+        b = self.batch_size
+        x, y = lm_batch(self.data.train, self.context, b * world, gen)  # (b * world, T)
+        batch = self._objective(x, y, gen)
+        return {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
+
+    def _val_batch(self, gen) -> dict:
+        x, y = lm_batch(self.data.val, self.context, self.batch_size, gen)
+        return self._objective(x, y, gen)
+
+    def n_targets(self, batch: dict) -> int:
+        """Only the positions with a label count (labels != -100)."""
+        return n_targets(batch["labels"], IGNORE_INDEX)
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> Tensor:
+        """The cross-entropy summed over the batch's labelled tokens (a scalar)."""
+        logits = model(batch["x"], attn_mask=batch["attn_mask"])  # (B, T, V)
+        return mlm_loss(logits, batch["labels"], reduction="sum")
+
+
+class PrefixLMTask(_MaskedOrderTask):
+    """Prefix LM (UniLM, Dong et al. 2019): each window is split at a random prefix length P
+    (1 <= P < T); the prefix attends to itself both ways, the rest causally, and the loss is on
+    the tokens after the prefix only: x[P:] and the window's next token y[T-1].
+
+    The output at position i predicts y[i] = x[i+1], so positions P-1 .. T-1 carry labels; each
+    of them sees only keys <= i (the prefix lies before P), so no label leaks into its input.
+    Sampling (`LMTask.sample`) is left to right, as a causal LM.
+    """
+
+    def _objective(self, x: Tensor, y: Tensor, gen: torch.Generator) -> dict:
+        B, T = x.shape
+        prefix = torch.randint(1, T, (B,), generator=gen)  # (B,)
+        before = torch.arange(T)[None, :] < (prefix - 1)[:, None]  # (B, T) outputs in the prefix
+        mask = prefix_lm_mask(T, prefix)[:, 0]  # (B, T, T)
+        return {"x": x, "attn_mask": mask, "labels": y.masked_fill(before, IGNORE_INDEX)}
+
+
+class PermutationLMTask(_MaskedOrderTask):
+    """Permutation LM (XLNet, Yang et al. 2019), content stream only: a random factorisation
+    order per window; the token at order[r] attends to itself and the tokens earlier in the
+    order (`permutation_mask(order) | I`), and its output predicts the next token in the order,
+    x[order[r+1]]. Positions stay the tokens' own.
+
+    XLNet's second, query stream (which is told the position it predicts, but not its token) is
+    left out: here the model is not told which position comes next, so its loss is an upper
+    bound of what the two-stream model learns. With the identity order the mask is causal and
+    the target the next token, so the trained model samples left to right as a causal LM.
+    """
+
+    def _objective(self, x: Tensor, y: Tensor, gen: torch.Generator) -> dict:
+        B, T = x.shape
+        order = torch.stack([torch.randperm(T, generator=gen) for _ in range(B)])  # (B, T)
+        eye = torch.eye(T, dtype=torch.bool)
+        mask = torch.stack([permutation_mask(o) | eye for o in order])  # (B, T, T)
+        labels = torch.full_like(x, IGNORE_INDEX)  # the last in the order predicts nothing
+        labels.scatter_(1, order[:, :-1], x.gather(1, order[:, 1:]))  # (B, T)
+        return {"x": x, "attn_mask": mask, "labels": labels}
+
+
 class Seq2SeqTask:
     """A synthetic seq2seq task; the source ends with <eos>, the target starts with <bos>."""
 
@@ -247,4 +322,5 @@ def build_task(run: RunConfig):
             raise ValueError(f"seq2seq trains on synthetic tasks; got source {run.data.source!r}")
         return Seq2SeqTask(run)
     data = prepare_text_data(run.data)
-    return (MLMTask if run.data.task == "mlm" else LMTask)(data, run)
+    tasks = {"mlm": MLMTask, "prefix_lm": PrefixLMTask, "permutation_lm": PermutationLMTask}
+    return tasks.get(run.data.task, LMTask)(data, run)
