@@ -62,6 +62,7 @@ Br / Bc query / key block sizes.
 """
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -263,8 +264,9 @@ class FlashAttention(torch.autograd.Function):
                     continue  # the whole block lies above the diagonal
                 qi, doi = qg[..., i0:i1, :], d_out[..., i0:i1, :]  # (B, K, G, Br, D or Dv)
                 tile = (mask, bias, is_causal, (i0, i1), (j0, j1), T, S)
-                with torch.set_grad_enabled(through_mod):  # a score_mod's graph, for dS
-                    s_raw = ((qi @ kj.transpose(-2, -1)) * scale).requires_grad_(through_mod)
+                s_raw = (qi @ kj.transpose(-2, -1)) * scale  # (B, K, G, Br, Bc)
+                with torch.enable_grad() if through_mod else nullcontext():  # for dS, below
+                    s_raw = s_raw.detach().requires_grad_() if through_mod else s_raw
                     s = _modify_scores(s_raw, *tile)  # (B, K, G, Br, Bc)
                 p = torch.exp(s.detach() - lse[..., i0:i1, None])  # (B, K, G, Br, Bc), recomputed
                 dv[..., j0:j1, :] += (p.transpose(-2, -1) @ doi).sum(dim=2)  # sum the G heads
