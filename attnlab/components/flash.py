@@ -42,7 +42,8 @@ last T of S keys, as with a cache). A boolean `mask` (True = may attend) and a f
     functions  FlexAttention's forms (components/flex.py): a mask_mod (b, h, i, j) -> bool and a
                score_mod (score, b, h, i, j) -> score, called once per tile on index tensors
                shaped to broadcast against the (B, K, G, Br, Bc) tile, so neither form ever
-               builds a (T, S) tensor. A `BlockMask` is read through its mask_mod.
+               builds a (T, S) tensor. A `BlockMask` is read through its mask_mod, and its
+               block sparsity skips the tiles in which no query may see any key.
 
 A score_mod's learned tensors (T5's bias table) live in its closure, where an autograd.Function
 cannot see them, so a score_mod lists them in a `tensors` attribute (`score_mod_tensors`); they
@@ -94,7 +95,8 @@ def flash_attention(
     Args:
         q: (B, H, T, D) queries.  k, v: (B, K, S, D) keys and values, K divides H.
         mask: bool, broadcastable to (B, H, T, S), True = may attend; or a mask_mod
-            (b, h, i, j) -> bool; or a BlockMask (its mask_mod is read).
+            (b, h, i, j) -> bool; or a BlockMask (its mask_mod is read, and tiles with no
+            visible block are skipped).
         bias: float, broadcastable to (B, H, T, S), added to the scores (may require grad); or a
             score_mod (score, b, h, i, j) -> score, whose `tensors` attribute lists the tensors
             it reads that may require grad (see `score_mod_tensors`).
@@ -117,8 +119,6 @@ def flash_attention(
         raise ValueError(
             f"flash block sizes must be >= 1, got block_q={block_q}, block_k={block_k}"
         )
-    if isinstance(mask, BlockMask):
-        mask = mask.mask_mod  # the function; its block sparsity is not used here
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         raise ValueError(
             f"the flash backend wants a bool mask (True = may attend), got {mask.dtype}"
@@ -197,6 +197,7 @@ class FlashAttention(torch.autograd.Function):
         vg = v.to(new["dtype"])[:, :, None]  # (B, K, 1, S, Dv)
         out = torch.empty(B, Kh, G, T, Dv, **new)
         lse = torch.empty(B, Kh, G, T, **new)
+        live = _live_blocks(mask)
         for i0 in range(0, T, block_q):
             i1 = min(i0 + block_q, T)
             qi = qg[..., i0:i1, :]  # (B, K, G, Br, D)
@@ -205,6 +206,8 @@ class FlashAttention(torch.autograd.Function):
             acc = torch.zeros(B, Kh, G, i1 - i0, Dv, **new)  # running output, unnormalised
             for j0 in range(0, _keys_seen(i1, T, S, is_causal), block_k):
                 j1 = min(j0 + block_k, S)
+                if not _tile_is_live(live, (i0, i1), (j0, j1)):
+                    continue  # a BlockMask hides every key of this tile from every query
                 s = _block_scores(qi, kg, mask, bias, is_causal, scale, (i0, i1), (j0, j1), T, S)
                 m_new = torch.maximum(m, s.amax(dim=-1))  # (B, K, G, Br)
                 m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet
@@ -255,6 +258,7 @@ class FlashAttention(torch.autograd.Function):
         learned = [t for t, need in zip(ctx.learned, ctx.needs_input_grad[9:]) if need]
         through_mod = bias is not None and not isinstance(bias, Tensor)
         d_learned = [torch.zeros_like(t) for t in learned]
+        live = _live_blocks(mask)
         for j0 in range(0, S, block_k):
             j1 = min(j0 + block_k, S)
             kj, vj = kg[..., j0:j1, :], vg[..., j0:j1, :]  # (B, K, 1, Bc, D or Dv)
@@ -262,6 +266,8 @@ class FlashAttention(torch.autograd.Function):
                 i1 = min(i0 + block_q, T)
                 if j0 >= _keys_seen(i1, T, S, is_causal):
                     continue  # the whole block lies above the diagonal
+                if not _tile_is_live(live, (i0, i1), (j0, j1)):
+                    continue  # a BlockMask hides it, as in the forward
                 qi, doi = qg[..., i0:i1, :], d_out[..., i0:i1, :]  # (B, K, G, Br, D or Dv)
                 tile = (mask, bias, is_causal, (i0, i1), (j0, j1), T, S)
                 s_raw = (qi @ kj.transpose(-2, -1)) * scale  # (B, K, G, Br, Bc)
@@ -331,6 +337,8 @@ def _modify_scores(s, mask, bias, is_causal, rows, cols, T, S) -> Tensor:
     """
     (i0, i1), (j0, j1) = rows, cols
     B, Kh, G = s.shape[:3]
+    if isinstance(mask, BlockMask):
+        mask = mask.mask_mod
     if callable(mask) or callable(bias):  # index tensors that broadcast to (B, K, G, Br, Bc)
         idx = _tile_indices(B, Kh, G, rows, cols, s.device)
     if isinstance(bias, Tensor):
@@ -350,6 +358,27 @@ def _modify_scores(s, mask, bias, is_causal, rows, cols, T, S) -> Tensor:
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     return s
+
+
+def _live_blocks(mask) -> tuple[Tensor, tuple[int, int]] | None:
+    """A BlockMask's (nQ, nKV) map of blocks some query of some row and head may see, or None.
+
+    Returns:
+        (live (nQ, nKV) bool, (Q_BLOCK, KV_BLOCK) its block sizes), or None for other masks.
+    """
+    if not isinstance(mask, BlockMask):
+        return None
+    live = mask.to_dense().bool().flatten(0, 1).any(dim=0)  # (nQ, nKV): any row b, head h
+    return live.cpu(), mask.BLOCK_SIZE
+
+
+def _tile_is_live(live, rows, cols) -> bool:
+    """False when no BlockMask block that the (Br, Bc) tile overlaps is visible."""
+    if live is None:
+        return True
+    (i0, i1), (j0, j1) = rows, cols
+    blocks, (bq, bk) = live
+    return bool(blocks[i0 // bq : (i1 - 1) // bq + 1, j0 // bk : (j1 - 1) // bk + 1].any())
 
 
 def _tile_indices(B, Kh, G, rows, cols, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -375,15 +375,20 @@ def test_flash_score_mod_gradient_goes_through_a_nonlinear_score_mod():
         torch.testing.assert_close(g, r, atol=GRAD_ATOL, rtol=0)
 
 
-def test_flash_takes_a_block_mask_and_builds_nothing_quadratic(monkeypatch):
-    """A BlockMask is read through its mask_mod; no tile index tensor spans T x S."""
+def test_flash_takes_a_block_mask_skips_its_empty_tiles_and_builds_nothing_quadratic(monkeypatch):
+    """A BlockMask is read through its mask_mod, tiles it hides are skipped, no T x S index.
+
+    Sliding window 4 over T = 11 in 4 x 4 tiles (the BlockMask's blocks too): 5 of the 9 tiles
+    hold a visible key (the diagonal and the one below it), forward and backward alike.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     import attnlab.components.flash as flash_module
     from attnlab.components.masks import sliding_window_mask, sliding_window_mask_mod
 
     B, H, T, D = 2, 2, 11, 4
-    blocks = create_block_mask(sliding_window_mask_mod(4), None, None, T, T, device="cpu")
+    mod = sliding_window_mask_mod(4)
+    blocks = create_block_mask(mod, None, None, T, T, device="cpu", BLOCK_SIZE=4)
     sizes, real = [], flash_module._tile_indices
 
     def recording(*args):
@@ -394,9 +399,19 @@ def test_flash_takes_a_block_mask_and_builds_nothing_quadratic(monkeypatch):
     monkeypatch.setattr(flash_module, "_tile_indices", recording)
     q, k, v = _leaves((B, H, T, D), (B, H, T, D), (B, H, T, D))
     out, _ = flash_attention(q, k, v, mask=blocks, block_q=4, block_k=4)
+    assert len(sizes) == 5 and max(sizes) <= 4 * 4
     ref = _reference(q, k, v, mask=sliding_window_mask(T, 4))
     torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
-    assert sizes and max(sizes) <= 4 * 4
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], d_out)
+    assert len(sizes) == 10
+    ref_grads = torch.autograd.grad(ref, [q, k, v], d_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=GRAD_ATOL, rtol=0)
+    # Blocks larger than the tiles (flex's default 128): a tile is skipped only if its block is.
+    big = create_block_mask(mod, None, None, T, T, device="cpu")
+    out, _ = flash_attention(q, k, v, mask=big, block_q=4, block_k=4)
+    torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
 
 
 def test_flash_t5_score_mod_with_a_cache_prefill_equals_eager():
