@@ -19,7 +19,9 @@ a function (score, b, h, i, j) -> score of one score's indices, closed over a fe
 head (ALiBi's slopes, T5's bias per relative distance), so the (H, T, S) tensor is never built.
 A scheme built for that backend has `bias_form = "score_mod"` (models/build.py sets it), and
 `prepare` then puts `score_mod(...)` into `PositionTerms.bias` in place of the tensor; layers
-hand it to their backend either way.
+hand it to their backend either way. A score_mod lists the tensors its closure reads in a
+`tensors` attribute (T5's gathered bias table): FlashAttention's autograd.Function, which cannot
+see into a closure, takes them as inputs and gives them their gradients (components/flash.py).
 
 Positions are absolute int64 indices, shaped (T,) when every row of the batch shares them or
 (B, T) when rows differ (left-padded batches, cached decoding). A score bias moves SDPA off its
