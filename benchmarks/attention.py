@@ -15,8 +15,8 @@
    take today's dense tensors (the (H, T, T) ALiBi bias, the (T, T) window mask); flash and flex
    take the same terms as functions (score_mod, mask_mod); on CPU, flex with gradients runs
    flash.py's tiled forward and backward (PyTorch 2.13 has no FlexAttention backward on CPU).
-   Steps whose dense tensors would pass
-   1 GiB are not timed; their peak is still tried in a subprocess. Checks issue 20's bars (flash's
+   Steps whose dense tensors would pass 1 GiB are not timed; their peak is still tried in a
+   subprocess. Checks issue 20's bars (flash's
    peak at 16k against eager's and sdpa's; ALiBi through flex at 4k against dense-bias sdpa).
 
     .venv/bin/python benchmarks/attention.py --backends-only --max-t 4096   # section 3, short
