@@ -181,3 +181,23 @@ def test_a_short_packed_run_through_train_lowers_the_loss(make_run, text_dir):
     assert len(losses) == 30 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
     assert math.isfinite(task.evaluate(model.eval(), 2, "cpu")["val_loss"])
+
+
+def test_a_cache_without_offsets_still_trains_unpacked_and_says_so_for_pack(tmp_path, make_run):
+    run = make_run()
+    build_task(run)  # writes the cache
+    (cache,) = Path(run.data.cache_dir).iterdir()
+    (cache / "offsets.npy").unlink()  # as a cache written before offsets were recorded
+    assert build_task(run).train_batch(torch.Generator().manual_seed(0))["x"].shape == (4, 16)
+    with pytest.raises(ValueError, match="data.pack needs the documents' offsets"):
+        build_task(replace(run, data=replace(run.data, pack=True)))
+
+
+def test_ranks_take_their_slices_of_one_global_packed_batch():
+    _, tokens, offsets = _documents()
+    layout = pack_rows(offsets, CONTEXT + 1)
+    whole = packed_batch(tokens, layout, CONTEXT, 6, torch.Generator().manual_seed(3))
+    for rank in range(2):
+        part = packed_batch(tokens, layout, CONTEXT, 3, torch.Generator().manual_seed(3), rank, 2)
+        for k in whole:
+            assert torch.equal(part[k], whole[k][rank * 3 : (rank + 1) * 3])
