@@ -85,10 +85,15 @@ def evaluate_mask_mod(mask_mod: MaskMod, B: int, T: int, device=None) -> Tensor:
             f"attn_mask: the mask_mod failed on a batch of B={B}, T={T} ({err}); it must take "
             "(b, h, i, j) index tensors of that batch and length"
         ) from err
-    if mask.dtype != torch.bool or mask.dim() > 3:
+    if mask.dtype != torch.bool:
         raise ValueError(
-            f"attn_mask: a mask_mod must return bool (True = may attend), got {mask.dtype} "
-            f"of shape {tuple(mask.shape)} for B={B}, T={T}"
+            f"attn_mask: a mask_mod must return bool (True = may attend), got {mask.dtype}"
+        )
+    shape = tuple(mask.shape)
+    if len(shape) > 3 or any(n not in (1, m) for n, m in zip(shape[::-1], (T, T, B))):
+        raise ValueError(
+            f"attn_mask: the mask_mod returned shape {shape}, which does not "
+            f"broadcast to (B, T, T) = {(B, T, T)}; index it with (b, h, i, j) only"
         )
     return mask.expand(B, T, T)
 
@@ -117,7 +122,13 @@ def mask_from_mod(
         def mod(b, h, i, j):
             return mask_mod(b, h, i, j) & valid[b, j]
 
-    return block_mask(mod, B, None, T, T, device)
+    try:
+        return block_mask(mod, B, None, T, T, device)
+    except (IndexError, RuntimeError) as err:
+        raise ValueError(
+            f"attn_mask: the mask_mod failed on a batch of B={B}, T={T} ({err}); it must take "
+            "(b, h, i, j) indices of that batch and length"
+        ) from err
 
 
 def cached_attention_mask(slots: Tensor, key_valid: Tensor, window: int | None) -> Tensor:

@@ -76,6 +76,13 @@ def test_flex_layers_get_one_block_mask_with_the_padding():
     assert torch.equal(dense.expand(2, T, T), expected)
 
 
+def test_flex_says_which_mask_mod_did_not_fit():
+    model = _model("llama-tiny", backend="flex")
+    ids = torch.randint(0, V, (2, T))
+    with pytest.raises(ValueError, match="mask_mod failed on a batch of B=2, T=10"):
+        model.context(ids, None, None, None, None, None, None, document_mask_mod(DOCS[:, :4]))
+
+
 def test_encoder_takes_a_bidirectional_document_mask_mod():
     model = _model("bert-tiny")
     encoder = model.encoder if hasattr(model, "encoder") else model
@@ -97,6 +104,8 @@ def test_mask_mod_misuse_is_one_clear_error():
         model(ids, attn_mask=document_mask_mod(DOCS[:, :4]))  # doc ids of another length
     with pytest.raises(ValueError, match="must return bool"):
         model(ids, attn_mask=lambda b, h, i, j: (j <= i).float())
+    with pytest.raises(ValueError, match=r"returned shape \(3, 10, 10\), which does not"):
+        model(ids, attn_mask=lambda b, h, i, j: torch.ones(3, T, T, dtype=torch.bool))
     cache = model.make_cache(2, T) if hasattr(model, "make_cache") else object()
     with pytest.raises(ValueError, match="attn_mask cannot be used with a KV cache"):
         model(ids, attn_mask=causal_mask_mod(), cache=cache, slots=torch.arange(T))
