@@ -111,14 +111,17 @@ def test_packed_logits_equal_each_document_alone(backend):
     assert not torch.allclose(unmasked[b, at : at + n], packed[b, at : at + n], atol=1e-3)
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flex"])
 def test_packed_loss_and_gradients_equal_the_padded_unpacked_batch(backend):
     docs, tokens, offsets = _documents()
     batch = _all_rows(tokens, offsets)
     packed_model, padded_model = _model(backend), _model(backend)
     task = object.__new__(PackedLMTask)
-    packed = task.loss_sum(packed_model, batch)
-    packed.backward()
+    try:
+        packed = task.loss_sum(packed_model, batch)
+        packed.backward()
+    except NotImplementedError as err:  # torch 2.13's FlexAttention backward is CUDA's only
+        pytest.skip(f"no flex backward here: {err}")
     # Reference: one document per row, right-padded, padding masked and its labels ignored.
     T = max(LENGTHS)
     ids = torch.zeros(len(docs), T, dtype=torch.long)
