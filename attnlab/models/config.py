@@ -146,7 +146,9 @@ class ModelConfig:
     activation: of the mlp, and of the geglu gate ("gelu" or "gelu_tanh"); swiglu uses SiLU.
     final_norm: None -> a final norm after the last block exactly when norm_placement == "pre".
     head_rescale: multiply the final hidden state by d_model^-0.5 before a tied head (T5 v1.0).
-    embed_norm, type_vocab_size: BERT's embedding LayerNorm and segment embeddings.
+    embed_norm: a norm of the embeddings: in an encoder after adding positions and segments
+        (BERT), in a decoder right after the token lookup (BLOOM's word_embeddings_layernorm).
+    type_vocab_size: BERT's segment embeddings.
     vision: the image encoder of a "vlm" (vision-language) model; None for every other arch.
     """
 
