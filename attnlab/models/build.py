@@ -58,6 +58,8 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         scheme = builders[cfg.position]()
     if a.backend == "flex":
         scheme.bias_form = "score_mod"  # the flex backend reads a bias as a function, not (H, T, S)
+    elif a.backend == "auto":
+        scheme.bias_form = "auto"  # a function for long query blocks (then flex), else a tensor
     return scheme
 
 
