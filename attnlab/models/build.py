@@ -58,6 +58,8 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         scheme = builders[cfg.position]()
     if a.backend == "flex":
         scheme.bias_form = "score_mod"  # the flex backend reads a bias as a function, not (H, T, S)
+    elif a.backend == "auto":
+        scheme.bias_form = "auto"  # a function for long query blocks (then flex), else a tensor
     return scheme
 
 
@@ -202,7 +204,10 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
             f"n_labels={n_labels} builds a classifier, which needs arch='encoder', "
             f"not arch={cfg.arch!r}"
         )
-    embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings)
+    # A decoder's embed_norm normalises the token vectors (BLOOM); an encoder's normalises the sum
+    # of token, position and segment embeddings (BERT), so the Encoder applies it itself.
+    embed_norm = build_norm_for(cfg) if cfg.embed_norm and cfg.arch == "decoder" else None
+    embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings, embed_norm)
     if cfg.arch == "decoder":
         model = build_decoder(cfg, embed, cfg.n_layers, cross=False)
     elif cfg.arch == "encoder_decoder":
