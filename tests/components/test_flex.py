@@ -194,7 +194,7 @@ def tiny_decoder(position, backend, window=None):
     "position,window", [("alibi", None), ("t5_bias", None), ("alibi", 6)], ids=str
 )
 def test_decoder_through_flex_equals_eager(position, window):
-    """ALiBi (BLOOM-style; no BLOOM converter exists here) and T5 decoders: same logits."""
+    """ALiBi (BLOOM-style: see tests/interop/hf/test_bloom.py) and T5 decoders: same logits."""
     torch.manual_seed(0)
     eager = tiny_decoder(position, "eager", window)
     flex = tiny_decoder(position, "flex", window)
