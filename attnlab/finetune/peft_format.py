@@ -9,9 +9,10 @@ the HF export of the base (`attnlab.interop.hf.save_hf`); `load_peft` reads one 
                                                      fan_in_fan_out, peft_type "LORA", task_type
 
 Where each of our Linears sits in the HF model comes from the family converter itself, not from a
-second name table: `hf_placements` marks every element of our weight with its own number, runs
-the converter's save path (`to_hf_state`) on that probe, and reads back which HF weight and which
-rows the numbers landed in. That covers every transform the converter knows:
+second name table: `hf_placements` writes numbered marks down column 0 and along row 0 of our
+weight, runs the converter's save path (`to_hf_state`) on that probe, and reads back which HF
+weight and which rows and columns the marks landed in. That covers every transform the
+converter knows:
 
 - renames (q_proj -> model.layers.{i}.self_attn.q_proj, attention.self.query, ...);
 - GPT-2's Conv1D, stored (in, out): the adapter is still A (r, K), B (N, r), and peft's
@@ -79,18 +80,30 @@ class Placement:
     transposed: bool
 
 
-def _probe_model(
-    cfg: ModelConfig, names: list[str], strict: bool
-) -> tuple[nn.Module, dict[str, int]]:
-    """A model of `cfg` whose `names` weights hold 1, 2, 3, ... (float64, exact) and zeros
-    elsewhere (broadcast views: no memory); returns it and each name's first number - 1.
+# Marks are float32 numbers 1, 2, 3, ...: exact below 2**24, as many marks as any model needs
+MAX_MARKS = 2**24
+
+
+def _marked(shape: torch.Size, first: int) -> Tensor:
+    """A (N, K) float32 weight marked first, first+1, ... down column 0 (one per output row o)
+    and then along row 0 from column 1 (one per input column i); zeros elsewhere."""
+    N, K = shape
+    w = torch.zeros(N, K)
+    w[:, 0] = torch.arange(first, first + N)
+    w[0, 1:] = torch.arange(first + N, first + N + K - 1)
+    return w
+
+
+def _probe(cfg: ModelConfig, names: list[str], strict: bool) -> tuple[dict, dict[str, tuple]]:
+    """The converter's HF state of a `cfg` model whose `names` weights are marked (`_marked`)
+    and all else zero (broadcast views: no memory); and {name: (first mark, N, K)}.
     A name that is no Linear with a weight of its own there (a head tied to the embedding) is
     an error if `strict`, skipped otherwise."""
     with torch.device("meta"):
         probe = build_model(cfg)
     state = without_tied_names(probe.state_dict(), probe)
-    state = {k: torch.zeros((), dtype=torch.float64).expand(v.shape) for k, v in state.items()}
-    offsets, offset = {}, 0
+    state = {k: torch.zeros(()).expand(v.shape) for k, v in state.items()}
+    marks, first = {}, 1
     for name in names:
         key = f"{name}.weight"
         if key not in state or state[key].dim() != 2:
@@ -100,15 +113,23 @@ def _probe_model(
                 f"{name!r} is not a Linear with a weight of its own in a freshly built "
                 f"{cfg.arch} model, so it has no place in an HF adapter"
             )
-        n = state[key].numel()
-        state[key] = torch.arange(offset + 1, offset + n + 1, dtype=torch.float64)
-        state[key] = state[key].view(probe.get_submodule(name).weight.shape)
-        offsets[name], offset = offset, offset + n
-    return load_weights(probe, state), offsets
+        N, K = state[key].shape
+        state[key], marks[name], first = (
+            _marked(state[key].shape, first),
+            (first, N, K),
+            first + N + K - 1,
+        )
+    if first > MAX_MARKS:
+        raise ValueError(f"too many Linears to place at once ({first - 1} marks > {MAX_MARKS})")
+    return converter_for(cfg).to_hf_state(load_weights(probe, state), cfg), marks
 
 
 def hf_placements(cfg: ModelConfig, names: list[str], strict: bool = True) -> dict[str, Placement]:
     """{our Linear's name: its Placement in the HF export of a `cfg` model}.
+
+    Our weight (N, K) goes through the converter's save path marked down column 0 and along
+    row 0; where the marks land gives the HF weight, each output row's HF row, and whether the
+    HF weight is transposed (row 0's marks then run down an HF column).
 
     Args:
         cfg: the model config (picks the converter).  names: our Linears' module names.
@@ -117,34 +138,42 @@ def hf_placements(cfg: ModelConfig, names: list[str], strict: bool = True) -> di
     Raises:
         ValueError for a Linear the HF checkpoint does not hold as a plain row map.
     """
-    names = list(dict.fromkeys(names))
-    probe, offsets = _probe_model(cfg, names, strict)
-    hf_state = converter_for(cfg).to_hf_state(probe, cfg)
+    hf_state, marks = _probe(cfg, list(dict.fromkeys(names)), strict)
     found: dict[str, Placement] = {}
     for key, t in hf_state.items():
         if t.dim() != 2 or 0 in t.stride() or not t.any():
             continue  # a broadcast zero: none of ours is in it
-        pos = t.nonzero()  # (M, 2) row, col
-        values = t[pos[:, 0], pos[:, 1]].long() - 1  # our flat index + offset
-        for name, off in offsets.items():
-            N, K = probe.get_submodule(name).weight.shape
-            sel = (values >= off) & (values < off + N * K)
+        pos = t.nonzero()  # (M, 2) HF (row, col) of every mark here
+        values = t[pos[:, 0], pos[:, 1]].long()
+        for name, (first, N, K) in marks.items():
+            sel = (values >= first) & (values < first + N + K - 1)
             if not sel.any():
                 continue
-            idx, (row, col) = values[sel] - off, pos[sel].T
-            o, i = idx // K, idx % K
+            local, (row, col) = values[sel] - first, pos[sel].T
+            o = torch.where(local < N, local, 0)  # our (o, i) of each mark
+            i = torch.where(local < N, 0, local - N + 1)
             transposed = not torch.equal(col, i)
             hf_rows, hf_cols = (col, row) if transposed else (row, col)
-            if len(idx) != N * K or not key.endswith(".weight") or not torch.equal(hf_cols, i):
+            if (
+                len(local) != N + K - 1
+                or not key.endswith(".weight")
+                or not torch.equal(hf_cols, i)
+            ):
                 raise ValueError(f"{name!r} is not a row block of the HF weight {key!r}")
             rows = torch.empty(N, dtype=torch.long)
-            rows[o] = hf_rows
+            rows[o[local < N]] = hf_rows[local < N]
             out = t.shape[1] if transposed else t.shape[0]
             found[name] = Placement(key.removesuffix(".weight"), rows, out, transposed)
     missing = [n for n in names if n not in found]
     if missing and strict:
         raise ValueError(f"the HF export of this model has no place for {missing}")
     return found
+
+
+def hf_weight_modules(cfg: ModelConfig) -> list[str]:
+    """The HF module paths that hold a 2-D weight in the export of a `cfg` model."""
+    hf_state, _ = _probe(cfg, [], strict=True)
+    return sorted(k.removesuffix(".weight") for k, t in hf_state.items() if t.dim() == 2)
 
 
 def _task_type(model: nn.Module, cfg: ModelConfig) -> str | None:
@@ -155,7 +184,7 @@ def _task_type(model: nn.Module, cfg: ModelConfig) -> str | None:
 
 def _target_modules(modules: list[str], all_modules: list[str]) -> list[str]:
     """peft's target_modules: the leaf names (c_attn, q_proj) when they pick exactly `modules`
-    out of the HF model's Linears, the full paths otherwise (GPT-2's c_proj is in attn and mlp)."""
+    out of the HF model's weights, the full paths otherwise (GPT-2's c_proj is in attn and mlp)."""
     leaves = {m.rpartition(".")[2] for m in modules}
     picked = {m for m in all_modules if m.rpartition(".")[2] in leaves}
     return sorted(leaves) if picked == set(modules) else sorted(modules)
@@ -184,8 +213,6 @@ def save_peft(
     if any(m.merged for m in adapters.values()):
         raise ValueError("unmerge the adapters before saving them (merged: the base holds them)")
     places = hf_placements(cfg, list(adapters))
-    linears = [n.removesuffix(".base") for n, m in model.named_modules() if is_linear_like(m)]
-    everything = hf_placements(cfg, linears, strict=False)  # for target_modules
     groups: dict[str, list[str]] = {}
     for name in adapters:
         groups.setdefault(places[name].module, []).append(name)
@@ -212,9 +239,7 @@ def save_peft(
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": first.drop.p if isinstance(first.drop, nn.Dropout) else 0.0,
-        "target_modules": _target_modules(
-            list(groups), sorted({p.module for p in everything.values()})
-        ),
+        "target_modules": _target_modules(list(groups), hf_weight_modules(cfg)),
         "rank_pattern": {m: k for m, k in ranks.items() if k != r},
         "alpha_pattern": {m: a for m, a in alphas.items() if a != alpha},
         "fan_in_fan_out": any(p.transposed for p in places.values()),
