@@ -41,7 +41,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 
 def is_linear_like(module: nn.Module) -> bool:
-    """An nn.Linear or a quantized Linear (a module with a 2-D `weight`, in/out_features)."""
+    """An nn.Linear or one of attnlab's quantized Linears (in/out_features, a reference path)."""
     if isinstance(module, nn.Linear):
         return True
     return (

@@ -63,10 +63,18 @@ def test_init_a_kaiming_uniform_b_zero_and_base_frozen():
 
 
 def test_dropout_applies_to_the_input_of_A_only():
-    lora = LoRALinear(nn.Linear(16, 16), rank=2, alpha=2, dropout=0.5).train()
-    lora.lora_B.data.zero_()  # no adapter contribution: dropout must not touch the base path
+    lora = LoRALinear(nn.Linear(16, 12), rank=2, alpha=2, dropout=0.5).train()
+    torch.nn.init.normal_(lora.lora_B)
     x = torch.randn(8, 16)
-    torch.testing.assert_close(lora(x), lora.base(x))
+    torch.manual_seed(5)
+    out = lora(x)
+    torch.manual_seed(5)
+    dropped = F.dropout(x, 0.5, training=True)  # the same mask (the same RNG draws)
+    want = lora.base(x) + (dropped @ lora.lora_A.T @ lora.lora_B.T) * lora.scale
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        lora.eval()
+        assert torch.equal(lora(x), lora(x))  # no dropout at evaluation
 
 
 def test_add_lora_wraps_targets_freezes_the_rest():
