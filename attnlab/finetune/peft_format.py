@@ -195,6 +195,7 @@ def save_peft(
     cfg: ModelConfig,
     path: str | Path,
     base_model_name_or_path: str | None = None,
+    task_type: str | None = "auto",
 ) -> Path:
     """Write `model`'s LoRA adapters as a peft adapter directory for the HF export of its base.
 
@@ -203,6 +204,8 @@ def save_peft(
         cfg: its ModelConfig (picks the HF family converter).
         path: the directory to write.
         base_model_name_or_path: recorded in the config (peft reads it when given no model).
+        task_type: peft's task type ("CAUSAL_LM", "SEQ_CLS", ...; None: a plain PeftModel);
+            "auto" picks it from the model (CAUSAL_LM for a decoder LM, None for masked LM).
 
     Returns:
         the directory.
@@ -234,7 +237,7 @@ def save_peft(
     first = next(iter(adapters.values()))
     config = {
         "peft_type": "LORA",
-        "task_type": _task_type(model, cfg),
+        "task_type": _task_type(model, cfg) if task_type == "auto" else task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": alpha,

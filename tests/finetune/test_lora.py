@@ -62,6 +62,19 @@ def test_init_a_kaiming_uniform_b_zero_and_base_frozen():
     torch.testing.assert_close(lora(x), lora.base(x), atol=0, rtol=0)  # starts as the base
 
 
+def test_a_bf16_base_keeps_fp32_adapters_and_its_own_output_dtype():
+    base = nn.Linear(32, 16).to(torch.bfloat16)
+    lora = LoRALinear(base, rank=4, alpha=8)
+    torch.nn.init.normal_(lora.lora_B)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    y = lora(x)
+    assert y.dtype == torch.bfloat16 and lora.lora_A.dtype == lora.lora_B.dtype == torch.float32
+    want = base(x).float() + (x.float() @ lora.lora_A.T @ lora.lora_B.T) * lora.scale
+    torch.testing.assert_close(y.float(), want, atol=0.05, rtol=0.01)  # bf16 rounding of y
+    y.float().sum().backward()
+    assert lora.lora_B.grad.dtype == torch.float32 and lora.lora_B.grad.abs().max() > 0
+
+
 def test_dropout_applies_to_the_input_of_A_only():
     lora = LoRALinear(nn.Linear(16, 12), rank=2, alpha=2, dropout=0.5).train()
     torch.nn.init.normal_(lora.lora_B)
