@@ -146,7 +146,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N)."""
-        if self.use_kernel and x.device.type == "cpu":
+        # The kernel has no backward: an input that needs a gradient (QLoRA's adapters below
+        # this layer) takes the reference path, which autograd differentiates.
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        if self.use_kernel and x.device.type == "cpu" and not needs_grad:
             return self.kernel_forward(x)
         return self.reference_forward(x)
 

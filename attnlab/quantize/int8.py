@@ -103,7 +103,10 @@ class Int8Linear(nn.Module):
         if torch.compiler.is_compiling():  # inductor 2.13 cannot lower the aten kernel
             one_token = x.shape[:-1].numel() == 1  # decode_step: the fused int8 GEMV
             return self.compiled_forward(x) if one_token else self.reference_forward(x)
-        if self.use_kernel and x.device.type == "cpu":
+        # The kernel has no backward: an input that needs a gradient (QLoRA's adapters below
+        # this layer) takes the reference path, which autograd differentiates.
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        if self.use_kernel and x.device.type == "cpu" and not needs_grad:
             return self.kernel_forward(x)
         return self.reference_forward(x)
 

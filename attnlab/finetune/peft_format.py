@@ -1,0 +1,350 @@
+"""LoRA adapters in `peft`'s format: `adapter_config.json` + `adapter_model.safetensors`.
+
+A directory written by `save_peft` loads with `peft.PeftModel.from_pretrained(hf_model, dir)` onto
+the HF export of the base (`attnlab.interop.hf.save_hf`); `load_peft` reads one that peft wrote
+(`save_pretrained`) onto an attnlab model. peft's layout, for each adapted HF module M:
+
+    base_model.model.<M>.lora_A.weight   (r, K)      adapter_config.json: r, lora_alpha,
+    base_model.model.<M>.lora_B.weight   (N_M, r)    target_modules, rank_pattern, alpha_pattern,
+                                                     fan_in_fan_out, peft_type "LORA", task_type
+
+Where each of our Linears sits in the HF model comes from the family converter itself, not from a
+second name table: `hf_placements` writes numbered marks down column 0 and along row 0 of our
+weight, runs the converter's save path (`to_hf_state`) on that probe, and reads back which HF
+weight and which rows and columns the marks landed in. That covers every transform the
+converter knows:
+
+- renames (q_proj -> model.layers.{i}.self_attn.q_proj, attention.self.query, ...);
+- GPT-2's Conv1D, stored (in, out): the adapter is still A (r, K), B (N, r), and peft's
+  `fan_in_fan_out` transposes the update;
+- GPT-2's fused c_attn (C -> 3C): our q, k, v are rows 0..C, C..2C, 2C..3C of it. Ours to peft:
+  the adapters of q and v become one of rank r_q + r_v, exactly:
+
+      [B_q A_q]   [B_q  0 ]
+      [   0   ] = [ 0   0 ] [A_q]        A = [A_q; A_v] (2r, C),  B block-diagonal (3C, 2r)
+      [B_v A_v]   [ 0  B_v] [A_v]
+
+  peft to ours: one adapter (A, B) on c_attn becomes three, with A shared and B split by rows:
+  B_q = B[:C], B_k = B[C:2C], B_v = B[2C:] (the same update; peft's gradient of A is the sum of
+  the three copies' gradients);
+- a RoPE layout permutation of q/k rows (Llama loaded as "interleaved"): B's rows follow.
+
+Only plain LoRA is read: DoRA, rsLoRA, trained biases and `modules_to_save` raise a ValueError.
+Nothing here imports peft.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from attnlab.finetune.lora import LoRALinear, add_lora, is_linear_like, lora_modules
+from attnlab.interop.hf import converter_for
+from attnlab.models.build import build_model
+from attnlab.models.config import ModelConfig
+from attnlab.models.encoder import EncoderForClassification
+from attnlab.models.weights import load_weights, without_tied_names
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# adapter_config.json fields that change what LoRA computes, and the only value read here
+PLAIN_LORA = {
+    "use_dora": False,
+    "use_rslora": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "lora_bias": False,
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one of our Linears (N outputs) sits in the HF model.
+
+    Attributes:
+        module: the HF module path, e.g. "transformer.h.0.attn.c_attn".
+        rows: (N,) long, the HF module's output index of each of our outputs.
+        out_features: the HF module's number of outputs (3C for c_attn).
+        transposed: the HF weight is stored (in, out) (GPT-2's Conv1D).
+    """
+
+    module: str
+    rows: Tensor
+    out_features: int
+    transposed: bool
+
+
+# Marks are float32 numbers 1, 2, 3, ...: exact below 2**24, as many marks as any model needs
+MAX_MARKS = 2**24
+
+
+def _marked(shape: torch.Size, first: int) -> Tensor:
+    """A (N, K) float32 weight marked first, first+1, ... down column 0 (one per output row o)
+    and then along row 0 from column 1 (one per input column i); zeros elsewhere."""
+    N, K = shape
+    w = torch.zeros(N, K)
+    w[:, 0] = torch.arange(first, first + N)
+    w[0, 1:] = torch.arange(first + N, first + N + K - 1)
+    return w
+
+
+def _probe(cfg: ModelConfig, names: list[str], strict: bool) -> tuple[dict, dict[str, tuple]]:
+    """The converter's HF state of a `cfg` model whose `names` weights are marked (`_marked`)
+    and all else zero (broadcast views: no memory); and {name: (first mark, N, K)}.
+    A name that is no Linear with a weight of its own there (a head tied to the embedding) is
+    an error if `strict`, skipped otherwise."""
+    with torch.device("meta"):
+        probe = build_model(cfg)
+    state = without_tied_names(probe.state_dict(), probe)
+    state = {k: torch.zeros(()).expand(v.shape) for k, v in state.items()}
+    marks, first = {}, 1
+    for name in names:
+        key = f"{name}.weight"
+        if key not in state or state[key].dim() != 2:
+            if not strict:
+                continue
+            raise ValueError(
+                f"{name!r} is not a Linear with a weight of its own in a freshly built "
+                f"{cfg.arch} model, so it has no place in an HF adapter"
+            )
+        N, K = state[key].shape
+        state[key], marks[name], first = (
+            _marked(state[key].shape, first),
+            (first, N, K),
+            first + N + K - 1,
+        )
+    if first > MAX_MARKS:
+        raise ValueError(f"too many Linears to place at once ({first - 1} marks > {MAX_MARKS})")
+    return converter_for(cfg).to_hf_state(load_weights(probe, state), cfg), marks
+
+
+def hf_placements(cfg: ModelConfig, names: list[str], strict: bool = True) -> dict[str, Placement]:
+    """{our Linear's name: its Placement in the HF export of a `cfg` model}.
+
+    Our weight (N, K) goes through the converter's save path marked down column 0 and along
+    row 0; where the marks land gives the HF weight, each output row's HF row, and whether the
+    HF weight is transposed (row 0's marks then run down an HF column).
+
+    Args:
+        cfg: the model config (picks the converter).  names: our Linears' module names.
+        strict: raise for a name with no place; otherwise leave it out.
+
+    Raises:
+        ValueError for a Linear the HF checkpoint does not hold as a plain row map.
+    """
+    hf_state, marks = _probe(cfg, list(dict.fromkeys(names)), strict)
+    found: dict[str, Placement] = {}
+    for key, t in hf_state.items():
+        if t.dim() != 2 or 0 in t.stride() or not t.any():
+            continue  # a broadcast zero: none of ours is in it
+        pos = t.nonzero()  # (M, 2) HF (row, col) of every mark here
+        values = t[pos[:, 0], pos[:, 1]].long()
+        for name, (first, N, K) in marks.items():
+            sel = (values >= first) & (values < first + N + K - 1)
+            if not sel.any():
+                continue
+            local, (row, col) = values[sel] - first, pos[sel].T
+            o = torch.where(local < N, local, 0)  # our (o, i) of each mark
+            i = torch.where(local < N, 0, local - N + 1)
+            transposed = not torch.equal(col, i)
+            hf_rows, hf_cols = (col, row) if transposed else (row, col)
+            if (
+                len(local) != N + K - 1
+                or not key.endswith(".weight")
+                or not torch.equal(hf_cols, i)
+            ):
+                raise ValueError(f"{name!r} is not a row block of the HF weight {key!r}")
+            rows = torch.empty(N, dtype=torch.long)
+            rows[o[local < N]] = hf_rows[local < N]
+            out = t.shape[1] if transposed else t.shape[0]
+            found[name] = Placement(key.removesuffix(".weight"), rows, out, transposed)
+    missing = [n for n in names if n not in found]
+    if missing and strict:
+        raise ValueError(f"the HF export of this model has no place for {missing}")
+    return found
+
+
+def hf_weight_modules(cfg: ModelConfig) -> list[str]:
+    """The HF module paths that hold a 2-D weight in the export of a `cfg` model."""
+    hf_state, _ = _probe(cfg, [], strict=True)
+    return sorted(k.removesuffix(".weight") for k, t in hf_state.items() if t.dim() == 2)
+
+
+def _task_type(model: nn.Module, cfg: ModelConfig) -> str | None:
+    if isinstance(model, EncoderForClassification):
+        return "SEQ_CLS"
+    return {"decoder": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM"}.get(cfg.arch)
+
+
+def _target_modules(modules: list[str], all_modules: list[str]) -> list[str]:
+    """peft's target_modules: the leaf names (c_attn, q_proj) when they pick exactly `modules`
+    out of the HF model's weights, the full paths otherwise (GPT-2's c_proj is in attn and mlp)."""
+    leaves = {m.rpartition(".")[2] for m in modules}
+    picked = {m for m in all_modules if m.rpartition(".")[2] in leaves}
+    return sorted(leaves) if picked == set(modules) else sorted(modules)
+
+
+def save_peft(
+    model: nn.Module,
+    cfg: ModelConfig,
+    path: str | Path,
+    base_model_name_or_path: str | None = None,
+    task_type: str | None = "auto",
+) -> Path:
+    """Write `model`'s LoRA adapters as a peft adapter directory for the HF export of its base.
+
+    Args:
+        model: an attnlab model with adapters (add_lora); a quantized base is fine.
+        cfg: its ModelConfig (picks the HF family converter).
+        path: the directory to write.
+        base_model_name_or_path: recorded in the config (peft reads it when given no model).
+        task_type: peft's task type ("CAUSAL_LM", "SEQ_CLS", ...; None: a plain PeftModel);
+            "auto" picks it from the model (CAUSAL_LM for a decoder LM, None for masked LM).
+
+    Returns:
+        the directory.
+    """
+    adapters = lora_modules(model)
+    if not adapters:
+        raise ValueError("the model has no LoRA adapters to save (add_lora first)")
+    if any(m.merged for m in adapters.values()):
+        raise ValueError("unmerge the adapters before saving them (merged: the base holds them)")
+    places = hf_placements(cfg, list(adapters))
+    groups: dict[str, list[str]] = {}
+    for name in adapters:
+        groups.setdefault(places[name].module, []).append(name)
+    tensors, ranks, alphas = {}, {}, {}
+    for module, names in groups.items():
+        members = [adapters[n] for n in names]
+        rank, scale = sum(m.rank for m in members), members[0].scale
+        B = torch.zeros(places[names[0]].out_features, rank)  # (N_M, r_M)
+        col = 0
+        for name, m in zip(names, members):
+            B[places[name].rows, col : col + m.rank] = m.lora_B.detach().cpu() * (m.scale / scale)
+            col += m.rank
+        A = torch.cat([m.lora_A.detach().cpu() for m in members])  # (r_M, K)
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = A.contiguous()
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = B
+        ranks[module], alphas[module] = rank, scale * rank
+    r = max(set(ranks.values()), key=list(ranks.values()).count)  # the most common rank
+    alpha = next(alphas[m] for m in ranks if ranks[m] == r)
+    first = next(iter(adapters.values()))
+    config = {
+        "peft_type": "LORA",
+        "task_type": _task_type(model, cfg) if task_type == "auto" else task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": first.drop.p if isinstance(first.drop, nn.Dropout) else 0.0,
+        "target_modules": _target_modules(list(groups), hf_weight_modules(cfg)),
+        "rank_pattern": {m: k for m, k in ranks.items() if k != r},
+        "alpha_pattern": {m: a for m, a in alphas.items() if a != alpha},
+        "fan_in_fan_out": any(p.transposed for p in places.values()),
+        "init_lora_weights": True,
+        "inference_mode": True,
+        **PLAIN_LORA,
+    }
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    return path
+
+
+def read_peft_config(path: str | Path) -> dict:
+    """adapter_config.json, checked to describe plain LoRA (ValueError naming the field)."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} has no {CONFIG} (not a peft adapter directory)")
+    config = json.loads(file.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{str(file)!r}: peft_type={config.get('peft_type')!r}, only LORA loads")
+    for field, plain in PLAIN_LORA.items():
+        if config.get(field, plain) not in (plain, [], {}):
+            raise ValueError(
+                f"{str(file)!r}: {field}={config[field]!r} is not supported (plain LoRA needs "
+                f"{field}={plain!r})"
+            )
+    return config
+
+
+def _pattern(patterns: dict, module: str, default):
+    """peft's rank_pattern / alpha_pattern rule: a key matching the end of the module path."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_peft(path: str | Path) -> tuple[dict, dict[str, tuple[Tensor, Tensor]]]:
+    """(adapter_config.json, {HF module: (A (r, K), B (N, r))}) of a peft adapter directory."""
+    config = read_peft_config(path)
+    file = Path(path) / WEIGHTS
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} has no {WEIGHTS}")
+    state = load_file(str(file))
+    parts: dict[str, dict[str, Tensor]] = {}
+    for key, t in state.items():
+        match = KEY.match(key)
+        if match is None:
+            raise ValueError(
+                f"{str(file)!r}: {key!r} is not a LoRA weight ({PREFIX}<module>.lora_A.weight)"
+            )
+        parts.setdefault(match["module"], {})[match["ab"]] = t
+    half = sorted(m for m, ab in parts.items() if len(ab) != 2)
+    if half:
+        raise ValueError(f"{str(file)!r}: modules with lora_A or lora_B only: {half}")
+    return config, {m: (ab["A"], ab["B"]) for m, ab in parts.items()}
+
+
+@torch.no_grad()
+def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]:
+    """Add the adapters of a peft directory (made for the HF export of `model`) to `model`.
+
+    Args:
+        model: an attnlab model without adapters (float or quantized).
+        cfg: its ModelConfig.
+        path: a directory peft's `save_pretrained` (or `save_peft`) wrote.
+
+    Returns:
+        the names of our modules that now carry LoRA.
+    """
+    if lora_modules(model):
+        raise ValueError(f"the model already has LoRA on {list(lora_modules(model))}")
+    config, weights = read_peft(path)
+    linears = [n for n, m in model.named_modules() if is_linear_like(m)]
+    places = hf_placements(cfg, linears, strict=False)
+    by_module: dict[str, list[str]] = {}
+    for name, place in places.items():
+        by_module.setdefault(place.module, []).append(name)
+    unknown = sorted(set(weights) - set(by_module))
+    if unknown:
+        raise ValueError(
+            f"the adapter in {str(path)!r} adapts {unknown}, which this {cfg.arch} model's HF "
+            f"export does not have (is it for another base model?)"
+        )
+    ranks, alphas, values = {}, {}, {}
+    for module, (A, B) in weights.items():
+        r = _pattern(config.get("rank_pattern"), module, config["r"])
+        alpha = _pattern(config.get("alpha_pattern"), module, config["lora_alpha"])
+        for name in by_module[module]:
+            p, lin = places[name], model.get_submodule(name)
+            if A.shape != (r, lin.in_features) or B.shape != (p.out_features, r):
+                raise ValueError(
+                    f"adapter for {module}: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
+                    f"the model needs ({r}, {lin.in_features}) and ({p.out_features}, {r})"
+                )
+            ranks[name], alphas[name], values[name] = r, alpha, (A, B[p.rows])
+    names = add_lora(model, list(values), ranks, alphas, config.get("lora_dropout", 0.0))
+    for name in names:
+        lora: LoRALinear = model.get_submodule(name)
+        A, B = values[name]
+        lora.lora_A.copy_(A)
+        lora.lora_B.copy_(B)
+    return names
