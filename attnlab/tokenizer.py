@@ -58,14 +58,17 @@ class Tokenizer:
 
     Args:
         backend: the `tokenizers.Tokenizer`.
-        chat_template: a Jinja chat template (HF's format), or None; `apply_chat_template`
-            then uses DEFAULT_CHAT_TEMPLATE when the vocabulary has CHAT_TOKENS.
+        chat_template: a Jinja chat template (HF's format); None: DEFAULT_CHAT_TEMPLATE when
+            the vocabulary has CHAT_TOKENS, else no template.
     """
 
     def __init__(self, backend: HFTokenizer, chat_template: str | None = None):
         self.backend = backend
-        self.chat_template = chat_template
         vocab = backend.get_vocab(with_added_tokens=True)
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        if chat_template is None and all(t in added for t in CHAT_TOKENS):
+            chat_template = DEFAULT_CHAT_TEMPLATE  # attnlab's markers bring attnlab's format
+        self.chat_template = chat_template
         self.special_ids = {t: vocab[t] for t in SPECIAL_TOKENS if t in vocab}
         # transformers' own files name their specials differently; map the common ones.
         for ours, theirs in (
@@ -161,19 +164,16 @@ class Tokenizer:
         Returns:
             the rendered text (encode it with `encode`: the markers are single ids).
         """
-        template = self.chat_template
-        if template is None:
+        if self.chat_template is None:
             missing = [t for t in CHAT_TOKENS if self.token_id(t) is None]
-            if missing:
-                raise ValueError(
-                    f"this tokenizer has no chat_template and lacks the chat markers {missing}: "
-                    "train it with special_tokens=CHAT_TOKENS, or set tokenizer.chat_template"
-                )
-            template = DEFAULT_CHAT_TEMPLATE
+            raise ValueError(
+                f"this tokenizer has no chat_template and lacks the chat markers {missing}: "
+                "train it with special_tokens=CHAT_TOKENS, or set tokenizer.chat_template"
+            )
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        return _compile_template(template).render(
+        return _compile_template(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             **self._template_specials(),
@@ -305,14 +305,6 @@ def _specials(extra: Iterable[str]) -> list[str]:
     return SPECIAL_TOKENS + extra
 
 
-def _default_template(specials: list[str], chat_template: str | None) -> str | None:
-    """`chat_template`, or DEFAULT_CHAT_TEMPLATE when none is given and the specials hold
-    every one of CHAT_TOKENS."""
-    if chat_template is None and all(t in specials for t in CHAT_TOKENS):
-        return DEFAULT_CHAT_TEMPLATE
-    return chat_template
-
-
 def train_char_tokenizer(
     texts: Iterable[str], special_tokens: Iterable[str] = (), chat_template: str | None = None
 ) -> Tokenizer:
@@ -328,7 +320,7 @@ def train_char_tokenizer(
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.add_special_tokens(specials)
     backend.decoder = decoders.Fuse()  # characters join with nothing between them
-    return Tokenizer(backend, _default_template(specials, chat_template))
+    return Tokenizer(backend, chat_template)
 
 
 def train_bpe_tokenizer(
@@ -362,4 +354,4 @@ def train_bpe_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(backend, _default_template(specials, chat_template))
+    return Tokenizer(backend, chat_template)

@@ -144,3 +144,22 @@ def test_checkpoint_keeps_the_chat_template_beside_tokenizer_json(tmp_path, chat
     # Without a template nothing extra is written (older checkpoints look the same).
     save_pretrained(tmp_path / "plain", model, cfg, tokenizer=train_bpe_tokenizer(CORPUS, 300))
     assert not (tmp_path / "plain" / "tokenizer_config.json").exists()
+
+
+def test_markers_alone_bring_the_default_template(tmp_path, chat_bpe):
+    # A tokenizer.json saved without its config (the training data cache) keeps the format.
+    chat_bpe.save(tmp_path / "tokenizer.json")
+    assert Tokenizer.from_file(tmp_path).chat_template == DEFAULT_CHAT_TEMPLATE
+    assert train_bpe_tokenizer(CORPUS, 300).chat_template is None
+
+
+@pytest.mark.hf
+def test_hf_export_keeps_the_chat_template(tmp_path, chat_bpe):
+    transformers = pytest.importorskip("transformers")
+    from attnlab.interop.hf.auto import save_tokenizer
+
+    tok = Tokenizer(chat_bpe.backend, CHATML)
+    save_tokenizer(tok, tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    want = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert want == tok.apply_chat_template(CHAT)
