@@ -23,19 +23,18 @@ evaluation uses the same ids. Every builder takes a cap on the examples and runs
 
 import ast
 import bisect
-import copy
 import hashlib
-import io
 import json
-import keyword
 import random
 import sysconfig
-import textwrap
 import tokenize
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from attnlab.finetune.signatures import all_args, corrupt_signature, functions, signature
+from attnlab.finetune.tagging import spans_from_words, tag_spans, windows
 
 TaskKind = Literal["tag", "classify", "sft", "dpo"]
 SPLITS = ("train", "val", "test")
@@ -69,7 +68,6 @@ CLASSIFY_PACKAGES = (
     "urllib",
     "xml",
 )
-TAG_TYPES = ("NAME", "KEYWORD", "STRING", "NUMBER", "COMMENT", "OP")
 SFT_PROMPT = "Write the signature of the function documented as: {doc}"
 
 
@@ -208,57 +206,6 @@ class TaskData:
 
 
 # --- (a) tagging --------------------------------------------------------------------------------
-def tag_spans(source: str) -> list[tuple[int, int, str]]:
-    """Character spans (start, end, type) of the lexical tokens of Python `source`, typed by
-    the standard `tokenize` module: NAME, KEYWORD (a NAME for which `keyword.iskeyword` holds),
-    STRING, NUMBER, COMMENT, OP. An f-string is one STRING span, as before Python 3.12 split it
-    into parts. Raises tokenize.TokenError or SyntaxError on source it cannot read."""
-    starts = [0]
-    for line in source.splitlines(keepends=True):
-        starts.append(starts[-1] + len(line))
-
-    def offset(pos: tuple[int, int]) -> int:
-        return starts[pos[0] - 1] + pos[1]
-
-    spans, depth, fstring_start = [], 0, 0
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        name = tokenize.tok_name[tok.type]
-        if name.endswith("STRING_START"):  # 3.12+: FSTRING_START ... FSTRING_END
-            depth += 1
-            if depth == 1:
-                fstring_start = offset(tok.start)
-            continue
-        if name.endswith("STRING_END"):
-            depth -= 1
-            if depth == 0:
-                spans.append((fstring_start, offset(tok.end), "STRING"))
-            continue
-        if depth or name not in ("NAME", "STRING", "NUMBER", "COMMENT", "OP"):
-            continue
-        if name == "NAME" and keyword.iskeyword(tok.string):
-            name = "KEYWORD"
-        spans.append((offset(tok.start), offset(tok.end), name))
-    return spans
-
-
-def _windows(source: str, spans, window_lines: int):
-    """(start, end) character ranges of windows of about `window_lines` lines, each cut at a
-    line boundary that no span crosses (a triple-quoted string stays whole)."""
-    starts = [0]
-    for line in source.splitlines(keepends=True):
-        starts.append(starts[-1] + len(line))
-    inside = set()  # line boundaries strictly inside a (multi-line) span
-    for s, e, _ in spans:
-        inside.update(starts[bisect.bisect_right(starts, s) : bisect.bisect_left(starts, e)])
-    i = 0
-    while i < len(starts) - 1:
-        j = min(i + window_lines, len(starts) - 1)
-        while j < len(starts) - 1 and starts[j] in inside:
-            j += 1
-        yield starts[i], starts[j]
-        i = j
-
-
 def build_tagging(
     max_examples: int = 2000,
     window_lines: int = 8,
@@ -299,7 +246,7 @@ def build_tagging(
         if not spans:
             continue
         first = [s for s, _, _ in spans]  # sorted: tokenize reads left to right
-        for a, b in _windows(source, spans, window_lines):
+        for a, b in windows(source, spans, window_lines):
             mine = spans[bisect.bisect_left(first, a) : bisect.bisect_left(first, b)]
             inside = [(s - a, e - a, t) for s, e, t in mine]
             if inside and b - a <= max_chars and len(out[split]) < caps[split]:
@@ -307,73 +254,7 @@ def build_tagging(
     return TaskData("tag", out, LabelVocab.from_examples(out["train"], "tag"))
 
 
-def char_tags(text: str, spans) -> list[str]:
-    """BIO tags, one per character of `text`: B-X on a span's first character, I-X on the
-    rest, O outside every span."""
-    tags = ["O"] * len(text)
-    for s, e, t in spans:
-        tags[s] = f"B-{t}"
-        tags[s + 1 : e] = [f"I-{t}"] * (e - s - 1)
-    return tags
-
-
-def token_tags(
-    text: str, spans, offsets, rule: Literal["first", "all"] = "first"
-) -> list[str | None]:
-    """The BIO tag of each token of a tokenizer, from its character offsets into `text`.
-
-    A token takes the tag of its first non-whitespace character (of its first character when
-    it is all whitespace): B-X when it starts a span, I-X when it continues one. A token that
-    continues a span in the middle of a word (the character before it is not whitespace) is a
-    later subword: under rule "first" its tag is None (leave it out of the loss and of the
-    metric, label -100), under rule "all" it is I-X. A span that starts inside a token
-    already tagged (a BPE token joining two operators, "):") is not seen at token level.
-    With a character tokenizer, rule "all" gives `char_tags` exactly.
-
-    Args:
-        text: the example's text.
-        spans: its (start, end, type) spans.
-        offsets: (start, end) character offsets of each token, e.g. `tokenizers`'
-            `Encoding.offsets`.
-        rule: "first" or "all".
-
-    Returns:
-        one tag (or None) per token.
-    """
-    chars = char_tags(text, spans)
-    out = []
-    for s, e in offsets:
-        if s >= e:  # an empty token (a special one added to the text)
-            out.append("O")
-            continue
-        p = next((i for i in range(s, e) if not text[i].isspace()), s)
-        tag = chars[p]
-        if tag.startswith("I-") and rule == "first" and not text[p - 1].isspace():
-            tag = None
-        out.append(tag)
-    return out
-
-
 # --- (b) classification -------------------------------------------------------------------------
-def _functions(source: str, with_text: bool = True):
-    """(node, text) of every function and method of `source`: the text as
-    `ast.get_source_segment(source, node, padded=True)` gives it, dedented (read from lines
-    split once, where get_source_segment splits the whole file again for every node)."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        if not with_text:
-            yield node, ""
-            continue
-        # Offsets are in UTF-8 bytes, as in get_source_segment.
-        part = [line.encode() for line in lines[node.lineno - 1 : node.end_lineno]]
-        part[-1] = part[-1][: node.end_col_offset]
-        part[0] = b" " * node.col_offset + part[0][node.col_offset :]
-        yield node, textwrap.dedent(b"".join(part).decode())
-
-
 def build_classification(
     max_per_class: int = 150,
     packages: tuple[str, ...] = CLASSIFY_PACKAGES,
@@ -408,11 +289,11 @@ def build_classification(
         for path in (p for p in files if p.relative_to(root).parts[0] == package):
             source = _read(path)
             try:
-                functions = list(_functions(source)) if source else []
+                found = list(functions(source)) if source else []
             except SyntaxError:
                 continue
             kept = by_file.setdefault(str(path), [])
-            for _, text in functions:
+            for _, text in found:
                 if text.count("\n") + 1 >= min_lines and text not in seen:
                     seen.add(text)
                     kept.append({"text": text[:max_chars], "label": package, "file": str(path)})
@@ -426,12 +307,6 @@ def build_classification(
 
 
 # --- (c) instructions and preference pairs ------------------------------------------------------
-def signature(node: ast.FunctionDef | ast.AsyncFunctionDef, args: ast.arguments | None = None):
-    """`def name(args):` of a function (`async def` for a coroutine), by `ast.unparse`."""
-    prefix = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
-    return f"{prefix} {node.name}({ast.unparse(args or node.args)}):"
-
-
 def build_instructions(
     max_examples: int = 2000,
     max_signature_chars: int = 100,
@@ -466,10 +341,10 @@ def build_instructions(
             continue
         source = _read(modules[module])
         try:
-            functions = list(_functions(source, with_text=False)) if source else []
+            found = list(functions(source, with_text=False)) if source else []
         except SyntaxError:
             continue
-        for node, _ in functions:
+        for node, _ in found:
             doc = (ast.get_docstring(node) or "").strip().split("\n")[0].strip()
             sig = signature(node)
             if node.name.startswith("_") or not 10 <= len(doc) <= 200:
@@ -485,65 +360,10 @@ def build_instructions(
                     "response": sig,
                     "module": module,
                     "name": node.name,
-                    "args": [a.arg for a in _all_args(node.args)],
+                    "args": [a.arg for a in all_args(node.args)],
                 }
             )
     return TaskData("sft", out)
-
-
-def _all_args(args: ast.arguments) -> list[ast.arg]:
-    extra = [a for a in (args.vararg, args.kwarg) if a is not None]
-    return [*args.posonlyargs, *args.args, *args.kwonlyargs, *extra]
-
-
-def corrupt_signature(
-    sig: str, names: list[str], arg_names: list[str], rng: random.Random
-) -> tuple[str, str]:
-    """(kind, a wrong version of the signature `sig`): "name" another function's name from
-    `names`, "drop" one argument left out, or "rename" one argument renamed to another from
-    `arg_names` (or with "_value" added); the kind is drawn from those that apply. The result
-    parses and differs from `sig`."""
-    node = ast.parse(sig + " ...").body[0]
-    kinds = ["name"] if any(n != node.name for n in names) else []
-    if _all_args(node.args):
-        kinds += ["drop", "rename"]
-    if not kinds:
-        raise ValueError(f"cannot corrupt {sig!r}: no argument, and no other name to swap in")
-    kind = rng.choice(kinds)
-    new = copy.deepcopy(node.args)
-    if kind == "name":
-        node = copy.copy(node)
-        node.name = rng.choice([n for n in names if n != node.name])
-    elif kind == "drop":
-        _drop_arg(new, rng)
-    else:
-        taken = {a.arg for a in _all_args(new)}
-        target = rng.choice(_all_args(new))
-        pool = [n for n in arg_names if n not in taken]
-        target.arg = rng.choice(pool) if pool else target.arg + "_value"
-    return kind, signature(node, new)
-
-
-def _drop_arg(args: ast.arguments, rng: random.Random) -> None:
-    """Remove one argument of `args` in place, with its default."""
-    positional = [*args.posonlyargs, *args.args]
-    choices = [("pos", i) for i in range(len(positional))]
-    choices += [("kw", i) for i in range(len(args.kwonlyargs))]
-    choices += [(name, 0) for name in ("vararg", "kwarg") if getattr(args, name) is not None]
-    where, i = rng.choice(choices)
-    if where == "pos":
-        first_default = len(positional) - len(args.defaults)
-        if i >= first_default:
-            del args.defaults[i - first_default]
-        if i < len(args.posonlyargs):
-            del args.posonlyargs[i]
-        else:
-            del args.args[i - len(args.posonlyargs)]
-    elif where == "kw":
-        del args.kwonlyargs[i]
-        del args.kw_defaults[i]
-    else:
-        setattr(args, where, None)
 
 
 def build_preferences(instructions: TaskData | None = None, seed: int = 0) -> TaskData:
@@ -605,22 +425,6 @@ def _check_field(path, n: int, kind: str, row: dict, field: str) -> None:
         raise ValueError(f"{where} must be a string, got {type(value).__name__} {value!r}")
     if not value.strip():
         raise ValueError(f"{where} is empty")
-
-
-def spans_from_words(tokens: list[str], tags: list[str]) -> tuple[str, list]:
-    """(text, spans) of word-level BIO tags: the words joined by single spaces; an entity
-    (B-X then I-X words, or an I-X word after another type, as in CoNLL) is one span."""
-    text, spans, pos = " ".join(tokens), [], 0
-    for word, tag in zip(tokens, tags):
-        start, end = pos, pos + len(word)
-        if tag != "O":
-            kind = tag[2:]
-            if tag.startswith("I-") and spans and spans[-1][2] == kind and spans[-1][1] == pos - 1:
-                spans[-1] = (spans[-1][0], end, kind)  # continues the entity (across the space)
-            else:
-                spans.append((start, end, kind))
-        pos = end + 1
-    return text, spans
 
 
 def load_jsonl(path: str | Path, kind: TaskKind) -> list[dict]:

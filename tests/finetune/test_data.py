@@ -16,17 +16,14 @@ from attnlab.finetune.data import (
     build_instructions,
     build_preferences,
     build_tagging,
-    char_tags,
-    corrupt_signature,
     load_jsonl,
     module_name,
-    spans_from_words,
     stdlib_files,
     stdlib_root,
-    tag_spans,
-    token_tags,
     user_task,
 )
+from attnlab.finetune.signatures import corrupt_signature, functions
+from attnlab.finetune.tagging import char_tags, spans_from_words, tag_spans, token_tags
 from attnlab.tokenizer import train_char_tokenizer
 
 SNIPPET = 'def f(x, y=10):  # add\n    return x + y * 2.5\ns = "hi"\n'
@@ -186,15 +183,35 @@ def test_classification_labels_are_the_real_package(classification):
     assert classification.labels.labels == tuple(sorted(CLASSIFY_PACKAGES))
 
 
-def test_function_text_is_what_get_source_segment_gives(classification):
-    from attnlab.finetune.data import _functions
+FORM_FEED_SOURCE = (
+    "import os\r\n\x0c\r\nclass A:\r\n    def m(self, x):  # \x0c in a comment\r\n"
+    "        return [x,\r\n                1]\r\n\x0c\n\nasync def g(\n    a='\u00e9'): pass\n"
+)
 
-    source = Path(classification.splits["test"][0]["file"]).read_text(encoding="utf-8")
+
+def test_function_text_is_what_get_source_segment_gives(classification):
     import textwrap
 
-    for node, text in list(_functions(source))[:50]:
-        want = textwrap.dedent(ast.get_source_segment(source, node, padded=True))
-        assert text == want
+    sources = [FORM_FEED_SOURCE]
+    sources += [
+        Path(ex["file"]).read_text(encoding="utf-8") for ex in classification.splits["test"][:3]
+    ]
+    n = 0
+    for source in sources:
+        for node, text in functions(source):
+            want = textwrap.dedent(ast.get_source_segment(source, node, padded=True))
+            assert text == want
+            n += 1
+    assert n > 10
+
+
+def test_spans_are_right_across_form_feeds_and_crlf():
+    for s, e, kind in tag_spans(FORM_FEED_SOURCE):
+        piece = FORM_FEED_SOURCE[s:e]
+        assert piece.strip() == piece and piece, (s, e, kind)
+    texts = [FORM_FEED_SOURCE[s:e] for s, e, _ in tag_spans(FORM_FEED_SOURCE)]
+    assert texts[:6] == ["import", "os", "class", "A", ":", "def"]
+    assert "# \x0c in a comment" in texts and "'\u00e9'" in texts
 
 
 # --- instructions and DPO pairs -------------------------------------------------------------------
