@@ -23,6 +23,7 @@ encodes to <unk>, and `decode` writes every <unk> as U+FFFD, the Unicode replace
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -154,7 +155,8 @@ class Tokenizer:
         """The text of a conversation in this tokenizer's chat format, rendered as
         `transformers`' `apply_chat_template(..., tokenize=False)` renders the same template
         (a sandboxed Jinja environment with trim_blocks and lstrip_blocks; the template sees
-        `messages`, `add_generation_prompt`, `raise_exception` and bos_token, eos_token, ...).
+        `messages`, `add_generation_prompt`, `tools` and `documents` (None), `raise_exception`,
+        `strftime_now` and bos_token, eos_token, ... by HF's names).
 
         Args:
             messages: [{"role": "user" | "assistant" | "system", "content": str}, ...].
@@ -175,6 +177,8 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
         return _compile_template(self.chat_template).render(
             messages=messages,
+            tools=None,  # as transformers passes them when none are given
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             **self._template_specials(),
         )
@@ -188,7 +192,7 @@ class Tokenizer:
     def iter_encode_file(self, path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[list[int]]:
         """Encode a text file chunk by chunk: the concatenated chunks are `encode(whole text)`.
 
-        A chunk ends just before a line break ("\n" or "\r") that follows a non-space
+        A chunk ends just before a line break ("\\n" or "\\r") that follows a non-space
         character. No token crosses such a point: the byte-level pre-tokenizer's pieces never
         hold both a non-space character and a line break, and a character tokenizer has no
         pieces at all. (Special tokens that contain a line break, and tokenizers that add a
@@ -286,6 +290,7 @@ def _compile_template(template: str):
     )
     env.filters["tojson"] = tojson  # HF's tojson: no HTML escaping
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
 
 

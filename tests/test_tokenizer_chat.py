@@ -31,6 +31,7 @@ CHATML = (
     "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if tools is not none %}TOOLS{% endif %}{{ eos_token if messages | length > 3 }}"
 )
 
 

@@ -169,6 +169,11 @@ class LabelVocab:
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def label2id(self) -> dict[str, int]:
+        """{label: id}, as HF configs store it (id2label is its inverse)."""
+        return {label: i for i, label in enumerate(self.labels)}
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"labels": list(self.labels)}, indent=2) + "\n")
 

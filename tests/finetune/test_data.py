@@ -346,6 +346,7 @@ def test_label_ids_come_from_training_and_are_saved(tmp_path):
     val = _write(tmp_path, [{"text": "c", "label": "pos"}], "v")
     task = user_task("classify", train, val)
     assert task.labels.labels == ("neg", "pos") and task.labels.id("pos") == 1
+    assert task.labels.label2id == {"neg": 0, "pos": 1}
     task.labels.save(tmp_path / "labels.json")
     assert LabelVocab.load(tmp_path / "labels.json") == task.labels
     unseen = _write(tmp_path, [{"text": "c", "label": "meh"}], "u")
