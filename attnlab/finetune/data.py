@@ -25,6 +25,7 @@ import ast
 import bisect
 import hashlib
 import json
+import os
 import random
 import sysconfig
 import tokenize
@@ -90,6 +91,15 @@ def module_name(path: Path) -> str:
     """ "email.utils" for .../email/utils.py, "email" for .../email/__init__.py."""
     parts = list(path.relative_to(stdlib_root()).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def file_keys(files: list[Path]) -> dict[str, Path]:
+    """{key: file}, the key a file's path below the files' common folder ("email/utils.py"
+    for the standard library), so that a split does not depend on where Python is installed."""
+    if not files:
+        return {}
+    common = Path(os.path.commonpath([str(f.resolve().parent) for f in files]))
+    return {f.resolve().relative_to(common).as_posix(): f for f in files}
 
 
 def _hash(key: str, seed: int) -> str:
@@ -233,8 +243,8 @@ def build_tagging(
         TaskData("tag") of {"text", "spans", "file", "start"} examples: the text is
         file[start : start + len(text)], the spans are relative to the text.
     """
-    files = stdlib_files() if files is None else files
-    names = {str(p): p for p in files}
+    files = stdlib_files() if files is None else [Path(f) for f in files]
+    names = file_keys(files)
     split_of = assign_splits(names, seed)
     caps = {"train": max_examples, "val": max(50, max_examples // 10)}
     caps["test"] = caps["val"]
@@ -255,7 +265,8 @@ def build_tagging(
             mine = spans[bisect.bisect_left(first, a) : bisect.bisect_left(first, b)]
             inside = [(s - a, e - a, t) for s, e, t in mine]
             if inside and b - a <= max_chars and len(out[split]) < caps[split]:
-                out[split].append({"text": source[a:b], "spans": inside, "file": key, "start": a})
+                example = {"text": source[a:b], "spans": inside, "file": str(names[key])}
+                out[split].append({**example, "start": a})
     return TaskData("tag", out, LabelVocab.from_examples(out["train"], "tag"))
 
 
@@ -290,14 +301,14 @@ def build_classification(
     out: dict[str, list[dict]] = {s: [] for s in SPLITS}
     seen: set[str] = set()  # a text found in two places is kept once
     for package in packages:
-        by_file: dict[str, list[dict]] = {}
+        by_file: dict[str, list[dict]] = {}  # by the path below the standard library
         for path in (p for p in files if p.relative_to(root).parts[0] == package):
             source = _read(path)
             try:
                 found = list(functions(source)) if source else []
             except SyntaxError:
                 continue
-            kept = by_file.setdefault(str(path), [])
+            kept = by_file.setdefault(path.relative_to(root).as_posix(), [])
             for _, text in found:
                 if text.count("\n") + 1 >= min_lines and text not in seen:
                     seen.add(text)

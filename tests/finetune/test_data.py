@@ -16,6 +16,7 @@ from attnlab.finetune.data import (
     build_instructions,
     build_preferences,
     build_tagging,
+    file_keys,
     load_jsonl,
     module_name,
     stdlib_files,
@@ -357,3 +358,18 @@ def test_label_ids_come_from_training_and_are_saved(tmp_path):
     assert user_task("tag", tags, tags).labels.labels == ("O", "B-PER", "I-PER")
     with pytest.raises(ValueError, match="label 'B-LOC' was never seen"):
         user_task("tag", tags, other)
+
+
+def test_splits_do_not_depend_on_where_the_files_live(tmp_path):
+    splits = []
+    for where in ("a", "deeper/b"):
+        files = []
+        for i in range(12):
+            path = tmp_path / where / "pkg" / f"m{i}.py"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"x{i} = {i}\n" * 12)
+            files.append(path)
+        task = build_tagging(files=files, window_lines=4)
+        splits.append({s: [ex["text"] for ex in v] for s, v in task.splits.items()})
+    assert splits[0] == splits[1] and all(splits[0].values())
+    assert "email/utils.py" in file_keys(stdlib_files())
