@@ -385,8 +385,8 @@ def build_instructions(
 def build_preferences(instructions: TaskData | None = None, seed: int = 0) -> TaskData:
     """DPO pairs from the instructions (default: `build_instructions()`): chosen = the right
     signature, rejected = `corrupt_signature` of it, drawn with a generator seeded by `seed`
-    and the prompt (so a pair does not depend on the others). Wrong names and argument names
-    come from the same split, so no split leaks into another.
+    and the pair's own text. Wrong names and argument names come from the same split, so no
+    split leaks into another.
 
     Returns:
         TaskData("dpo") of {"prompt", "chosen", "rejected", "module", "corruption"}.
@@ -394,6 +394,11 @@ def build_preferences(instructions: TaskData | None = None, seed: int = 0) -> Ta
     instructions = build_instructions(seed=seed) if instructions is None else instructions
     out: dict[str, list[dict]] = {}
     for split, examples in instructions.splits.items():
+        if any("name" not in ex or "args" not in ex for ex in examples):
+            raise ValueError(
+                "build_preferences needs build_instructions() examples (with 'name' and 'args'); "
+                "a user's own pairs come as {'prompt', 'chosen', 'rejected'} JSONL (load_jsonl)"
+            )
         names = sorted({ex["name"] for ex in examples})
         arg_names = sorted({a for ex in examples for a in ex["args"]})
         pairs = []
@@ -497,9 +502,12 @@ def user_task(kind: TaskKind, train: str | Path, val: str | Path, test: str | Pa
     labels = (
         LabelVocab.from_examples(splits["train"], kind) if kind in ("tag", "classify") else None
     )
-    for split in ("val", "test"):
-        for ex in splits[split] if labels is not None else []:
+    for split, path in (("val", val), ("test", test)):
+        for n, ex in enumerate(splits[split] if labels is not None else [], 1):
             found = [ex["label"]] if kind == "classify" else [f"B-{s[2]}" for s in ex["spans"]]
             for label in found:
-                labels.id(label)
+                try:
+                    labels.id(label)
+                except ValueError as e:
+                    raise ValueError(f"{path}, example {n}: {e}") from None
     return TaskData(kind, splits, labels)

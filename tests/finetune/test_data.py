@@ -254,6 +254,9 @@ def test_dpo_pairs_reject_a_corrupted_signature(instructions):
     assert kinds == {"name", "drop", "rename"}
     assert build_preferences(instructions).splits == pairs.splits  # seeded: the same again
     assert build_preferences(instructions, seed=1).splits != pairs.splits
+    own = TaskData("sft", {"train": [{"prompt": "p", "response": "def f(x):"}]})
+    with pytest.raises(ValueError, match="needs build_instructions"):
+        build_preferences(own)
 
 
 def test_wrong_names_come_from_the_same_split(instructions):
@@ -351,7 +354,7 @@ def test_label_ids_come_from_training_and_are_saved(tmp_path):
     task.labels.save(tmp_path / "labels.json")
     assert LabelVocab.load(tmp_path / "labels.json") == task.labels
     unseen = _write(tmp_path, [{"text": "c", "label": "meh"}], "u")
-    with pytest.raises(ValueError, match="label 'meh' was never seen in the training data"):
+    with pytest.raises(ValueError, match="u, example 1: label 'meh' was never seen in the train"):
         user_task("classify", train, unseen)
     tags = _write(tmp_path, [{"tokens": ["Ann", "ran"], "tags": ["B-PER", "O"]}], "tt")
     other = _write(tmp_path, [{"tokens": ["Rome"], "tags": ["B-LOC"]}], "tv")
