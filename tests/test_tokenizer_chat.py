@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from attnlab.checkpoint import open_checkpoint, save_pretrained
+from attnlab.checkpoint import open_checkpoint, save_checkpoint, save_pretrained
 from attnlab.models.build import build_model
 from attnlab.models.presets import PRESETS
 from attnlab.tokenizer import (
@@ -164,3 +164,15 @@ def test_hf_export_keeps_the_chat_template(tmp_path, chat_bpe):
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     want = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert want == tok.apply_chat_template(CHAT)
+
+
+def test_training_checkpoint_keeps_the_chat_template(tmp_path, chat_bpe):
+    from tests.test_checkpoint import rng_state, trained_pair
+
+    model, optimizer, run = trained_pair()
+    tok = Tokenizer(chat_bpe.backend, CHATML)
+    path = save_checkpoint(
+        tmp_path / "step_1", model, optimizer, run, {"step": 1}, rng_state(), tok
+    )
+    assert (path / "tokenizer_config.json").is_file()
+    assert open_checkpoint(path).tokenizer.chat_template == CHATML
