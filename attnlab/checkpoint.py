@@ -7,6 +7,7 @@
       rng.pt               torch RNG state and the data generator's state (the data position)
       trainer_state.json   step, best validation loss, ...
       tokenizer.json       the tokenizer (HF fast-tokenizer format)
+      tokenizer_config.json   its chat template, when it has one (where HF keeps it)
 
 A save goes to `step_000500.tmp/` first and is renamed into place only when complete; a
 directory that already has the name (`best/`) is renamed aside to `best.old/` first and deleted
@@ -51,6 +52,7 @@ from attnlab.quantize.handler import (
 from attnlab.tokenizer import Tokenizer
 
 LATEST = "latest"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the chat template, beside tokenizer.json (HF's place)
 REQUIRED_FILES = ("config.json", "model.safetensors", "trainer_state.json")
 
 
@@ -126,6 +128,8 @@ def save_checkpoint(
     files["trainer_state.json"] = _json_writer(trainer_state)
     if tokenizer is not None:
         files["tokenizer.json"] = tokenizer.save
+        if getattr(tokenizer, "chat_template", None) is not None:  # read back by from_file
+            files[TOKENIZER_CONFIG] = tokenizer.save_config
     return _write_dir(Path(path), files)
 
 
@@ -491,4 +495,6 @@ def save_pretrained(
     files = {CONFIG: _json_writer(run), WEIGHTS: lambda f: save_file(weights, str(f), metadata)}
     if tokenizer is not None:
         files[TOKENIZER] = tokenizer.save
+        if tokenizer.chat_template is not None:  # read back by Tokenizer.from_file
+            files[TOKENIZER_CONFIG] = tokenizer.save_config
     return _write_dir(Path(path), files)

@@ -4,22 +4,54 @@
   loads anywhere `tokenizer.json` does);
 - byte-level BPE (Radford et al. 2019), trained with the `tokenizers` library's BpeTrainer.
 
-Both carry the special tokens every family needs: <pad> <unk> <bos> <eos> <mask> <cls> <sep>.
+Both carry the special tokens every family needs: <pad> <unk> <bos> <eos> <mask> <cls> <sep>
+(ids 0-6), then the user's own (`special_tokens=`, e.g. `<|endoftext|>` or the chat markers
+CHAT_TOKENS), each encoded as one id and never split by BPE.
+
+A chat template (a Jinja string, as in HF's `tokenizer_config.json`) turns a list of messages into
+the text a chat model reads; `apply_chat_template` renders it as `transformers` does, and
+DEFAULT_CHAT_TEMPLATE is the format of attnlab's own chat models (<|user|> ... <|end|>).
+`save_config` writes it to tokenizer_config.json, and `from_file` reads it back from there.
+
+`encode_file` encodes a file of any size as a stream, in chunks cut where no token can cross.
 
 Unknown characters are replaced visibly, never dropped: a character the tokenizer never saw
 encodes to <unk>, and `decode` writes every <unk> as U+FFFD, the Unicode replacement character
 ("ab\ufffdc" for "abxc" when "x" was never seen).
 """
 
+import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "<cls>", "<sep>"]
 UNKNOWN_CHAR = "\ufffd"  # what decode writes for <unk>: visible, where a skipped token would vanish
+CONFIG_FILE = "tokenizer_config.json"  # where HF keeps chat_template, beside tokenizer.json
+
+# attnlab's chat format: one marker per role, <|end|> closes every message (the stop token).
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+# The names a template sees our specials by (HF passes its special_tokens_map the same way).
+TEMPLATE_NAMES = {
+    "<bos>": "bos_token",
+    "<eos>": "eos_token",
+    "<pad>": "pad_token",
+    "<unk>": "unk_token",
+    "<mask>": "mask_token",
+    "<cls>": "cls_token",
+    "<sep>": "sep_token",
+}
 
 
 class Tokenizer:
@@ -27,11 +59,17 @@ class Tokenizer:
 
     Args:
         backend: the `tokenizers.Tokenizer`.
+        chat_template: a Jinja chat template (HF's format); None: DEFAULT_CHAT_TEMPLATE when
+            the vocabulary has CHAT_TOKENS, else no template.
     """
 
-    def __init__(self, backend: HFTokenizer):
+    def __init__(self, backend: HFTokenizer, chat_template: str | None = None):
         self.backend = backend
         vocab = backend.get_vocab(with_added_tokens=True)
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        if chat_template is None and all(t in added for t in CHAT_TOKENS):
+            chat_template = DEFAULT_CHAT_TEMPLATE  # attnlab's markers bring attnlab's format
+        self.chat_template = chat_template
         self.special_ids = {t: vocab[t] for t in SPECIAL_TOKENS if t in vocab}
         # transformers' own files name their specials differently; map the common ones.
         for ours, theirs in (
@@ -49,7 +87,8 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
-        """Load a tokenizer.json (ours or one written by `transformers`)."""
+        """Load a tokenizer.json (ours or one written by `transformers`), with the chat
+        template of the tokenizer_config.json (or HF's chat_template.jinja) beside it."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -63,18 +102,32 @@ class Tokenizer:
                 f"{path} is not a readable tokenizer.json ({reason}): write it again, or point "
                 "to another one"
             ) from None
-        return cls(backend)
+        return cls(backend, read_chat_template(path.parent))
 
     def save(self, path: str | Path) -> None:
+        """Write tokenizer.json to `path` (the chat template goes to `save_config`)."""
         self.backend.save(str(path))
+
+    def save_config(self, path: str | Path) -> None:
+        """Write tokenizer_config.json to `path`: the chat template and the special tokens by
+        HF's names, so `transformers` and `from_file` both find the template."""
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        config.update(self._template_specials())
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        Path(path).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def token_id(self, name: str) -> int | None:
-        """Id of a special token by our name ("<pad>", "<eos>", ...), or None if absent."""
-        return self.special_ids.get(name)
+        """Id of a special token by our name ("<pad>", "<eos>", ...) or by its own text (a
+        user's "<|end|>"), or None if absent."""
+        if name in self.special_ids:
+            return self.special_ids[name]
+        added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+        return added.get(name)
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -95,35 +148,215 @@ class Tokenizer:
                 start = i + 1
         return UNKNOWN_CHAR.join(pieces)
 
+    # --- chat -----------------------------------------------------------------------------------
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The text of a conversation in this tokenizer's chat format, rendered as
+        `transformers`' `apply_chat_template(..., tokenize=False)` renders the same template
+        (a sandboxed Jinja environment with trim_blocks and lstrip_blocks; the template sees
+        `messages`, `add_generation_prompt`, `tools` and `documents` (None), `raise_exception`,
+        `strftime_now` and bos_token, eos_token, ... by HF's names).
 
-def train_char_tokenizer(texts: Iterable[str]) -> Tokenizer:
-    """One token per distinct character (sorted), after the special tokens."""
+        Args:
+            messages: [{"role": "user" | "assistant" | "system", "content": str}, ...].
+            add_generation_prompt: end with the assistant's opening marker, so that what the
+                model writes next is the reply.
+
+        Returns:
+            the rendered text (encode it with `encode`: the markers are single ids).
+        """
+        if self.chat_template is None:
+            missing = [t for t in CHAT_TOKENS if self.token_id(t) is None]
+            raise ValueError(
+                f"this tokenizer has no chat_template and lacks the chat markers {missing}: "
+                "train it with special_tokens=CHAT_TOKENS, or set tokenizer.chat_template"
+            )
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            tools=None,  # as transformers passes them when none are given
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self._template_specials(),
+        )
+
+    def _template_specials(self) -> dict[str, str]:
+        """{"bos_token": "<bos>", ...}: our specials under HF's names."""
+        vocab = {i: t for t, i in self.backend.get_vocab(with_added_tokens=True).items()}
+        return {TEMPLATE_NAMES[k]: vocab[i] for k, i in self.special_ids.items()}
+
+    # --- streaming ------------------------------------------------------------------------------
+    def iter_encode_file(self, path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[list[int]]:
+        """Encode a text file chunk by chunk: the concatenated chunks are `encode(whole text)`.
+
+        A chunk ends just before a line break ("\\n" or "\\r") that follows a non-space
+        character. No token crosses such a point: the byte-level pre-tokenizer's pieces never
+        hold both a non-space character and a line break, and a character tokenizer has no
+        pieces at all. (Special tokens that contain a line break, and tokenizers that add a
+        prefix to every piece of text, such as SentencePiece's "▁", are not covered.) The
+        file is read as is, line endings untouched (newline="").
+
+        Args:
+            path: a UTF-8 text file.
+            chunk_chars: characters read at a time; memory is bounded by this plus the
+                longest stretch of the file with no such line break.
+
+        Yields:
+            the ids of each chunk.
+        """
+        if chunk_chars < 1:
+            raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+        with open(path, encoding="utf-8", newline="") as fh:
+            pending = ""
+            while block := fh.read(chunk_chars):
+                pending += block
+                cut = _last_safe_cut(pending)
+                if cut > 0:
+                    yield self.encode(pending[:cut])
+                    pending = pending[cut:]
+            if pending:
+                yield self.encode(pending)
+
+    def encode_file(self, path: str | Path, out: str | Path, chunk_chars: int = 1 << 20) -> int:
+        """Encode the text file `path` into `out` as raw token ids, in bounded memory.
+
+        `out` holds uint16 ids when the vocabulary fits (else uint32), the format of the
+        training data cache (`np.fromfile(out, dtype)` or `np.memmap` read it back).
+
+        Returns:
+            the number of tokens written.
+        """
+        dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        n = 0
+        with open(out, "wb") as fh:
+            for ids in self.iter_encode_file(path, chunk_chars):
+                np.asarray(ids, dtype=dtype).tofile(fh)
+                n += len(ids)
+        return n
+
+
+def _last_safe_cut(text: str) -> int:
+    """The last index i with text[i] a line break and text[i - 1] not whitespace (0: none)."""
+    i = max(text.rfind("\n"), text.rfind("\r"))
+    while i > 0:
+        if not text[i - 1].isspace():
+            return i
+        i = max(text.rfind("\n", 0, i), text.rfind("\r", 0, i))
+    return 0
+
+
+def read_chat_template(directory: str | Path) -> str | None:
+    """The chat template stored in `directory`: HF's chat_template.jinja if present (newer
+    `transformers` write it there), else tokenizer_config.json's "chat_template" (a string, or
+    HF's list of named templates, of which "default" is taken), else None."""
+    directory = Path(directory)
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    file = directory / CONFIG_FILE
+    if not file.is_file():
+        return None
+    try:
+        template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{str(file)!r} is not a JSON object: write it again") from None
+    if isinstance(
+        template, list
+    ):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{str(file)!r}: chat_template must be a string, got {template!r}")
+    return template
+
+
+def _compile_template(template: str):
+    """A Jinja template in the environment `transformers` renders chat templates in."""
+    import jinja2  # torch depends on it, so it is there wherever attnlab is
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson  # HF's tojson: no HTML escaping
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _specials(extra: Iterable[str]) -> list[str]:
+    """SPECIAL_TOKENS followed by the user's `extra` ones, each once and non-empty."""
+    extra = list(extra)
+    seen = set(SPECIAL_TOKENS)
+    for t in extra:
+        if not isinstance(t, str) or not t:
+            raise ValueError(f"a special token must be a non-empty string, got {t!r}")
+        if t in seen:
+            raise ValueError(
+                f"special token {t!r} is given twice (the fixed ones are {SPECIAL_TOKENS}): "
+                "list each once"
+            )
+        seen.add(t)
+    return SPECIAL_TOKENS + extra
+
+
+def train_char_tokenizer(
+    texts: Iterable[str], special_tokens: Iterable[str] = (), chat_template: str | None = None
+) -> Tokenizer:
+    """One token per distinct character (sorted), after the special tokens (the 7 fixed ones,
+    then `special_tokens`, each a single id); `chat_template` as in `train_bpe_tokenizer`."""
+    specials = _specials(special_tokens)
     chars = Counter()
     for text in texts:
         chars.update(text)
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab = {t: i for i, t in enumerate(specials)}
     for ch in sorted(chars):
         vocab.setdefault(ch, len(vocab))
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.add_special_tokens(specials)
     backend.decoder = decoders.Fuse()  # characters join with nothing between them
-    return Tokenizer(backend)
+    return Tokenizer(backend, chat_template)
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with `vocab_size` tokens (specials included), GPT-2 style."""
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    special_tokens: Iterable[str] = (),
+    chat_template: str | None = None,
+) -> Tokenizer:
+    """Byte-level BPE with `vocab_size` tokens (specials included), GPT-2 style.
+
+    Args:
+        texts: the training texts.
+        vocab_size: tokens in all: the specials, the 256 bytes, then merges.
+        special_tokens: the user's own special tokens (e.g. "<|endoftext|>", CHAT_TOKENS),
+            given ids right after the 7 fixed ones; each encodes as one id.
+        chat_template: stored with the tokenizer (None: DEFAULT_CHAT_TEMPLATE when the
+            specials include CHAT_TOKENS).
+    """
+    specials = _specials(special_tokens)
+    if vocab_size < 256 + len(specials):
         raise ValueError(
-            f"byte-level BPE needs vocab_size >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}"
+            f"byte-level BPE needs vocab_size >= {256 + len(specials)}, got {vocab_size}"
         )
     backend = HFTokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(backend)
+    return Tokenizer(backend, chat_template)

@@ -141,4 +141,6 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
     vocab = {i: t for t, i in tokenizer.backend.get_vocab(with_added_tokens=True).items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     config.update({names[k]: vocab[i] for k, i in tokenizer.special_ids.items()})
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
