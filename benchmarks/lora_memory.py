@@ -10,6 +10,7 @@ trainable parameter, and a 4-byte step counter per tensor).
 import argparse
 
 import torch
+from _timing import cpu_name
 
 from attnlab.finetune.lora import add_lora, count_parameters
 from attnlab.models.build import build_model
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", nargs="+", default=["q", "v"])
     args = parser.parse_args()
+    print(f"attnlab LoRA memory: torch {torch.__version__}, {cpu_name()} (counts: no timing)")
     print(f"LoRA rank {args.rank} on {','.join(args.targets)} vs full fine-tuning (AdamW, fp32)")
     print(
         f"{'preset':<12} {'params':>15} {'LoRA params':>12} {'%':>7} "
