@@ -27,6 +27,7 @@ LAYERS = {
     "attnlab.checkpoint": 5,
     "attnlab.inference": 6,
     "attnlab.training": 7,
+    "attnlab.finetune": 7,
     "attnlab.interop": 7,
     "attnlab.viz": 7,
     "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
