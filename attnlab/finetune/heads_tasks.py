@@ -32,7 +32,7 @@ IGNORE_INDEX = -100  # cross_entropy's default ignore_index, as in training/obje
 TASK_ARCHES = {"classify": ("encoder", "decoder"), "tag": ("encoder",)}
 
 
-def check_examples(examples: list, fields: dict[str, type], split: str) -> None:
+def check_examples(examples: list, fields: dict[str, type | tuple], split: str) -> None:
     """ValueError naming the first example (by index) that lacks a field or has the wrong type."""
     if not examples:
         raise ValueError(f"the {split} examples are empty; give at least one")
@@ -82,8 +82,8 @@ def pad(rows: list[list[int]], value: int) -> Tensor:
 class HeadTask:
     """What ClassifyTask and TagTask share: encoded examples, random batches, ordered evaluation.
 
-    Subclasses set self.train_rows / self.val_rows (lists of (ids, labels)) and implement
-    `loss_sum` and `_metrics`.
+    Subclasses fill self.train_rows / self.val_rows (lists of (ids, labels)) and implement
+    `_metrics` (the task's metric) and `_describe` (one prediction as text).
 
     Args:
         tokenizer: the base model's.  cfg: the model config with its head.
@@ -95,7 +95,8 @@ class HeadTask:
         self.max_len = min(max_len, cfg.max_seq_len)
         cls = tokenizer.token_id("<cls>") if cfg.arch == "encoder" else None
         self.prefix = [] if cls is None else [cls]
-        self.pad_id = tokenizer.token_id("<pad>") or 0
+        pad_id = tokenizer.token_id("<pad>")
+        self.pad_id = 0 if pad_id is None else pad_id  # any id will do: the mask hides it
         self.train_rows: list[tuple[list[int], list[int]]] = []
         self.val_rows: list[tuple[list[int], list[int]]] = []
 
