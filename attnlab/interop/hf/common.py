@@ -313,7 +313,6 @@ def load_checked(
     from_hf: FromHF,
     ignore: Iterable[str] = (),
     what: str = "checkpoint",
-    n_labels: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Build `cfg` on the meta device, check `state` (HF names) against it, and load it.
@@ -323,7 +322,7 @@ def load_checked(
     Returns the model in eval mode, ties re-linked.
     """
     with torch.device("meta"):
-        model = build_model(cfg, n_labels=n_labels)
+        model = build_model(cfg)  # with the task head cfg.head names, if any
     expected = to_hf(model, cfg)
     check_state(state, expected, ignore, what)
     ours = from_hf({k: v for k, v in state.items() if k in expected}, cfg)
