@@ -1,8 +1,7 @@
-"""Attention benchmarks on CPU: eager vs sdpa (speed and peak memory), and Attention's overhead.
+"""Attention benchmarks on CPU: eager, sdpa, flash and flex (speed, peak memory), module overhead.
 
     .venv/bin/python benchmarks/attention.py            # full table, a few minutes on 2 cores
     .venv/bin/python benchmarks/attention.py --quick    # T=256 only, few repeats (~20 s)
-    .venv/bin/python benchmarks/attention.py --long     # also flash at T=16384 (slow on CPU)
 
 1. `eager_attention` vs `sdpa_attention` from attnlab.components.backends, on already-projected
    causal q, k, v of shape (B, H, T, D), fp32: forward + backward at T = 256, 1024, 2048 and
@@ -10,19 +9,18 @@
    memory is measured in a fresh subprocess per (backend, T, mode), see benchmarks/_timing.py.
 2. The `Attention` module (sdpa backend, causal, no_grad) against the same math done with bare
    `F.linear` x 4 + `F.scaled_dot_product_attention`, to price the module's Python plumbing.
-3. The written-out FlashAttention-2 (`flash_attention`, attnlab.components.flash) against sdpa
-   and eager: causal forward + backward at T = 1024, 4096 (and 16384 with --long), time and
-   peak memory as in section 1. Eager is timed up to T = 4096 only; its peak memory is tried at
-   every T and reported as n/a where the subprocess fails.
+3. Every backend (eager, sdpa, flash: FlashAttention-2 written in PyTorch, flex: compiled
+   FlexAttention) under causal attention, ALiBi, and a sliding window of 256: forward + backward
+   at T = 1024, 4096, 16384 and forward at T = 32768, on (B=1, H=4, T, D=64) fp32. eager and sdpa
+   take today's dense tensors (the (H, T, T) ALiBi bias, the (T, T) window mask); flash and flex
+   take the same terms as functions (score_mod, mask_mod); on CPU, flex with gradients runs
+   flash.py's tiled forward and backward (PyTorch 2.13 has no FlexAttention backward on CPU).
+   Steps whose dense tensors would pass 1 GiB are not timed; their peak is still tried in a
+   subprocess. Checks issue 20's bars (flash's
+   peak at 16k against eager's and sdpa's; ALiBi through flex at 4k against dense-bias sdpa).
 
-4. The flex backend (compiled FlexAttention) against sdpa with today's dense tensors: ALiBi as a
-   score_mod vs SDPA with the dense (H, T, S) ALiBi bias at T = 4096, and causal and
-   sliding-window-256 masks at T = 1024 and 4096. Each step includes the once-per-forward
-   preparation (the bias or score_mod, the dense mask or BlockMask). FlexAttention has no
-   backward on CPU (PyTorch 2.13), so on CPU the section times the forward only; with
-   `--device cuda` it times forward + backward and reads peak memory from the CUDA allocator.
-
-    .venv/bin/python benchmarks/attention.py --flex-only --device cuda   # section 4 on a GPU
+    .venv/bin/python benchmarks/attention.py --backends-only --max-t 4096   # section 3, short
+    .venv/bin/python benchmarks/attention.py --backends-only --device cuda  # section 3 on a GPU
 
 Shared machines are noisy: read the ratios, each measured within one run, not the milliseconds.
 """
@@ -72,10 +70,6 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 TARGET_T, TARGET_SPEEDUP, TARGET_MEMORY, TARGET_OVERHEAD_PCT = 2048, 2.0, 4.0, 10.0
 
-# Section 3, flash: (T, timing repeats), causal forward + backward.
-FLASH_NAMES = ("eager", "sdpa", "flash")
-FLASH_CASES, LONG_FLASH_CASES, QUICK_FLASH_CASES = [(1024, 3), (4096, 2)], [(16384, 1)], [(256, 2)]
-FLASH_EAGER_MAX_T = 4096  # eager's (T, T) tensors grow past a small machine beyond this
 # Issue 20's bars at T = 16384: flash's extra memory <= 1/8 of eager's and <= 2x sdpa's.
 FLASH_TARGET_T, TARGET_FLASH_VS_EAGER, TARGET_FLASH_VS_SDPA = 16384, 1 / 8, 2.0
 
@@ -227,65 +221,7 @@ def nan_ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def try_peak(backend: str, T: int, mode: str) -> float:
-    """`measure_peak`, or NaN where the subprocess fails (out of memory at a long T)."""
-    try:
-        return measure_peak(backend, T, mode)
-    except RuntimeError:
-        return float("nan")
-
-
-def compare_flash(cases: list[tuple[int, int]]) -> dict[int, dict]:
-    """Section 3: flash against sdpa and eager, causal fwd+bwd; return the rows keyed by T."""
-    mode = "fwd+bwd"
-    print("3. flash (FlashAttention-2 written in PyTorch) vs sdpa and eager: causal attention,")
-    print(f"   forward + backward on projected q, k, v (B={B}, H={H}, T, D={D}), fp32")
-    print("   time and peak measured as in section 1 (interleaved medians; fresh subprocess);")
-    print(f"   eager timed for T <= {FLASH_EAGER_MAX_T}, its peak n/a where the subprocess fails")
-    print("   slow x = flash ms / sdpa ms; mem/eager, mem/sdpa = flash MiB over that backend's;")
-    print("   max|diff| = flash against sdpa, outputs and gradients elementwise")
-    print()
-    head = f"{'T':>6} {'reps':>4} {'eager ms':>9} {'sdpa ms':>8} {'flash ms':>9} {'slow x':>7}"
-    print(
-        head + f" {'eager MiB':>10} {'sdpa MiB':>9} {'flash MiB':>10} {'mem/eager':>10}"
-        f" {'mem/sdpa':>9} {'max|diff|':>10}"
-    )
-    rows = {}
-    for T, repeats in cases:
-        names = [n for n in FLASH_NAMES if n != "eager" or T <= FLASH_EAGER_MAX_T]
-        inputs = make_inputs(T, mode)
-        flash, sdpa = attention_step("flash", *inputs), attention_step("sdpa", *inputs)
-        diff = max((a - b).abs().max().item() for a, b in zip(flash, sdpa, strict=True))
-        del flash, sdpa
-        steps = {name: partial(attention_step, name, *inputs) for name in names}
-        times = interleaved(steps, repeats)
-        del inputs, steps
-        ms = {
-            name: median_ms(times[name]) if name in times else float("nan") for name in FLASH_NAMES
-        }
-        mib = {name: try_peak(name, T, mode) for name in FLASH_NAMES}
-        row = dict(
-            ms=ms,
-            mib=mib,
-            slowdown=ratio(ms["flash"], ms["sdpa"]),
-            vs_eager=nan_ratio(mib["flash"], mib["eager"]),
-            vs_sdpa=nan_ratio(mib["flash"], mib["sdpa"]),
-        )
-        rows[T] = row
-        print(
-            f"{T:>6} {repeats:>4} {ms['eager']:>9.1f} {ms['sdpa']:>8.1f} {ms['flash']:>9.1f}"
-            f" {row['slowdown']:>7.2f} {mib['eager']:>10.1f} {mib['sdpa']:>9.1f}"
-            f" {mib['flash']:>10.1f} {row['vs_eager']:>10.3f} {row['vs_sdpa']:>9.2f}"
-            f" {diff:>10.1e}",
-            flush=True,
-        )
-    print()
-    return rows
-
-
-def print_targets(
-    rows: dict[tuple[int, str], dict], overhead: float, flash_rows: dict[int, dict]
-) -> None:
+def print_targets(rows: dict[tuple[int, str], dict], overhead: float) -> None:
     print("Targets")
     row = rows.get((TARGET_T, "fwd+bwd"))
     checks = [
@@ -301,47 +237,62 @@ def print_targets(
     verdict = "PASS" if overhead <= TARGET_OVERHEAD_PCT else "MISS"
     label = "Attention module overhead over bare ops"
     print(f"   {label:<46} {overhead:>11.2f}%   <= {TARGET_OVERHEAD_PCT:g}%   {verdict}")
-    T = FLASH_TARGET_T
-    for label, key, target in (
-        (f"T={T} fwd+bwd: flash peak / eager peak", "vs_eager", TARGET_FLASH_VS_EAGER),
-        (f"T={T} fwd+bwd: flash peak / sdpa peak", "vs_sdpa", TARGET_FLASH_VS_SDPA),
-    ):
-        if T not in flash_rows:
-            print(f"   {label:<46} {'not measured (--long)':>12}   <= {target:g}x")
-            continue
-        value = flash_rows[T][key]
-        verdict = "n/a" if value != value else ("PASS" if value <= target else "MISS")
-        print(f"   {label:<46} {value:>11.3f}x   <= {target:g}x   {verdict}")
 
 
-FLEX_H, FLEX_WINDOW = 4, 256  # the issue's ALiBi measurement used 4 heads
-FLEX_CASES = [("alibi", 4096), ("causal", 1024), ("causal", 4096)]
-FLEX_CASES += [("sliding_256", 1024), ("sliding_256", 4096)]
-QUICK_FLEX_CASES = [("alibi", 256), ("causal", 256), ("sliding_256", 256)]
-FLEX_REPEATS, QUICK_FLEX_REPEATS = 5, 2
+MATRIX_H, WINDOW = 4, 256  # the issue's ALiBi measurement used 4 heads
+VARIANTS = ("causal", "alibi", f"sliding_{WINDOW}")
+MATRIX_NAMES = ("eager", "sdpa", "flash", "flex")
+DENSE = ("eager", "sdpa")  # take the bias and mask as tensors; flash and flex take functions
+# (T, mode, timing repeats): the issue's grid, forward + backward up to 16k, forward at 32k.
+MATRIX_CASES = [
+    (1024, "fwd+bwd", 3),
+    (4096, "fwd+bwd", 2),
+    (16384, "fwd+bwd", 1),
+    (32768, "fwd", 1),
+]
+QUICK_MATRIX_CASES = [(256, "fwd+bwd", 2)]
+# A step is timed in this process only where its dense (T, S) tensors stay small; past that its
+# peak is still tried in a subprocess (an n/a there means it ran out of memory).
+TIMED_DENSE_BYTES = 2**30
 # Acceptance (issue 20): ALiBi through flex at T = 4096, forward + backward, against today's
 # dense-bias SDPA path, which needed +1,123 MiB: at most a tenth of that, at least 2x faster.
 TARGET_ALIBI_MIB, TARGET_ALIBI_SPEEDUP = 1123 / 10, 2.0
 
 
-def flex_step(variant: str, impl: str, q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None):
-    """One attention call (sdpa with dense tensors, or flex with functions), backward if `dout`.
+def dense_bytes(impl: str, variant: str, T: int) -> int:
+    """Bytes of the largest (T, S)-sized tensor one step of `impl` builds (0: none)."""
+    if impl == "eager":
+        return MATRIX_H * T * T * 4  # the fp32 scores
+    if impl == "sdpa" and variant == "alibi":
+        return MATRIX_H * T * T * 4  # the dense bias
+    if impl == "sdpa" and variant != "causal":
+        return T * T  # the bool window mask
+    return 0
 
-    The bias or mask is prepared inside the step, as a model prepares it once per forward.
+
+def variant_step(variant: str, impl: str, q: Tensor, k: Tensor, v: Tensor, dout: Tensor | None):
+    """One attention call of `impl` under `variant`, with its backward if `dout` is given.
+
+    eager and sdpa get today's dense tensors (the (H, T, S) ALiBi bias, the (T, S) window mask);
+    flash and flex get the same terms as functions (ALiBi's score_mod, the window's mask_mod,
+    which flex evaluates into a BlockMask). The terms are prepared inside the step, as a model
+    prepares them once per forward.
     """
     T, device = q.shape[2], q.device
     args: dict = dict(is_causal=True)
+    functions = impl not in DENSE
     if variant == "alibi":
-        alibi = ALiBi(FLEX_H).to(device)
+        alibi = ALiBi(MATRIX_H).to(device)
         pos = torch.arange(T, device=device)
-        args["bias"] = alibi.score_mod(pos, pos) if impl == "flex" else alibi.score_bias(pos, pos)
-    elif variant == "sliding_256":
+        args["bias"] = alibi.score_mod(pos, pos) if functions else alibi.score_bias(pos, pos)
+    elif variant != "causal":
         args["is_causal"] = False
         if impl == "flex":
-            mod = sliding_window_mask_mod(FLEX_WINDOW)
-            args["mask"] = block_mask(mod, None, None, T, T, device)
+            args["mask"] = block_mask(sliding_window_mask_mod(WINDOW), None, None, T, T, device)
+        elif impl == "flash":
+            args["mask"] = sliding_window_mask_mod(WINDOW)
         else:
-            args["mask"] = sliding_window_mask(T, FLEX_WINDOW, device=device)  # (T, T) bool
+            args["mask"] = sliding_window_mask(T, WINDOW, device=device)  # (T, T) bool
     attend = BACKENDS[impl]
     if dout is None:
         with torch.no_grad():
@@ -352,91 +303,154 @@ def flex_step(variant: str, impl: str, q: Tensor, k: Tensor, v: Tensor, dout: Te
         out.backward(dout)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return out
+    if dout is None:
+        return (out,)
+    return out.detach(), q.grad, k.grad, v.grad
 
 
-def flex_inputs(T: int, device: str, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """q, k, v (B, FLEX_H, T, D) and, where flex has a backward (CUDA), the output gradient."""
+def variant_inputs(T: int, mode: str, device: str, seed: int = 0) -> tuple:
+    """q, k, v (B, MATRIX_H, T, D), and the output gradient for "fwd+bwd" (else None)."""
     gen = torch.Generator().manual_seed(seed)
-    grad = device == "cuda"
-    q, k, v = (torch.randn(B, FLEX_H, T, D, generator=gen).to(device) for _ in range(3))
-    dout = torch.randn(B, FLEX_H, T, D, generator=gen).to(device) if grad else None
+    grad = mode == "fwd+bwd"
+    q, k, v = (torch.randn(B, MATRIX_H, T, D, generator=gen).to(device) for _ in range(3))
+    dout = torch.randn(B, MATRIX_H, T, D, generator=gen).to(device) if grad else None
     return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), dout
 
 
-def flex_peak(variant: str, impl: str, T: int, device: str) -> float:
-    """Peak MiB of one step above its inputs: the CUDA allocator's, or RSS in a subprocess."""
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo."""
+    with open("/proc/meminfo") as f:
+        line = next(line for line in f if line.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
+
+
+def variant_peak(variant: str, impl: str, T: int, mode: str, device: str) -> float:
+    """Peak MiB of one step above its inputs: the CUDA allocator's, or RSS in a subprocess
+    (NaN where that subprocess fails, out of memory, or is not tried: it could not fit)."""
     if device == "cuda":
-        inputs = flex_inputs(T, device)
-        flex_step(variant, impl, *inputs)  # compile and warm up at this very shape
+        inputs = variant_inputs(T, mode, device)
+        variant_step(variant, impl, *inputs)  # compile and warm up at this very shape
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        flex_step(variant, impl, *inputs)
+        variant_step(variant, impl, *inputs)
         return (torch.cuda.max_memory_allocated() - base) / MiB
-    cmd = [sys.executable, os.path.abspath(__file__), "--flex-case", variant, impl, str(T)]
+    if 4 * dense_bytes(impl, variant, T) > available_bytes():
+        return float("nan")  # several copies of its dense tensors would not fit: not tried
+    cmd = [sys.executable, os.path.abspath(__file__), "--variant-case", variant, impl, str(T), mode]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **MALLOC_ENV))
     if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+        return float("nan")
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
-def run_flex_case(variant: str, impl: str, T: int) -> None:
-    """Subprocess entry (CPU): print one forward step's peak RSS above the inputs, as JSON."""
+def run_variant_case(variant: str, impl: str, T: int, mode: str) -> None:
+    """Subprocess entry (CPU): print one step's peak RSS above the inputs, as JSON."""
     use_all_cores()
-    inputs = flex_inputs(T, "cpu")
-    flex_step(variant, impl, *inputs)  # compile and warm up at this very shape
-    mib, method = peak_rss_mib(lambda: flex_step(variant, impl, *inputs))
+    variant_step(variant, impl, *variant_inputs(WARMUP_T, mode, "cpu"))
+    inputs = variant_inputs(T, mode, "cpu")
+    if impl == "flex":
+        variant_step(variant, impl, *inputs)  # compile at this very shape first
+    mib, method = peak_rss_mib(lambda: variant_step(variant, impl, *inputs))
     print(json.dumps({"peak_mib": mib, "method": method}))
 
 
-def compare_flex(cases: list[tuple[str, int]], repeats: int, device: str) -> dict:
-    """Section 4: sdpa with dense tensors vs flex with functions; return rows by (variant, T)."""
-    mode = "fwd+bwd" if device == "cuda" else "fwd (no flex backward on CPU)"
-    print(f"4. flex vs sdpa (B={B}, H={FLEX_H}, T, D={D}), fp32, {device}, {mode}")
-    print("   alibi: sdpa + dense (H, T, T) ALiBi bias vs flex + ALiBi score_mod, causal")
-    print("   causal: sdpa is_causal vs flex causal BlockMask; sliding_256: sdpa + dense (T, T)")
-    print(f"   window-{FLEX_WINDOW} mask vs flex BlockMask; each step prepares its bias / mask")
-    print(f"   time: median of {repeats} rounds, interleaved, after compiling at the same shape")
-    print("   speed x = sdpa ms / flex ms; memory: peak MiB of one step above its inputs")
+def compare_variants(cases: list[tuple[int, str, int]], device: str) -> dict:
+    """Section 3: every backend under causal / ALiBi / sliding-window attention.
+
+    Returns:
+        rows keyed by (variant, T): dict(ms=..., mib=..., diff=...), NaN where not measured.
+    """
+    print(f"3. every backend: causal, ALiBi, sliding window {WINDOW}")
+    print(f"   (B={B}, H={MATRIX_H}, T, D={D}), fp32, {device}; eager and sdpa take dense tensors")
+    print("   (the (H, T, T) ALiBi bias, the (T, T) window mask), flash and flex the same terms")
+    print("   as functions (score_mod, mask_mod). On CPU, flex runs compiled FlexAttention")
+    print("   without gradients and flash.py's tiled forward + backward with them (PyTorch 2.13")
+    print("   has no FlexAttention backward on CPU)")
+    print("   time: median of `reps` rounds, interleaved, after 2 warm-ups (which compile flex);")
+    print(f"   n/a where a step would build a dense tensor over {TIMED_DENSE_BYTES / MiB:.0f} MiB")
+    print("   peak: one step in a fresh subprocess (CUDA: the allocator's peak); n/a where it")
+    print("   failed (out of memory) or was not tried (4x its dense tensor > MemAvailable)")
+    print("   max|diff| = flash and flex against sdpa where both ran, outputs and gradients")
     print()
-    print(f"{'case':<12} {'T':>5} {'sdpa ms':>9} {'flex ms':>9} {'speed x':>8}", end="")
-    print(f" {'sdpa MiB':>9} {'flex MiB':>9} {'max|diff|':>10}")
+    head = f"{'case':<12} {'T':>6} {'mode':<7} {'reps':>4}"
+    head += "".join(f" {n + ' ms':>9}" for n in MATRIX_NAMES)
+    head += "".join(f" {n + ' MiB':>10}" for n in MATRIX_NAMES)
+    print(head + f" {'max|diff|':>10}")
     rows = {}
-    for variant, T in cases:
-        inputs = flex_inputs(T, device)
-        outs = [flex_step(variant, impl, *inputs).detach() for impl in ("sdpa", "flex")]
-        diff = (outs[0] - outs[1]).abs().max().item()
-        del outs
-        steps = {impl: partial(flex_step, variant, impl, *inputs) for impl in ("sdpa", "flex")}
-        ms = {name: median_ms(t) for name, t in interleaved(steps, repeats).items()}
-        mib = {impl: flex_peak(variant, impl, T, device) for impl in ("sdpa", "flex")}
-        rows[(variant, T)] = dict(ms=ms, mib=mib, speedup=ratio(ms["sdpa"], ms["flex"]))
-        print(
-            f"{variant:<12} {T:>5} {ms['sdpa']:>9.1f} {ms['flex']:>9.1f}"
-            f" {rows[(variant, T)]['speedup']:>8.2f} {mib['sdpa']:>9.1f} {mib['flex']:>9.1f}"
-            f" {diff:>10.1e}",
-            flush=True,
-        )
-    print()
-    row = rows.get(("alibi", 4096))
-    label = f"ALiBi T=4096 {mode}"
-    if row is None:
-        print(f"   {label}: not measured (--quick)")
-    else:
-        ok_mib = "PASS" if row["mib"]["flex"] <= TARGET_ALIBI_MIB else "MISS"
-        ok_speed = "PASS" if row["speedup"] >= TARGET_ALIBI_SPEEDUP else "MISS"
-        print(
-            f"   {label}: flex peak {row['mib']['flex']:.1f} MiB <= {TARGET_ALIBI_MIB:.1f} {ok_mib}"
-        )
-        print(f"   {label}: speed-up {row['speedup']:.2f}x >= {TARGET_ALIBI_SPEEDUP:g}x {ok_speed}")
+    for T, mode, repeats in cases:
+        for variant in VARIANTS:
+            inputs = variant_inputs(T, mode, device)
+            names = [n for n in MATRIX_NAMES if dense_bytes(n, variant, T) <= TIMED_DENSE_BYTES]
+            diff = float("nan")
+            if "sdpa" in names:
+                want = variant_step(variant, "sdpa", *inputs)
+                got = [variant_step(variant, n, *inputs) for n in ("flash", "flex")]
+                diff = max(
+                    (a - b).abs().max().item() for g in got for a, b in zip(want, g, strict=True)
+                )
+                del want, got
+            steps = {n: partial(variant_step, variant, n, *inputs) for n in names}
+            times = interleaved(steps, repeats)
+            del inputs, steps
+            ms = {n: median_ms(times[n]) if n in times else float("nan") for n in MATRIX_NAMES}
+            mib = {n: variant_peak(variant, n, T, mode, device) for n in MATRIX_NAMES}
+            rows[(variant, T)] = dict(ms=ms, mib=mib, diff=diff)
+            line = f"{variant:<12} {T:>6} {mode:<7} {repeats:>4}"
+            line += "".join(f" {ms[n]:>9.1f}" for n in MATRIX_NAMES)
+            line += "".join(f" {mib[n]:>10.1f}" for n in MATRIX_NAMES)
+            print(line.replace("nan", "n/a") + f" {diff:>10.1e}".replace("nan", "n/a"), flush=True)
     print()
     return rows
+
+
+def print_variant_targets(rows: dict) -> None:
+    """Issue 20's bars on section 3's rows."""
+
+    def check(label: str, value: float, op: str, target: float) -> None:
+        if value != value:
+            print(f"   {label:<52} {'n/a':>9}    {op} {target:g}")
+            return
+        ok = value <= target if op == "<=" else value >= target
+        print(f"   {label:<52} {value:>9.3f}    {op} {target:g}   {'PASS' if ok else 'MISS'}")
+
+    print("Targets (issue 20)")
+    nan = float("nan")
+    long_row = rows.get(("causal", FLASH_TARGET_T))
+    alibi = rows.get(("alibi", 4096))
+    if long_row is None or alibi is None:
+        print("   not measured (--quick)")
+        return
+    mib = long_row["mib"]
+    check(
+        f"T={FLASH_TARGET_T} causal fwd+bwd: flash peak / eager peak",
+        nan_ratio(mib["flash"], mib["eager"]),
+        "<=",
+        TARGET_FLASH_VS_EAGER,
+    )
+    check(
+        f"T={FLASH_TARGET_T} causal fwd+bwd: flash peak / sdpa peak",
+        nan_ratio(mib["flash"], mib["sdpa"]),
+        "<=",
+        TARGET_FLASH_VS_SDPA,
+    )
+    check(
+        "T=4096 ALiBi fwd+bwd: flex peak MiB", alibi["mib"].get("flex", nan), "<=", TARGET_ALIBI_MIB
+    )
+    check(
+        "T=4096 ALiBi fwd+bwd: speed-up sdpa ms / flex ms",
+        nan_ratio(alibi["ms"]["sdpa"], alibi["ms"]["flex"]),
+        ">=",
+        TARGET_ALIBI_SPEEDUP,
+    )
+    print()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T=256 only, few repeats (smoke test)")
-    parser.add_argument("--long", action="store_true", help="also flash vs sdpa at T=16384")
+    parser.add_argument(
+        "--max-t", type=int, default=None, help="section 3: skip cases with a longer T"
+    )
     parser.add_argument(
         "--case",
         nargs=3,
@@ -444,17 +458,17 @@ def main() -> None:
         help="internal: measure one step's peak memory, e.g. --case eager 2048 fwd+bwd",
     )
     parser.add_argument(
-        "--flex-case",
-        nargs=3,
-        metavar=("VARIANT", "IMPL", "T"),
-        help="internal: one flex-section step's peak memory on CPU, e.g. alibi flex 4096",
+        "--variant-case",
+        nargs=4,
+        metavar=("VARIANT", "IMPL", "T", "MODE"),
+        help="internal: one section-3 step's peak memory on CPU, e.g. alibi flex 4096 fwd+bwd",
     )
-    parser.add_argument("--flex-only", action="store_true", help="run section 4 (flex) only")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="section 4 only")
+    parser.add_argument("--backends-only", action="store_true", help="run section 3 only")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="section 3 only")
     args = parser.parse_args()
-    if args.flex_case:
-        variant, impl, T = args.flex_case
-        run_flex_case(variant, impl, int(T))
+    if args.variant_case:
+        variant, impl, T, mode = args.variant_case
+        run_variant_case(variant, impl, int(T), mode)
         return
     if args.case:
         backend, T, mode = args.case
@@ -468,15 +482,14 @@ def main() -> None:
     print(f", {cpu_name()}, {platform.system()} {platform.release()}")
     print("Shared machines are noisy: compare the RATIOS, each measured within this one run.")
     print()
-    if not args.flex_only:
+    if not args.backends_only:
         rows = compare_backends(QUICK_CASES if args.quick else FULL_CASES)
         overhead = module_overhead(QUICK_MODULE_REPEATS if args.quick else MODULE_REPEATS)
-        flash_cases = QUICK_FLASH_CASES if args.quick else FLASH_CASES
-        flash_rows = compare_flash(flash_cases + (LONG_FLASH_CASES if args.long else []))
-        print_targets(rows, overhead, flash_rows)
+        print_targets(rows, overhead)
         print()
-    flex_cases = QUICK_FLEX_CASES if args.quick else FLEX_CASES
-    compare_flex(flex_cases, QUICK_FLEX_REPEATS if args.quick else FLEX_REPEATS, args.device)
+    cases = QUICK_MATRIX_CASES if args.quick else MATRIX_CASES
+    cases = [c for c in cases if args.max_t is None or c[0] <= args.max_t]
+    print_variant_targets(compare_variants(cases, args.device))
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@
     attnlab convert --from hf ./tiny-llama --to attnlab ./ours
     attnlab convert --from attnlab ./ours --to hf ./exported      (transformers loads it)
 
-Only safetensors are read and written; the tokenizer.json travels along when there is one.
+HF families: GPT-2, Llama/Mistral/Qwen2, BLOOM, BERT and T5 (attnlab/interop/hf/). Only
+safetensors are read and written; the tokenizer.json travels along when there is one.
 """
 
 import argparse
 import inspect
 
 from attnlab.interop.convert import FORMATS, convert
+from attnlab.interop.hf import ARCHITECTURES
 
+FAMILIES = ", ".join(sorted(ARCHITECTURES))  # the HF architectures config.json may name
 DEFAULTS = {k: p.default for k, p in inspect.signature(convert).parameters.items()}
 
 
@@ -21,7 +24,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         nargs=2,
         required=True,
         metavar=("FORMAT", "DIR"),
-        help=f"the input: a format ({' or '.join(FORMATS)}) and a directory",
+        help=f"the input: a format ({' or '.join(FORMATS)}) and a directory (HF: {FAMILIES})",
     )
     p.add_argument(
         "--to",

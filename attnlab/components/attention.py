@@ -37,7 +37,9 @@ class Attention(nn.Module):
         dropout: dropout on the attention probabilities (training only).
         scale: score scale; None -> 1 / sqrt(D) (T5 uses 1.0).
         backend: "sdpa" (fused kernels), "eager" (written out, can return probabilities) or
-            "flash" (FlashAttention-2 written out; probabilities recomputed from its saved L).
+            "flash" (FlashAttention-2 written out; probabilities recomputed from its saved L),
+            "flex" (bias and mask as functions), "triton", or "auto" (flex for a call whose
+            bias or mask is a function, sdpa otherwise; components/backends.py).
         cross: this layer attends to encoder memory instead of its own input.
         norm_eps: epsilon of the QK-norm.
     """

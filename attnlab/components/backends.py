@@ -8,6 +8,11 @@ probabilities (for pictures), and only the sdpa path reaches the flash / memory-
 which never materialise the (T, S) score matrix. A float `bias` (ALiBi, T5) turns the boolean mask
 into an additive float mask, which keeps SDPA off its flash kernel.
 
+The "auto" backend is SDPA, except for a call whose mask or bias is a function only FlexAttention
+reads (a BlockMask, a score_mod): that one goes through flex. Which form the terms take is decided
+once per forward by whoever builds them (a position scheme with bias_form "auto", see
+positions/base.py `wants_score_mod`); each layer only follows it.
+
 Shapes: B batch, H query heads, K kv heads, G = H // K, T queries, S keys, D head_dim.
 """
 
@@ -16,13 +21,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnlab.components.flash import flash_attention
 from attnlab.components.flex import flex_attention_backend
 from attnlab.components.masks import causal_mask
 from attnlab.components.triton_attention import triton_attention
 
-Backend = Literal["sdpa", "eager", "flash", "flex", "triton"]
+Backend = Literal["sdpa", "eager", "flash", "flex", "triton", "auto"]
 
 
 def repeat_kv(x: Tensor, G: int) -> Tensor:
@@ -135,10 +141,42 @@ def _with_causal(mask: Tensor | None, T: int, S: int, device) -> Tensor:
     return causal if mask is None else mask & causal
 
 
+def auto_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | BlockMask | None = None,
+    bias=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The flex backend for a BlockMask or a score_mod bias, the sdpa backend for tensors.
+
+    Arguments and shapes as `eager_attention`, except that `mask` may be a BlockMask and `bias` a
+    score_mod (score, b, h, i, j) -> score, as the flex backend takes them.
+    """
+    as_functions = isinstance(mask, BlockMask) or (bias is not None and callable(bias))
+    attend = BACKENDS["flex" if as_functions else "sdpa"]  # looked up per call: tests spy on it
+    return attend(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        is_causal=is_causal,
+        scale=scale,
+        dropout=dropout,
+        return_weights=return_weights,
+    )
+
+
 BACKENDS = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
     "flash": flash_attention,
     "flex": flex_attention_backend,
     "triton": triton_attention,  # FlashAttention-2 in Triton: CUDA (or TRITON_INTERPRET=1)
+    "auto": auto_attention,  # flex where the terms are functions, sdpa elsewhere
 }

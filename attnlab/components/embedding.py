@@ -1,7 +1,8 @@
 """Token embedding (with optional sqrt(d_model) scaling) and the output head it can be tied to.
 
 Vaswani et al. 2017 §3.4 multiply the embedding by sqrt(d_model) and share one matrix between the
-input embedding and the pre-softmax projection ("weight tying", Press & Wolf 2017).
+input embedding and the pre-softmax projection ("weight tying", Press & Wolf 2017). BLOOM
+normalises the token vectors right away (`word_embeddings_layernorm`): `TokenEmbedding` with a norm.
 
 Shapes: B batch, T length, C d_model, V vocab_size.
 """
@@ -17,18 +18,23 @@ class TokenEmbedding(nn.Embedding):
 
     Args:
         vocab_size: V.  d_model: C.  scale: multiply by sqrt(C) (2017 paper).
+        norm: normalise the vectors after the lookup (BLOOM's word_embeddings_layernorm), or None.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, scale: bool = False):
+    def __init__(
+        self, vocab_size: int, d_model: int, scale: bool = False, norm: nn.Module | None = None
+    ):
         super().__init__(vocab_size, d_model)
         self.multiplier = math.sqrt(d_model) if scale else 1.0
+        self.norm = nn.Identity() if norm is None else norm  # Identity holds no weights
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids: (B, T) int64 in [0, V) -> (B, T, C)."""
         if not torch.compiler.is_compiling():  # the check syncs with the host: eager only
             check_token_ids(ids, self.num_embeddings)
         x = super().forward(ids)  # (B, T, C)
-        return x * self.multiplier if self.multiplier != 1.0 else x
+        x = x * self.multiplier if self.multiplier != 1.0 else x
+        return self.norm(x)  # (B, T, C)
 
 
 def check_token_ids(ids: Tensor, vocab_size: int) -> None:

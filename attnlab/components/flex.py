@@ -19,8 +19,14 @@ the blocks instead of all of them.
 In this backend `bias` may be a score_mod (what the position schemes' `score_mod` form gives,
 see positions/base.py) or a dense tensor (read through a score_mod that indexes it); `mask` may
 be a `BlockMask` built once per forward (`block_mask`), or a dense bool tensor (read the same
-way). Backward runs on CUDA only (PyTorch 2.13 implements FlexAttention's backward for GPUs);
-on CPU it is a forward-only (inference) backend.
+way).
+
+Training: on CUDA the backward is PyTorch's own FlexAttention backward. PyTorch 2.13 has none on
+CPU (and its compiled CPU kernel cannot return the log-sum-exp a recomputing backward needs), so
+there, when an input requires grad, the same mask_mod / score_mod go through the written flash
+backend instead (components/flash.py: the tiled forward and its recomputing backward, which
+evaluates the functions tile by tile and gives a score_mod's learned tensors, T5's bias table,
+their gradients). Without gradients (inference) the CPU runs the compiled flex kernel.
 
 Shapes: B batch, H query heads, K kv heads, T queries, S keys, D head_dim.
 """
@@ -32,10 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-"""(score, b, h, i, j) -> the modified score; every argument a 0-d tensor."""
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-"""(b, h, i, j) -> True where query i of row b, head h may attend to key j."""
+from attnlab.components.flash import MaskMod, ScoreMod, flash_attention, score_mod_tensors
 
 
 @lru_cache(maxsize=1)
@@ -107,6 +110,9 @@ def flex_attention_backend(
 ) -> tuple[Tensor, None]:
     """Attention through compiled FlexAttention; arguments as `backends.eager_attention`.
 
+    On the CPU, when q, k, v or the bias (a score_mod's `tensors`) require grad, this runs
+    `flash.flash_attention` on the same arguments instead: the only backward there is.
+
     Args:
         q: (B, H, T, D).  k, v: (B, K, S, D), K divides H (GQA without repeating K/V).
         mask: a BlockMask, or bool broadcastable to (B, H, T, S) (True = may attend), or None.
@@ -128,9 +134,11 @@ def flex_attention_backend(
             "or use backend='sdpa'"
         )
     B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if isinstance(mask, BlockMask) and is_causal:
+        raise ValueError("pass is_causal=False with a BlockMask: build the causal part into it")
+    if _needs_written_backward(q, k, v, bias):
+        return flash_attention(q, k, v, mask, bias, is_causal, scale)
     if isinstance(mask, BlockMask):
-        if is_causal:
-            raise ValueError("pass is_causal=False with a BlockMask: build the causal part into it")
         blocks = mask
     elif mask is not None:
         mod, Bm, Hm = _dense_mask_mod(mask, B, H, T, S)
@@ -156,6 +164,14 @@ def flex_attention_backend(
         enable_gqa=k.shape[1] != H,
     )  # (B, H, T, D)
     return out, None
+
+
+def _needs_written_backward(q: Tensor, k: Tensor, v: Tensor, bias) -> bool:
+    """True when a gradient is wanted on a device without a FlexAttention backward (the CPU)."""
+    if q.device.type != "cpu" or not torch.is_grad_enabled():
+        return False
+    learned = (bias,) if isinstance(bias, Tensor) else score_mod_tensors(bias)
+    return any(t.requires_grad for t in (q, k, v, *learned))
 
 
 def dense_terms(

@@ -61,6 +61,8 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
         scheme = builders[cfg.position]()
     if a.backend == "flex":
         scheme.bias_form = "score_mod"  # the flex backend reads a bias as a function, not (H, T, S)
+    elif a.backend == "auto":
+        scheme.bias_form = "auto"  # a function for long query blocks (then flex), else a tensor
     return scheme
 
 
@@ -233,7 +235,10 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
         if n_labels < 1:
             raise ValueError(f"n_labels must be >= 1, got {n_labels}")
         cfg = replace(cfg, head=HeadConfig("sequence", n_labels))
-    embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings)
+    # A decoder's embed_norm normalises the token vectors (BLOOM); an encoder's normalises the sum
+    # of token, position and segment embeddings (BERT), so the Encoder applies it itself.
+    embed_norm = build_norm_for(cfg) if cfg.embed_norm and cfg.arch == "decoder" else None
+    embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings, embed_norm)
     if cfg.head is not None:
         build = build_encoder_head if cfg.arch == "encoder" else build_decoder_classifier
         model = build(cfg, embed)

@@ -23,6 +23,11 @@ class AttentionConfig:
     n_kv_heads: None -> n_heads (MHA); 1 -> MQA; a divisor of n_heads -> GQA.
     head_dim: None -> d_model // n_heads.  softmax_scale: None -> 1/sqrt(head_dim) (T5: 1.0).
     sliding_window: each token sees itself and the window - 1 tokens before it (Mistral).
+    backend: how scores become outputs (components/backends.py): "sdpa" (default), "eager",
+        "flash", "flex", "triton", or "auto": sdpa, except that a layer given a score_mod bias or
+        a BlockMask runs flex, and an ALiBi / T5 model gives its bias as a score_mod for long
+        query blocks (positions/base.py `wants_score_mod`) and as a small tensor for decode
+        steps. Opt-in: on CPU, flex is forward-only (inference) for now.
     kind: "standard" (MHA/GQA/MQA) or "mla", DeepSeek-V2's Multi-head Latent Attention
         (components/mla.py), which needs kv_lora_rank (r, the cached latent), qk_rope_head_dim
         (R, the shared rotary key), qk_nope_head_dim (Dn) and v_head_dim (Dv); q_lora_rank:
@@ -37,7 +42,7 @@ class AttentionConfig:
     qk_norm: bool = False
     softmax_scale: float | None = None
     sliding_window: int | None = None
-    backend: Literal["sdpa", "eager", "flash", "flex", "triton"] = "sdpa"
+    backend: Literal["sdpa", "eager", "flash", "flex", "triton", "auto"] = "sdpa"
     kind: Literal["standard", "mla"] = "standard"
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
@@ -185,7 +190,9 @@ class ModelConfig:
     activation: of the mlp, and of the geglu gate ("gelu" or "gelu_tanh"); swiglu uses SiLU.
     final_norm: None -> a final norm after the last block exactly when norm_placement == "pre".
     head_rescale: multiply the final hidden state by d_model^-0.5 before a tied head (T5 v1.0).
-    embed_norm, type_vocab_size: BERT's embedding LayerNorm and segment embeddings.
+    embed_norm: a norm of the embeddings: in an encoder after adding positions and segments
+        (BERT), in a decoder right after the token lookup (BLOOM's word_embeddings_layernorm).
+    type_vocab_size: BERT's segment embeddings.
     vision: the image encoder of a "vlm" (vision-language) model; None for every other arch.
     head: a task head (sequence or token classification) in place of the LM head; None: the LM.
     """

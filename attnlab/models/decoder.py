@@ -11,9 +11,11 @@ Shapes: B batch, T new tokens, S keys (cached + new), M memory length, C d_model
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnlab.components.context import AttentionContext
-from attnlab.components.masks import causal_mask, padding_mask, sliding_window_mask
+from attnlab.components.flex import block_mask
+from attnlab.components.masks import MaskMod, causal_mask, padding_mask, sliding_window_mask
 from attnlab.components.positions.base import PositionScheme
 
 
@@ -64,6 +66,71 @@ def custom_attention_mask(
     return mask
 
 
+def evaluate_mask_mod(mask_mod: MaskMod, B: int, T: int, device=None) -> Tensor:
+    """A mask_mod's dense (B, T, T) bool mask, evaluated at every (b, i, j) by broadcasting.
+
+    The head index is 0: a mask given to a model is the same for every head.
+
+    Returns:
+        bool (B, T, T), True = query i may attend to key j.
+    """
+    b = torch.arange(B, device=device).view(B, 1, 1)  # (B, 1, 1)
+    h = torch.zeros((), dtype=torch.long, device=device)
+    i = torch.arange(T, device=device).view(1, T, 1)  # (1, T, 1)
+    j = torch.arange(T, device=device).view(1, 1, T)  # (1, 1, T)
+    try:
+        mask = torch.as_tensor(mask_mod(b, h, i, j))
+    except (IndexError, RuntimeError) as err:
+        raise ValueError(
+            f"attn_mask: the mask_mod failed on a batch of B={B}, T={T} ({err}); it must take "
+            "(b, h, i, j) index tensors of that batch and length"
+        ) from err
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"attn_mask: a mask_mod must return bool (True = may attend), got {mask.dtype}"
+        )
+    shape = tuple(mask.shape)
+    if len(shape) > 3 or any(n not in (1, m) for n, m in zip(shape[::-1], (T, T, B))):
+        raise ValueError(
+            f"attn_mask: the mask_mod returned shape {shape}, which does not "
+            f"broadcast to (B, T, T) = {(B, T, T)}; index it with (b, h, i, j) only"
+        )
+    return mask.expand(B, T, T)
+
+
+def mask_from_mod(
+    mask_mod: MaskMod, B: int, T: int, attention_mask: Tensor | None, flex: bool, device
+) -> Tensor | BlockMask:
+    """A caller's mask_mod as what the layers' backend takes, built once per forward.
+
+    Args:
+        mask_mod: (b, h, i, j) -> bool, True = query i of row b may attend to key j.
+        B, T: batch and length of the ids.  attention_mask: (B, T) True = real token, or None.
+        flex: every self-attention layer uses the "flex" backend: build a BlockMask.
+
+    Returns:
+        A BlockMask of shape (B, 1, T, T) (flex), else bool (B, 1, T, T).
+    """
+    if not flex:
+        return custom_attention_mask(
+            evaluate_mask_mod(mask_mod, B, T, device), B, T, attention_mask
+        )
+    mod = mask_mod
+    if attention_mask is not None:
+        valid = attention_mask.bool()  # (B, T)
+
+        def mod(b, h, i, j):
+            return mask_mod(b, h, i, j) & valid[b, j]
+
+    try:
+        return block_mask(mod, B, None, T, T, device)
+    except (IndexError, RuntimeError) as err:
+        raise ValueError(
+            f"attn_mask: the mask_mod failed on a batch of B={B}, T={T} ({err}); it must take "
+            "(b, h, i, j) indices of that batch and length"
+        ) from err
+
+
 def cached_attention_mask(slots: Tensor, key_valid: Tensor, window: int | None) -> Tensor:
     """The self-attention mask against a preallocated cache.
 
@@ -82,6 +149,19 @@ def cached_attention_mask(slots: Tensor, key_valid: Tensor, window: int | None) 
     if window is not None:
         mask = mask & (k > q - window)
     return mask & key_valid[:, None, None, :]  # (B, 1, T, S_max)
+
+
+def is_mask_mod(attn_mask) -> bool:
+    """Whether a model's `attn_mask` argument is a mask_mod (a function) rather than a tensor."""
+    return callable(attn_mask) and not isinstance(attn_mask, Tensor)
+
+
+def uses_flex(model: nn.Module) -> bool:
+    """Whether every self-attention layer of `model` runs on the "flex" backend."""
+    backends = [
+        m.backend for m in model.modules() if hasattr(m, "backend") and not getattr(m, "cross", 0)
+    ]
+    return bool(backends) and all(b == "flex" for b in backends)
 
 
 class DecoderLM(nn.Module):
@@ -123,7 +203,7 @@ class DecoderLM(nn.Module):
         cache=None,
         slots: Tensor | None = None,
         last_only: bool = False,
-        attn_mask: Tensor | None = None,
+        attn_mask: Tensor | MaskMod | None = None,
     ) -> Tensor:
         """Next-token logits.
 
@@ -142,6 +222,9 @@ class DecoderLM(nn.Module):
             attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j: replaces
                 the causal (and sliding-window) mask, e.g. a prefix-LM or permutation mask
                 (components/masks.py); combined with `attention_mask`. Not with a cache.
+                Or a mask_mod (b, h, i, j) -> bool (e.g. `document_mask_mod` for packed
+                sequences), the same for every head: built once per forward into a BlockMask
+                when every layer uses backend "flex", else evaluated into a (B, T, T) mask.
 
         Returns:
             (B, T, V) logits, or (B, 1, V) with last_only.
@@ -164,7 +247,7 @@ class DecoderLM(nn.Module):
         memory_mask: Tensor | None,
         cache,
         slots: Tensor | None,
-        attn_mask: Tensor | None = None,
+        attn_mask: Tensor | MaskMod | None = None,
     ) -> tuple[AttentionContext, Tensor]:
         """What every block needs, computed once per forward (arguments as `forward`).
 
@@ -180,6 +263,10 @@ class DecoderLM(nn.Module):
             k_pos = pos
             if attn_mask is None:
                 mask, is_causal = self_attention_mask(T, T, attention_mask, self.window, ids.device)
+            elif is_mask_mod(attn_mask):
+                flex = uses_flex(self)
+                mask = mask_from_mod(attn_mask, B, T, attention_mask, flex, ids.device)
+                is_causal = False
             else:
                 mask, is_causal = custom_attention_mask(attn_mask, B, T, attention_mask), False
         else:

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.context import AttentionContext
-from attnlab.components.masks import padding_mask
+from attnlab.components.masks import MaskMod, padding_mask
 from attnlab.components.positions.base import PositionScheme
-from attnlab.models.decoder import custom_attention_mask
+from attnlab.models.decoder import custom_attention_mask, is_mask_mod, mask_from_mod, uses_flex
 
 
 class Encoder(nn.Module):
@@ -47,16 +47,20 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         *,
-        attn_mask: Tensor | None = None,
+        attn_mask: Tensor | MaskMod | None = None,
     ) -> Tensor:
         """ids: (B, T); attention_mask: (B, T) True = real token -> hidden states (B, T, C).
 
         attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j, in place of
         full bidirectional attention (e.g. a prefix-LM mask); combined with `attention_mask`.
+        Or a mask_mod (b, h, i, j) -> bool, e.g. `document_mask_mod(doc_ids, causal=False)`:
+        a BlockMask when every layer uses backend "flex", else evaluated into a dense mask.
         """
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
-        if attn_mask is not None:
+        if is_mask_mod(attn_mask):
+            mask = mask_from_mod(attn_mask, B, T, attention_mask, uses_flex(self), ids.device)
+        elif attn_mask is not None:
             mask = custom_attention_mask(attn_mask, B, T, attention_mask)  # (T,T) / (B,1,T,T)
         else:
             mask = None if attention_mask is None else padding_mask(attention_mask)  # (B,1,1,T)

@@ -27,6 +27,18 @@ class DataConfig:
         synthetic_n_val is also the number of held-out scenes of the "vqa" / "vla" tasks.
     scene_grid, scene_cell: the "vqa" / "vla" scenes (training/embodied.py) are grids of
         scene_grid x scene_grid cells of scene_cell pixels.
+    pack: sequence packing, for task "clm" (`--data.pack true`). Without it a batch row is a
+        random window of the concatenated files, read across file boundaries. With it each row
+        of context + 1 tokens holds whole documents (one document = one file; a document longer
+        than a row is cut into row-sized pieces, each then a document of its own; a row is filled
+        with the following documents or pieces, in order, and padded at the end: `pack_rows` in
+        training/data.py), and rows are drawn at random. The model sees a causal document mask
+        (a token attends only to earlier tokens of its own document), positions that restart at
+        0 at each document, and no loss on a label from another document or from padding. So
+        training on packed rows is training on the documents one at a time, without padding
+        costs. A single-document source (a file, "shakespeare") is cut into pieces of context + 1
+        tokens, one per row: packing then only fixes where the windows start (and the last token
+        of each piece has no label).
     """
 
     task: Task = "clm"
@@ -43,9 +55,15 @@ class DataConfig:
     synthetic_n_val: int = 1000
     scene_grid: int = 4
     scene_cell: int = 8
+    pack: bool = False
 
     def __post_init__(self):
         check_literals(self)
+        if self.pack and self.task != "clm":
+            raise ValueError(
+                f"data.pack packs documents for task 'clm' only, got task {self.task!r}; "
+                "set --data.pack false"
+            )
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(
                 f"data.val_fraction must be in (0, 1), got {self.val_fraction}; e.g. 0.1 keeps "

@@ -1,8 +1,12 @@
 """Text -> token ids in a memory-mapped file, and the batches every objective trains on.
 
 Preparing is done once: the token stream is written next to a manifest (what it was made from,
-with which tokenizer) under a cache directory keyed by a hash of both, then memory-mapped on every
-later run. The last `val_fraction` of the stream is the validation split.
+with which tokenizer) and the documents' (files') start offsets, under a cache directory keyed by a
+hash of both, then memory-mapped on every later run. The last `val_fraction` of the stream is the
+validation split.
+
+Batches: `lm_batch` reads random windows across document boundaries; `packed_batch` reads rows of
+whole documents (sequence packing) with per-token document ids and positions.
 
 Shapes: B batch, T context.
 """
@@ -33,13 +37,23 @@ STDLIB_SKIP = (
 )
 
 
+CACHE_VERSION = "2"  # 2: documents' offsets recorded (offsets.npy); older caches are rebuilt
+
+
 @dataclass
 class TokenData:
-    """A tokenizer and its train/validation token streams (1-D uint16/uint32 arrays)."""
+    """A tokenizer and its train/validation token streams (1-D uint16/uint32 arrays).
+
+    train_docs, val_docs: (n_docs + 1,) int64 start offsets of each split's documents and the
+    split's length (a document cut by the split is a document on both sides); None for a cache
+    written without offsets.
+    """
 
     tokenizer: Tokenizer
     train: np.ndarray
     val: np.ndarray
+    train_docs: np.ndarray | None = None
+    val_docs: np.ndarray | None = None
 
 
 def corpus_files(source: str) -> list[Path]:
@@ -107,7 +121,7 @@ def _fingerprint(cfg: DataConfig, files: list[Path]) -> str:
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    h.update(f"{cfg.tokenizer}|{cfg.bpe_vocab_size}|{cfg.max_chars}".encode())
+    h.update(f"{cfg.tokenizer}|{cfg.bpe_vocab_size}|{cfg.max_chars}|v{CACHE_VERSION}".encode())
     if Path(cfg.tokenizer).is_file():
         h.update(Path(cfg.tokenizer).read_bytes())
     return h.hexdigest()[:16]
@@ -138,8 +152,19 @@ def prepare_text_data(cfg: DataConfig) -> TokenData:
             f"data source {cfg.source!r} gives only {len(tokens)} tokens: too few to "
             f"split off a validation fraction of {cfg.val_fraction}"
         )
+    split = len(tokens) - n_val
+    train_docs = val_docs = None
+    if (cache / "offsets.npy").is_file():
+        starts = np.load(cache / "offsets.npy")[:-1]  # (n_docs,) start of each document
+        train_docs = np.append(starts[starts < split], split)
+        val_starts = np.append(0, starts[starts > split] - split)
+        val_docs = np.append(val_starts, n_val)
     return TokenData(
-        Tokenizer.from_file(cache / "tokenizer.json"), tokens[:-n_val], tokens[-n_val:]
+        Tokenizer.from_file(cache / "tokenizer.json"),
+        tokens[:split],
+        tokens[split:],
+        train_docs,
+        val_docs,
     )
 
 
@@ -149,12 +174,17 @@ def _write_cache(cfg: DataConfig, files: list[Path], cache: Path) -> None:
     if not texts:
         raise ValueError(f"data source {cfg.source!r} is empty")
     tokenizer = build_tokenizer(cfg, texts)
-    ids = np.concatenate([np.asarray(i, dtype=np.int64) for i in tokenizer.encode_batch(texts)])
+    encoded = tokenizer.encode_batch(texts)
+    ids = np.concatenate([np.asarray(i, dtype=np.int64) for i in encoded])
+    offsets = np.cumsum([0] + [len(i) for i in encoded], dtype=np.int64)  # (n_docs + 1,)
     dtype = "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f"tokens.bin.tmp{os.getpid()}"
     ids.astype(dtype).tofile(tmp)
     os.replace(tmp, cache / "tokens.bin")
+    tmp = cache / f"offsets.tmp{os.getpid()}.npy"
+    np.save(tmp, offsets)
+    os.replace(tmp, cache / "offsets.npy")
     tmp = cache / f"tokenizer.json.tmp{os.getpid()}"  # ranks of a job may prepare at once
     tokenizer.save(tmp)
     os.replace(tmp, cache / "tokenizer.json")
@@ -197,6 +227,82 @@ def lm_batch(
     window = np.stack([tokens[s : s + context + 1] for s in starts]).astype(np.int64)  # (B, T+1)
     window = torch.from_numpy(window)
     return window[:, :-1], window[:, 1:]  # (B, T), (B, T)
+
+
+def pack_rows(docs: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lay a split's documents out in rows of `row` tokens, each row holding whole documents.
+
+    A document longer than a row is cut into pieces of `row` tokens (and a shorter last piece);
+    pieces are taken in order, and a piece that does not fit in what is left of a row starts the
+    next row (the rest of the row is padding).
+
+        row = 8, documents of 3, 4, 10 tokens:
+        row 0: a a a b b b b .      row 1: c c c c c c c c      row 2: c c . . . . . .
+
+    Args:
+        docs: (n_docs + 1,) start offsets of the documents and the split's length.
+        row: tokens per row (context + 1).
+
+    Returns:
+        pieces (n_pieces, 2) int64 (start, length) in the stream, and rows (n_rows + 1,) int64:
+        row r holds pieces rows[r] : rows[r + 1].
+    """
+    pieces, rows, used = [], [0], 0
+    for start, end in zip(docs[:-1].tolist(), docs[1:].tolist()):
+        for s in range(start, end, row):
+            n = min(row, end - s)
+            if used + n > row:
+                rows.append(len(pieces))
+                used = 0
+            pieces.append((s, n))
+            used += n
+    if pieces:
+        rows.append(len(pieces))
+    return np.asarray(pieces, dtype=np.int64).reshape(-1, 2), np.asarray(rows, dtype=np.int64)
+
+
+def packed_batch(
+    tokens: np.ndarray,
+    layout: tuple[np.ndarray, np.ndarray],
+    context: int,
+    batch_size: int,
+    gen: torch.Generator,
+    rank: int = 0,
+    world: int = 1,
+    ignore_index: int = -100,
+) -> dict:
+    """Random packed rows (`pack_rows`): whole documents, a document mask and restarting positions.
+
+    Row r of context + 1 tokens gives inputs x = row[:-1] and labels y = row[1:], except that a
+    label is `ignore_index` where it belongs to another document than its input (the first token
+    of the next document) or to padding. Padding tokens are id 0, document -1, position 0. As in
+    `lm_batch`, all ranks draw the same global batch and keep their own slice.
+
+    Returns:
+        {"x": (B, T) int64, "labels": (B, T) int64, "doc": (B, T) int64 document of each input
+        (its index within the row; -1 = padding), "pos": (B, T) int64 position in its document}.
+    """
+    pieces, rows = layout
+    n_rows = len(rows) - 1
+    if n_rows < 1:
+        raise ValueError("a split with no tokens cannot be packed; give data.source more text")
+    drawn = torch.randint(n_rows, (batch_size * world,), generator=gen)
+    drawn = drawn[rank * batch_size : (rank + 1) * batch_size].tolist()
+    L = context + 1
+    ids = np.zeros((len(drawn), L), dtype=np.int64)
+    doc = np.full((len(drawn), L), -1, dtype=np.int64)
+    pos = np.zeros((len(drawn), L), dtype=np.int64)
+    for b, r in enumerate(drawn):
+        at = 0
+        for d, (start, n) in enumerate(pieces[rows[r] : rows[r + 1]].tolist()):
+            ids[b, at : at + n] = tokens[start : start + n]
+            doc[b, at : at + n] = d
+            pos[b, at : at + n] = np.arange(n)
+            at += n
+    ids, doc, pos = (torch.from_numpy(a) for a in (ids, doc, pos))  # (B, T+1)
+    same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] >= 0)  # (B, T) the label is in-document
+    labels = ids[:, 1:].masked_fill(~same, ignore_index)
+    return {"x": ids[:, :-1], "labels": labels, "doc": doc[:, :-1], "pos": pos[:, :-1]}
 
 
 def mask_tokens(

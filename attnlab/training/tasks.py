@@ -1,6 +1,7 @@
 """What is trained: a task owns its data, draws batches, computes the loss and evaluates.
 
     LMTask       causal LM on a token stream (decoder models)
+    PackedLMTask causal LM on packed rows of whole documents, with a document mask (data.pack)
     PrefixLMTask prefix LM (UniLM): bidirectional over a random prefix, causal after it
     PermutationLMTask  permutation LM (XLNet's content stream): a random factorisation order
     MLMTask      masked LM on the same kind of stream (encoder models)
@@ -19,12 +20,20 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnlab.components.masks import permutation_mask, prefix_lm_mask
+from attnlab.components.masks import document_mask_mod, permutation_mask, prefix_lm_mask
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.tokenizer import Tokenizer
 from attnlab.training.config import RunConfig
-from attnlab.training.data import TokenData, lm_batch, mask_tokens, pad_batch, prepare_text_data
+from attnlab.training.data import (
+    TokenData,
+    lm_batch,
+    mask_tokens,
+    pack_rows,
+    packed_batch,
+    pad_batch,
+    prepare_text_data,
+)
 from attnlab.training.embodied import SceneTask
 from attnlab.training.objectives import IGNORE_INDEX, clm_loss, mlm_loss, n_targets, seq2seq_loss
 from attnlab.training.synthetic import synthetic_pairs, synthetic_tokenizer, task_name
@@ -89,6 +98,44 @@ class LMTask:
             crop_to=half,
         )[0]
         return self.tokenizer.decode(ids + new)
+
+
+class PackedLMTask(LMTask):
+    """Next-token prediction on packed rows of whole documents (data.pack; see DataConfig).
+
+    Each row's tokens attend only to earlier tokens of their own document (`document_mask_mod`,
+    a BlockMask on the flex backend, a dense mask on the others), their positions restart at 0
+    at each document, and labels that cross into another document or padding are ignored.
+    """
+
+    def __init__(self, data: TokenData, run: RunConfig):
+        super().__init__(data, run)
+        if data.train_docs is None or data.val_docs is None:
+            raise ValueError(
+                "data.pack needs the documents' offsets, which this token cache lacks; delete "
+                f"{run.data.cache_dir!r} to rebuild it"
+            )
+        row = self.context + 1
+        self.train_layout = pack_rows(data.train_docs, row)
+        self.val_layout = pack_rows(data.val_docs, row)
+
+    def train_batch(self, gen: torch.Generator, rank: int = 0, world: int = 1) -> dict:
+        return packed_batch(
+            self.data.train, self.train_layout, self.context, self.batch_size, gen, rank, world
+        )
+
+    def _val_batch(self, gen) -> dict:
+        return packed_batch(self.data.val, self.val_layout, self.context, self.batch_size, gen)
+
+    def n_targets(self, batch: dict) -> int:
+        """The labels inside their input's document (labels != -100)."""
+        return n_targets(batch["labels"], IGNORE_INDEX)
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> Tensor:
+        """The cross-entropy summed over the batch's in-document labels (a scalar)."""
+        mask_mod = document_mask_mod(batch["doc"])  # causal within each document
+        logits = model(batch["x"], attn_mask=mask_mod, pos=batch["pos"])  # (B, T, V)
+        return mlm_loss(logits, batch["labels"], reduction="sum")
 
 
 class MLMTask(LMTask):
@@ -323,4 +370,6 @@ def build_task(run: RunConfig):
         return Seq2SeqTask(run)
     data = prepare_text_data(run.data)
     tasks = {"mlm": MLMTask, "prefix_lm": PrefixLMTask, "permutation_lm": PermutationLMTask}
+    if run.data.pack:
+        return PackedLMTask(data, run)
     return tasks.get(run.data.task, LMTask)(data, run)

@@ -1,6 +1,7 @@
 """TokenEmbedding against F.embedding, weight tying, and id validation."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,22 @@ def test_scaled_lookup_is_sqrt_d_times_plain(dtype):
     ids = torch.randint(0, V, (2, 7), dtype=dtype)
     expected = math.sqrt(C) * F.embedding(ids.long(), emb.weight)  # Vaswani et al. 2017, §3.4
     torch.testing.assert_close(emb(ids), expected, atol=1e-6, rtol=0)
+
+
+def test_normed_lookup_is_layer_norm_of_plain():
+    """BLOOM's word_embeddings_layernorm; the decoder built with embed_norm holds it in .embed."""
+    from attnlab.models.build import build_model
+    from attnlab.models.config import ModelConfig
+
+    norm = nn.LayerNorm(C)
+    nn.init.normal_(norm.weight), nn.init.normal_(norm.bias)
+    emb = TokenEmbedding(V, C, norm=norm)
+    ids = torch.randint(0, V, (2, 7))
+    expected = F.layer_norm(F.embedding(ids, emb.weight), (C,), norm.weight, norm.bias)
+    torch.testing.assert_close(emb(ids), expected, atol=1e-6, rtol=0)
+    cfg = ModelConfig("decoder", C, 1, V, 8, position="alibi", norm="layernorm", embed_norm=True)
+    assert {"embed.norm.weight", "embed.norm.bias"} <= build_model(cfg).state_dict().keys()
+    assert "embed.norm.weight" not in build_model(replace(cfg, embed_norm=False)).state_dict()
 
 
 def test_tie_weights_shares_one_parameter():

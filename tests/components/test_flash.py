@@ -222,13 +222,13 @@ def test_flash_causal_forward_skips_the_blocks_above_the_diagonal(monkeypatch):
     """T = S = 8 in 2 x 2 tiles: 4 + 3 + 2 + 1 = 10 tiles on or below the diagonal, not 16."""
     import attnlab.components.flash as flash_module
 
-    calls, real = [], flash_module._block_scores
+    calls, real = [], flash_module._modify_scores
 
     def counting(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(flash_module, "_block_scores", counting)
+    monkeypatch.setattr(flash_module, "_modify_scores", counting)
     q = torch.randn(1, 1, 8, 4, requires_grad=True)
     out, _ = flash_attention(q, q, q, is_causal=True, block_q=2, block_k=2)
     assert len(calls) == 10
@@ -294,3 +294,142 @@ def test_flash_bfloat16_inputs_accumulate_in_float32():
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=0)
     out.float().sum().backward()
     assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+
+
+# --- the function forms: score_mod / mask_mod (FlexAttention's) read tile by tile -------------
+
+
+def _doc_ids(T):
+    """Two rows of packed documents (lengths 4, 9 and 7, 6)."""
+    row0 = torch.repeat_interleave(torch.arange(2), torch.tensor([4, T - 4]))
+    row1 = torch.repeat_interleave(torch.arange(2), torch.tensor([7, T - 7]))
+    return torch.stack([row0, row1])  # (B, T)
+
+
+def _mask_forms(name, T):
+    """(mask_mod, dense bool mask from masks.py's builders, or written out for documents)."""
+    from attnlab.components import masks
+
+    if name == "causal":
+        return masks.causal_mask_mod(), masks.causal_mask(T)
+    if name == "sliding_window":
+        return masks.sliding_window_mask_mod(5), masks.sliding_window_mask(T, 5)
+    if name == "prefix_lm":
+        lens = torch.tensor([3, 8])
+        return masks.prefix_lm_mask_mod(lens), masks.prefix_lm_mask(T, lens)
+    ids = _doc_ids(T)
+    same = (ids[:, :, None] == ids[:, None, :]) & _ref_causal(T, T)  # (B, T, T)
+    return masks.document_mask_mod(ids), same[:, None]
+
+
+def _position_forms(name, H, T):
+    """(scheme, score_mod, dense (H, T, T) bias from `score_bias`)."""
+    from attnlab.components.positions import ALiBi, T5Bias
+
+    torch.manual_seed(1)
+    scheme = ALiBi(H) if name == "alibi" else T5Bias(H, 8, max_distance=10, bidirectional=False)
+    if name == "t5_bias":
+        torch.nn.init.normal_(scheme.relative_attention_bias.weight, std=1.0)
+    pos = torch.arange(T)
+    return scheme, scheme.score_mod(pos, pos, bound=T), scheme.score_bias(pos, pos)
+
+
+@pytest.mark.parametrize("position", ["alibi", "t5_bias"])
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window", "prefix_lm", "document"])
+def test_flash_score_mod_and_mask_mod_equal_the_dense_eager_path(position, mask_name):
+    """Forward within 1e-5; q, k, v and the T5 table's gradients within 1e-4 (GQA, odd T)."""
+    B, H, K, T, D = 2, 4, 2, 13, 8  # 13 is no multiple of the block sizes 4 and 3
+    scheme, score_mod, dense_bias = _position_forms(position, H, T)
+    mask_mod, dense_mask = _mask_forms(mask_name, T)
+    q, k, v = _leaves((B, H, T, D), (B, K, T, D), (B, K, T, D))
+    learned = [p for p in scheme.parameters() if p.requires_grad]  # T5's table; none for ALiBi
+    out, _ = flash_attention(q, k, v, mask_mod, score_mod, block_q=4, block_k=3)
+    ref, _ = eager_attention(q, k, v, mask=dense_mask, bias=dense_bias)
+    torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v, *learned], d_out)
+    ref_grads = torch.autograd.grad(ref, [q, k, v, *learned], d_out)
+    assert len(grads) == (4 if position == "t5_bias" else 3)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=GRAD_ATOL, rtol=0)
+
+
+def test_flash_score_mod_gradient_goes_through_a_nonlinear_score_mod():
+    """dS reaches Q K^T through the score_mod's own derivative (a tanh soft-cap, as Gemma 2)."""
+    B, H, T, D = 1, 2, 10, 8
+    q, k, v = _leaves((B, H, T, D), (B, H, T, D), (B, H, T, D))
+    cap = torch.tensor(2.0, requires_grad=True)
+
+    def soft_cap(score, b, h, i, j):
+        return cap * torch.tanh(score / cap)
+
+    soft_cap.tensors = (cap,)
+    out, _ = flash_attention(q, k, v, bias=soft_cap, is_causal=True, block_q=3, block_k=4)
+    s = cap * torch.tanh((q @ k.transpose(-2, -1)) * D**-0.5 / cap)
+    ref = s.masked_fill(~_ref_causal(T, T), float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v, cap], d_out)
+    ref_grads = torch.autograd.grad(ref, [q, k, v, cap], d_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=GRAD_ATOL, rtol=0)
+
+
+def test_flash_takes_a_block_mask_skips_its_empty_tiles_and_builds_nothing_quadratic(monkeypatch):
+    """A BlockMask is read through its mask_mod, tiles it hides are skipped, no T x S index.
+
+    Sliding window 4 over T = 11 in 4 x 4 tiles (the BlockMask's blocks too): 5 of the 9 tiles
+    hold a visible key (the diagonal and the one below it), forward and backward alike.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import attnlab.components.flash as flash_module
+    from attnlab.components.masks import sliding_window_mask, sliding_window_mask_mod
+
+    B, H, T, D = 2, 2, 11, 4
+    mod = sliding_window_mask_mod(4)
+    blocks = create_block_mask(mod, None, None, T, T, device="cpu", BLOCK_SIZE=4)
+    sizes, real = [], flash_module._tile_indices
+
+    def recording(*args):
+        idx = real(*args)
+        sizes.append(torch.broadcast_shapes(*(t.shape for t in idx))[-2:].numel())
+        return idx
+
+    monkeypatch.setattr(flash_module, "_tile_indices", recording)
+    q, k, v = _leaves((B, H, T, D), (B, H, T, D), (B, H, T, D))
+    out, _ = flash_attention(q, k, v, mask=blocks, block_q=4, block_k=4)
+    assert len(sizes) == 5 and max(sizes) <= 4 * 4
+    ref = _reference(q, k, v, mask=sliding_window_mask(T, 4))
+    torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], d_out)
+    assert len(sizes) == 10
+    ref_grads = torch.autograd.grad(ref, [q, k, v], d_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=GRAD_ATOL, rtol=0)
+    # Blocks larger than the tiles (flex's default 128): a tile is skipped only if its block is.
+    big = create_block_mask(mod, None, None, T, T, device="cpu")
+    out, _ = flash_attention(q, k, v, mask=big, block_q=4, block_k=4)
+    torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
+
+
+def test_flash_t5_score_mod_with_a_cache_prefill_equals_eager():
+    """T != S: the last 5 of 13 positions, causal, the T5 table's gradient within 1e-4."""
+    from attnlab.components.positions import T5Bias
+
+    torch.manual_seed(2)
+    B, H, T, S, D = 2, 2, 5, 13, 8
+    t5 = T5Bias(H, 8, max_distance=10, bidirectional=False)
+    q_pos, k_pos = torch.arange(S - T, S), torch.arange(S)
+    q, k, v = _leaves((B, H, T, D), (B, 1, S, D), (B, 1, S, D))  # MQA
+    table = t5.relative_attention_bias.weight
+    mod = t5.score_mod(q_pos, k_pos, bound=S)
+    out, _ = flash_attention(q, k, v, bias=mod, is_causal=True, block_q=2, block_k=4)
+    ref, _ = eager_attention(q, k, v, bias=t5.score_bias(q_pos, k_pos), is_causal=True)
+    torch.testing.assert_close(out, ref, atol=FWD_ATOL, rtol=0)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v, table], d_out)
+    ref_grads = torch.autograd.grad(ref, [q, k, v, table], d_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=GRAD_ATOL, rtol=0)

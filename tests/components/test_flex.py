@@ -4,7 +4,9 @@ the dense mask builders, and a T5 from `transformers` through the flex path.
 References: `eager_attention` with the dense (H, T, S) bias from `score_bias` and the dense masks
 from masks.py (or written out here: the document mask); HF T5's logits. FlexAttention compiles
 (seconds per shape on CPU), so the shapes are few and tiny and the compiled tests are `slow`.
-FlexAttention has no backward on CPU in PyTorch 2.13: the gradient test needs a GPU.
+FlexAttention has no backward on CPU in PyTorch 2.13, so there a flex layer that needs gradients
+runs flash.py's tiled forward and recomputing backward on the same mask_mod / score_mod (nothing
+compiles: those tests are fast); PyTorch's own flex backward is tested on a GPU.
 """
 
 from dataclasses import replace
@@ -192,7 +194,7 @@ def tiny_decoder(position, backend, window=None):
     "position,window", [("alibi", None), ("t5_bias", None), ("alibi", 6)], ids=str
 )
 def test_decoder_through_flex_equals_eager(position, window):
-    """ALiBi (BLOOM-style; no BLOOM converter exists here) and T5 decoders: same logits."""
+    """ALiBi (BLOOM-style: see tests/interop/hf/test_bloom.py) and T5 decoders: same logits."""
     torch.manual_seed(0)
     eager = tiny_decoder(position, "eager", window)
     flex = tiny_decoder(position, "flex", window)
@@ -330,3 +332,65 @@ def test_attention_layer_takes_a_block_mask_in_its_context():
         ref = eager(x, AttentionContext(mask=dense_document_mask(ids)))
         out = flex(x, AttentionContext(mask=blocks))
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+# --- training on CPU: the flex backend's backward is flash.py's recomputing one ---------------
+
+
+@pytest.mark.parametrize(
+    "position,mask_name",
+    [("alibi", "causal"), ("t5_bias", "document"), ("t5_bias", "sliding_window_5")],
+)
+def test_flex_gradients_on_cpu_equal_dense_eager(position, mask_name):
+    """q, k, v (and T5's table) gradients within 1e-4 of eager with the dense bias and mask."""
+    torch.manual_seed(0)
+    scheme = ALiBi(H) if position == "alibi" else T5Bias(H, 8, max_distance=20, bidirectional=False)
+    pos = torch.arange(T)
+    mod, Bm, dense = MASKS[mask_name]
+    q, k, v = (t.requires_grad_() for t in qkv(K=2))  # GQA, T = 37 (odd)
+    learned = list(scheme.parameters())  # T5's table; none for ALiBi
+    ref, _ = eager_attention(q, k, v, mask=dense, bias=scheme.score_bias(pos, pos))
+    blocks = block_mask(mod, Bm, None, T, T)
+    out, _ = flex_attention_backend(q, k, v, mask=blocks, bias=scheme.score_mod(pos, pos, T))
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v, *learned], d_out)
+    ref_grads = torch.autograd.grad(ref, [q, k, v, *learned], d_out)
+    assert len(grads) == 3 + len(learned)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=0)
+
+
+def test_flex_dense_bias_gradient_on_cpu_equals_eager():
+    """The dense fallback trains too: a learned (B, H, T, S) bias tensor gets dS."""
+    q, k, v = (t.requires_grad_() for t in qkv(K=1))
+    bias = torch.randn(B, H, T, T, requires_grad=True)
+    ref, _ = eager_attention(q, k, v, bias=bias, is_causal=True)
+    out, _ = flex_attention_backend(q, k, v, bias=bias, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, bias))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, bias))
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("position", ["alibi", "t5_bias"])
+def test_flex_decoder_trains_on_cpu_like_its_eager_twin(position):
+    """Three AdamW steps: every parameter equals the eager-built twin's within 1e-4."""
+    torch.manual_seed(0)
+    eager = tiny_decoder(position, "eager").train()
+    flex = tiny_decoder(position, "flex").train()
+    flex.load_state_dict(eager.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, flex)]
+    ids = torch.randint(0, 50, (B, T))
+    for _ in range(3):
+        for model, opt in zip((eager, flex), opts, strict=True):
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    want, got = dict(eager.named_parameters()), dict(flex.named_parameters())
+    assert any("relative_attention_bias" in n for n in got) == (position == "t5_bias")
+    for name, p in got.items():
+        torch.testing.assert_close(p, want[name], atol=1e-4, rtol=0, msg=name)

@@ -97,4 +97,5 @@ class ALiBi(PositionScheme):
             distance = (k_at(b, j) - q_at(b, i)).abs()
             return score - (slopes[h] * distance).to(score.dtype)
 
+        alibi.tensors = (slopes,)  # what it reads (fixed here; see base.py)
         return alibi

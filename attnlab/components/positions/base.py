@@ -19,7 +19,12 @@ a function (score, b, h, i, j) -> score of one score's indices, closed over a fe
 head (ALiBi's slopes, T5's bias per relative distance), so the (H, T, S) tensor is never built.
 A scheme built for that backend has `bias_form = "score_mod"` (models/build.py sets it), and
 `prepare` then puts `score_mod(...)` into `PositionTerms.bias` in place of the tensor; layers
-hand it to their backend either way.
+hand it to their backend either way. A score_mod lists the tensors its closure reads in a
+`tensors` attribute (T5's gathered bias table): FlashAttention's autograd.Function, which cannot
+see into a closure, takes them as inputs and gives them their gradients (components/flash.py).
+With `bias_form = "auto"` (the "auto" attention backend) `prepare` picks the form per forward from
+the shapes (`wants_score_mod`): a score_mod for a long query block, the small tensor for a decode
+step; the "auto" backend then follows that form.
 
 Positions are absolute int64 indices, shaped (T,) when every row of the batch shares them or
 (B, T) when rows differ (left-padded batches, cached decoding). A score bias moves SDPA off its
@@ -36,6 +41,20 @@ from torch import Tensor, nn
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """(score, b, h, i, j) -> the modified score, every argument a 0-d tensor (FlexAttention)."""
+
+AUTO_MIN_SCORES = 128 * 128
+"""bias_form "auto": the fewest scores per head (T * S) worth a score_mod: one flex block."""
+
+
+def wants_score_mod(T: int, S: int) -> bool:
+    """bias_form "auto": the bias as a score_mod (so the layers run flex) for T queries, S keys?
+
+    Yes for a query block of at least one flex block of scores (128 x 128): there the dense
+    (H, T, S) bias costs memory and keeps SDPA off its flash kernel. No for a decode step (T = 1)
+    or a short block: the (H, 1, S) tensor is small, and flex compiles once per shape while a
+    decode step's shapes change as the sequence grows.
+    """
+    return T > 1 and T * S >= AUTO_MIN_SCORES
 
 
 @dataclass(frozen=True)
@@ -76,9 +95,10 @@ class PositionScheme(nn.Module):
 
     # The largest number of positions the scheme can represent (a table's size), or None.
     max_positions: int | None = None
-    # Which form `prepare` gives the score bias in: a dense tensor, or a score_mod for the flex
-    # backend (set by the builder; schemes without a bias ignore it).
-    bias_form: Literal["tensor", "score_mod"] = "tensor"
+    # Which form `prepare` gives the score bias in: a dense tensor, a score_mod for the flex
+    # backend, or "auto", one of the two by the shapes (set by the builder; schemes without a
+    # bias ignore it).
+    bias_form: Literal["tensor", "score_mod", "auto"] = "tensor"
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """Add absolute position information to token embeddings.
@@ -143,9 +163,12 @@ class PositionScheme(nn.Module):
 
         Returns:
             PositionTerms: here the score bias (None for schemes without one), as a tensor or,
-            with `bias_form = "score_mod"`, as a score_mod.
+            with `bias_form = "score_mod"` (or "auto" and `wants_score_mod`), as a score_mod.
         """
-        if self.bias_form == "score_mod":
+        form = self.bias_form
+        if form == "auto":
+            form = "score_mod" if wants_score_mod(q_pos.shape[-1], k_pos.shape[-1]) else "tensor"
+        if form == "score_mod":
             bias = self.score_mod(q_pos, k_pos, bound)
         else:
             bias = self.score_bias(q_pos, k_pos)

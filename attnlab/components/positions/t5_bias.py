@@ -140,4 +140,5 @@ class T5Bias(PositionScheme):
             row = (k_at(b, j) - q_at(b, i) + bound - 1).clamp(0, last)
             return score + by_distance[row, h].to(score.dtype)
 
+        t5_bias.tensors = (by_distance,)  # what it reads that learns (see base.py)
         return t5_bias

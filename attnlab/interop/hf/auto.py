@@ -1,7 +1,7 @@
 """Pick the family converter from config.json (loading) or from a ModelConfig (saving), and move
 tokenizers, which are already in HF's format (tokenizer.json), in and out of HF directories.
 
-    load_hf(dir)              config.json architectures (or model_type) -> gpt2|llama|bert|t5
+    load_hf(dir)              config.json architectures (or model_type) -> gpt2|llama|bloom|bert|t5
     save_hf(model, cfg, dir)  cfg -> the one family that can hold it
 """
 
@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from attnlab.interop.hf import bert, common, gpt2, llama, t5
+from attnlab.interop.hf import bert, bloom, common, gpt2, llama, t5
 from attnlab.models.config import ModelConfig
 from attnlab.tokenizer import Tokenizer
 
@@ -20,6 +20,7 @@ from attnlab.tokenizer import Tokenizer
 ARCHITECTURES: dict[str, ModuleType] = {
     **{a: gpt2 for a in gpt2.ARCHITECTURES},
     **{a: llama for a in llama.ARCHITECTURES},
+    **{a: bloom for a in bloom.ARCHITECTURES},
     **{a: bert for a in bert.ARCHITECTURES},
     **{a: t5 for a in t5.ARCHITECTURES},
 }
@@ -28,6 +29,7 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "llama": llama,
     "mistral": llama,
     "qwen2": llama,
+    "bloom": bloom,
     "bert": bert,
     "t5": t5,
 }
@@ -74,9 +76,11 @@ def converter_for(cfg: ModelConfig) -> ModuleType:
         return gpt2
     if cfg.position == "rope":
         return llama
+    if cfg.position == "alibi":
+        return bloom
     raise ValueError(
         f"no supported HF family holds a decoder with position={cfg.position!r}; "
-        "GPT-2 has learned positions, the Llama family RoPE"
+        "GPT-2 has learned positions, the Llama family RoPE, BLOOM ALiBi"
     )
 
 
