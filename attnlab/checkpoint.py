@@ -26,7 +26,7 @@ directory resolved to its latest checkpoint), and gets the same `Loaded` back.
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from pickle import UnpicklingError
 
@@ -38,8 +38,8 @@ from torch import nn
 from attnlab.configs import from_dict, to_dict
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
 from attnlab.models.build import build_model
-from attnlab.models.config import ModelConfig
-from attnlab.models.encoder import EncoderForClassification
+from attnlab.models.config import HeadConfig, ModelConfig
+from attnlab.models.heads import config_with_head
 from attnlab.models.weights import load_weights, with_tied_names, without_tied_names
 from attnlab.quantize.handler import (
     QuantScheme,
@@ -345,7 +345,7 @@ class Loaded:
         config: its ModelConfig.
         tokenizer: from tokenizer.json beside the weights, or None.
         run: the run config dict of config.json ({"model": ..., and "train", "data" for a
-            training checkpoint, "n_labels" for a classifier}).
+            training checkpoint, "n_labels" for a model-only one with a task head}).
         path: the checkpoint directory that was read (a run directory resolved to it).
     """
 
@@ -427,9 +427,7 @@ def open_checkpoint(
 def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Loaded:
     """An HF directory through its family converter (interop.hf); run = {"model": ...}."""
     model, cfg = load_hf(path, layout=layout, dtype=dtype)
-    run: dict = {"model": to_dict(cfg)}
-    if isinstance(model, EncoderForClassification):
-        run["n_labels"] = model.classifier.out_features
+    run = _model_run({}, cfg)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
     return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
 
@@ -437,11 +435,13 @@ def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Load
 def _open_attnlab(
     path: Path, run: dict, scheme: QuantScheme | None, device, dtype: torch.dtype | None
 ) -> Loaded:
-    """Build the model of `run` on meta (a classifier when it has n_labels; the quantized
+    """Build the model of `run` on meta (with the task head its config names; the quantized
     Linears of `scheme`), then assign the tensors of model.safetensors."""
     cfg = from_dict(ModelConfig, run["model"])
+    if cfg.head is None and "n_labels" in run:  # written before heads were in the config
+        cfg = replace(cfg, head=HeadConfig("sequence", run["n_labels"]))
     with torch.device("meta"):
-        model = build_model(cfg, n_labels=run.get("n_labels"))
+        model = build_model(cfg)
     if scheme is not None:  # the same Linears as when it was quantized, still empty
         heads = read_heads_quantized(path / WEIGHTS)
         names = linear_names(model, heads, scheme.group_size)
@@ -451,6 +451,15 @@ def _open_attnlab(
         model = model.to(dtype)
     tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
     return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+
+
+def _model_run(run: dict, cfg: ModelConfig) -> dict:
+    """`run` with its "model" section, and "n_labels" for a model with a task head (which the
+    commands that need an LM head look for)."""
+    run = {**run, "model": to_dict(cfg)}
+    if cfg.head is not None:
+        run["n_labels"] = cfg.head.num_labels
+    return run
 
 
 def _expected_scheme(file: Path, scheme: str | None, group_size: int | None) -> QuantScheme | None:
@@ -482,14 +491,13 @@ def save_pretrained(
     """Write a model-only checkpoint directory that `open_checkpoint` reads.
 
     config.json holds `run` (default: none but the model) with its "model" section set to
-    `config` and, for a classifier, "n_labels"; model.safetensors stores a tied tensor once
+    `config` (and the task head `model` has, when `config` does not name it) and, for a model
+    with a task head, "n_labels"; model.safetensors stores a tied tensor once
     (under its first name, as save_checkpoint does), with `metadata` (a quantized model's
     scheme); tokenizer.json is written when given. Written atomically, as a training
     checkpoint is (`_write_dir`).
     """
-    run = {**(run or {}), "model": to_dict(config)}
-    if isinstance(model, EncoderForClassification):
-        run["n_labels"] = model.classifier.out_features
+    run = _model_run(run or {}, config_with_head(config, model))
     weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
     weights = {k: v.contiguous() for k, v in weights.items()}
     files = {CONFIG: _json_writer(run), WEIGHTS: lambda f: save_file(weights, str(f), metadata)}

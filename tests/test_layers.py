@@ -27,10 +27,10 @@ LAYERS = {
     "attnlab.checkpoint": 5,
     "attnlab.inference": 6,
     "attnlab.training": 7,
-    "attnlab.finetune": 7,  # LoRA and the fine-tuning tasks, beside training
     "attnlab.interop": 7,
     "attnlab.viz": 7,
     "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
+    "attnlab.finetune": 7.5,  # fine-tuning runs through training's loop, so it sits above it
     "attnlab.cli": 8,
     "attnlab": 9,  # the public API (__init__) and `python -m attnlab` re-export from all layers
 }

@@ -18,6 +18,7 @@ from attnlab.checkpoint import (
 from attnlab.configs import to_dict
 from attnlab.interop.hf import save_hf
 from attnlab.models.build import build_model
+from attnlab.models.config import HeadConfig
 from attnlab.models.encoder import EncoderForClassification
 from attnlab.models.presets import get_preset
 from attnlab.tokenizer import train_char_tokenizer
@@ -38,7 +39,8 @@ def test_a_bert_classifier_saved_model_only_opens_as_a_classifier(tmp_path):
     save_pretrained(tmp_path / "clf", model, cfg)
     loaded = open_checkpoint(tmp_path / "clf")
     assert isinstance(loaded.model, EncoderForClassification)
-    assert loaded.run["n_labels"] == 3 and loaded.config == cfg and loaded.tokenizer is None
+    assert loaded.run["n_labels"] == 3 and loaded.tokenizer is None
+    assert loaded.config == replace(cfg, head=HeadConfig("sequence", 3))  # the head is config
     same_outputs(loaded.model, model, cfg.vocab_size)
 
 

@@ -4,6 +4,8 @@ Components never see a ModelConfig: this module reads the config, looks each var
 component's small registry, and passes built submodules into blocks and models.
 """
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -25,10 +27,11 @@ from attnlab.components.positions import (
     T5Bias,
 )
 from attnlab.components.vision import PatchEmbedding
-from attnlab.models.config import ModelConfig
+from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import Encoder, EncoderForClassification, EncoderForMLM, MLMHead
 from attnlab.models.encoder_decoder import EncoderDecoder
+from attnlab.models.heads import DecoderForSequenceClassification, EncoderForTokenClassification
 from attnlab.models.vision import PrefixVisionLM, VisionEncoder, VisionEncoderDecoder
 
 
@@ -164,6 +167,29 @@ def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross:
     )
 
 
+def build_decoder_classifier(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
+    """A decoder whose head maps the last real token to cfg.head.num_labels logits."""
+    blocks = [build_block(cfg, causal=True) for _ in range(cfg.n_layers)]
+    score = nn.Linear(cfg.d_model, cfg.head.num_labels, bias=False)  # never tied
+    return DecoderForSequenceClassification(
+        embed,
+        build_positions(cfg, causal=True),
+        blocks,
+        _final_norm(cfg),
+        score,
+        cfg.dropout,
+        cfg.attention.sliding_window,
+        cfg.d_model**-0.5 if cfg.head_rescale else 1.0,
+        pad_token_id=cfg.head.pad_token_id,
+    )
+
+
+def build_encoder_head(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
+    """An encoder with the sequence or token classifier of cfg.head."""
+    cls = EncoderForClassification if cfg.head.task == "sequence" else EncoderForTokenClassification
+    return cls(build_encoder(cfg, embed), cfg.d_model, cfg.head.num_labels, cfg.dropout)
+
+
 def build_vision_encoder(cfg: ModelConfig) -> VisionEncoder:
     """A ViT with the text model's width, attention, norm and FFN settings (cfg.vision set)."""
     v = cfg.vision
@@ -191,24 +217,32 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
     """Build the model a config describes, initialised with its init scheme.
 
     Args:
-        cfg: the model config.
-        n_labels: for an encoder, build a sequence classifier with this many labels instead of
-            the masked-LM model.
+        cfg: the model config; with `head` set, the task head's model (models/heads.py).
+        n_labels: shorthand for cfg.head = HeadConfig("sequence", n_labels) on an encoder
+            without a head.
 
     Returns:
-        DecoderLM ("decoder"), EncoderForMLM / EncoderForClassification ("encoder"),
-        EncoderDecoder ("encoder_decoder"), or VisionEncoderDecoder / PrefixVisionLM ("vlm").
+        DecoderLM ("decoder"), EncoderForMLM ("encoder"), EncoderDecoder ("encoder_decoder"),
+        VisionEncoderDecoder / PrefixVisionLM ("vlm"); with a head, EncoderForClassification,
+        EncoderForTokenClassification or DecoderForSequenceClassification.
     """
-    if n_labels is not None and cfg.arch != "encoder":
-        raise ValueError(
-            f"n_labels={n_labels} builds a classifier, which needs arch='encoder', "
-            f"not arch={cfg.arch!r}"
-        )
+    if n_labels is not None:
+        if cfg.arch != "encoder" or cfg.head is not None:
+            raise ValueError(
+                f"n_labels={n_labels} builds a classifier, which needs arch='encoder' without "
+                f"a head, not arch={cfg.arch!r} with head={cfg.head}"
+            )
+        if n_labels < 1:
+            raise ValueError(f"n_labels must be >= 1, got {n_labels}")
+        cfg = replace(cfg, head=HeadConfig("sequence", n_labels))
     # A decoder's embed_norm normalises the token vectors (BLOOM); an encoder's normalises the sum
     # of token, position and segment embeddings (BERT), so the Encoder applies it itself.
     embed_norm = build_norm_for(cfg) if cfg.embed_norm and cfg.arch == "decoder" else None
     embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.scale_embeddings, embed_norm)
-    if cfg.arch == "decoder":
+    if cfg.head is not None:
+        build = build_encoder_head if cfg.arch == "encoder" else build_decoder_classifier
+        model = build(cfg, embed)
+    elif cfg.arch == "decoder":
         model = build_decoder(cfg, embed, cfg.n_layers, cross=False)
     elif cfg.arch == "encoder_decoder":
         model = EncoderDecoder(
@@ -216,10 +250,6 @@ def build_model(cfg: ModelConfig, n_labels: int | None = None) -> nn.Module:
         )
     elif cfg.arch == "vlm":
         model = build_vlm(cfg, embed)
-    elif n_labels is not None:
-        model = EncoderForClassification(
-            build_encoder(cfg, embed), cfg.d_model, n_labels, cfg.dropout
-        )
     else:
         act = ACTIVATIONS[cfg.activation]
         head = MLMHead(cfg.d_model, cfg.vocab_size, build_norm_for(cfg), act)

@@ -142,6 +142,45 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class HeadConfig:
+    """A task head in place of the LM / masked-LM head, for fine-tuning (models/heads.py).
+
+    task: "sequence", one label per sequence: an encoder pools its first ([CLS]) token through
+        BERT's pooler (dense + tanh); a decoder reads its last non-padding token, as HF's
+        GPT2ForSequenceClassification and LlamaForSequenceClassification do. "token", one
+        label per token (an encoder; BertForTokenClassification).
+    num_labels: N, the classifier's outputs.
+    labels: the label names, index = label id (HF's id2label); () names them LABEL_0, LABEL_1...
+    pad_token_id: a decoder's sequence head without an attention mask treats tokens equal to
+        it as padding (HF's rule); None: the last position is the last token.
+    """
+
+    task: Literal["sequence", "token"] = "sequence"
+    num_labels: int = 2
+    labels: tuple[str, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        check_literals(self)
+        object.__setattr__(self, "labels", tuple(self.labels))  # JSON gives a list
+        if self.num_labels < 1:
+            raise ValueError(f"head.num_labels must be >= 1, got {self.num_labels}")
+        if self.labels and len(self.labels) != self.num_labels:
+            raise ValueError(
+                f"head.labels names {len(self.labels)} labels {list(self.labels)}, but "
+                f"head.num_labels={self.num_labels}; give one name per label (or none)"
+            )
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"head.labels has repeated names: {list(self.labels)}")
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        """{label id: name}, LABEL_i where no names were given."""
+        names = self.labels or tuple(f"LABEL_{i}" for i in range(self.num_labels))
+        return dict(enumerate(names))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Every architecture attnlab builds: decoder-only, encoder-only, encoder-decoder.
 
@@ -155,6 +194,7 @@ class ModelConfig:
         (BERT), in a decoder right after the token lookup (BLOOM's word_embeddings_layernorm).
     type_vocab_size: BERT's segment embeddings.
     vision: the image encoder of a "vlm" (vision-language) model; None for every other arch.
+    head: a task head (sequence or token classification) in place of the LM head; None: the LM.
     """
 
     arch: Arch
@@ -186,6 +226,7 @@ class ModelConfig:
     init: Literal["gpt2", "xavier", "trunc_normal"] = "gpt2"
     init_std: float = 0.02
     vision: VisionConfig | None = None
+    head: HeadConfig | None = None
 
     def __post_init__(self):
         check_literals(self)
@@ -214,6 +255,23 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_vision()
+        self._check_head()
+
+    def _check_head(self) -> None:
+        h = self.head
+        if h is None:
+            return
+        allowed = {"encoder": ("sequence", "token"), "decoder": ("sequence",)}
+        if h.task not in allowed.get(self.arch, ()):
+            raise ValueError(
+                f"a {h.task!r} head needs arch in "
+                f"{[a for a, tasks in allowed.items() if h.task in tasks]}, not arch={self.arch!r}"
+            )
+        if h.pad_token_id is not None and not 0 <= h.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"head.pad_token_id={h.pad_token_id} is not a token id (vocab_size="
+                f"{self.vocab_size})"
+            )
 
     def _check_mla(self) -> None:
         a = self.attention

@@ -1,7 +1,10 @@
-"""BERT (HF `BertForMaskedLM`, `BertForSequenceClassification`) <-> attnlab encoder models.
+"""BERT (HF `BertForMaskedLM`, `BertFor{Sequence,Token}Classification`) <-> attnlab encoders.
 
-    BertForMaskedLM                -> EncoderForMLM             (cls.predictions.* -> head.*)
-    BertForSequenceClassification  -> EncoderForClassification  (bert.pooler, classifier)
+    BertForMaskedLM                -> EncoderForMLM                  (cls.predictions.* -> head.*)
+    BertForSequenceClassification  -> EncoderForClassification       (bert.pooler, classifier)
+    BertForTokenClassification     -> EncoderForTokenClassification  (classifier; no pooler)
+
+A classifier's labels (config.json id2label) are ModelConfig.head.labels.
 
 BERT is post-norm: each sublayer's LayerNorm (`attention.output.LayerNorm`, `output.LayerNorm`)
 comes after its residual sum, which is our Residual with placement "post". The LayerNorm BERT
@@ -11,6 +14,7 @@ The MLM decoder is tied to the word embeddings; its bias is `cls.predictions.bia
 Config: huggingface.co/google-bert/bert-base-uncased/config.json.
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,9 +22,14 @@ from torch import Tensor, nn
 
 from attnlab.interop.hf import common
 from attnlab.models.config import AttentionConfig, ModelConfig
-from attnlab.models.encoder import EncoderForClassification
+from attnlab.models.heads import config_with_head
 
-ARCHITECTURES = {"BertForMaskedLM": "mlm", "BertForSequenceClassification": "classifier"}
+# HF architecture -> our head task (None: the masked-LM model).
+ARCHITECTURES = {
+    "BertForMaskedLM": None,
+    "BertForSequenceClassification": "sequence",
+    "BertForTokenClassification": "token",
+}
 
 EMBEDDINGS: common.KeyTable = [
     ("encoder.embed.weight", "bert.embeddings.word_embeddings.weight"),
@@ -54,12 +63,14 @@ MLM_HEAD: common.KeyTable = [
     ("head.decoder.bias", "cls.predictions.bias"),
 ]
 MLM_DECODER: common.KeyTable = [("head.decoder.weight", "cls.predictions.decoder.weight")]  # untied
-CLASSIFIER: common.KeyTable = [
-    ("pooler.weight", "bert.pooler.dense.weight"),
-    ("pooler.bias", "bert.pooler.dense.bias"),
+TOKEN_CLASSIFIER: common.KeyTable = [
     ("classifier.weight", "classifier.weight"),
     ("classifier.bias", "classifier.bias"),
 ]
+CLASSIFIER: common.KeyTable = [
+    ("pooler.weight", "bert.pooler.dense.weight"),
+    ("pooler.bias", "bert.pooler.dense.bias"),
+] + TOKEN_CLASSIFIER
 # What HF itself skips: a buffer, the decoder bias stored twice, and the parts of a
 # BertForPreTraining checkpoint that a masked-LM model has no use for.
 IGNORED = (
@@ -105,12 +116,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
-def n_labels_from_hf(hf: dict) -> int:
-    if "id2label" in hf:
-        return len(hf["id2label"])
-    return int(hf.get("num_labels", 2))
-
-
 def check_config(cfg: ModelConfig) -> None:
     """ValueError naming every field an HF BERT checkpoint cannot represent."""
     common.require(
@@ -142,13 +147,12 @@ def check_config(cfg: ModelConfig) -> None:
         )
 
 
-def config_to_hf(cfg: ModelConfig, n_labels: int | None = None) -> dict:
-    """ModelConfig -> an HF BERT config.json dict (a classifier when n_labels is given)."""
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """ModelConfig -> an HF BERT config.json dict (a classifier when cfg.head is set)."""
     check_config(cfg)
+    task = None if cfg.head is None else cfg.head.task
     hf = {
-        "architectures": [
-            "BertForMaskedLM" if n_labels is None else "BertForSequenceClassification"
-        ],
+        "architectures": [next(a for a, t in ARCHITECTURES.items() if t == task)],
         "model_type": "bert",
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -167,38 +171,34 @@ def config_to_hf(cfg: ModelConfig, n_labels: int | None = None) -> dict:
         "dtype": "float32",
         "pad_token_id": 0,
     }
-    if n_labels is not None:
-        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(n_labels)}
-        hf["label2id"] = {f"LABEL_{i}": i for i in range(n_labels)}
+    if cfg.head is not None:
+        hf.update(common.head_to_hf(cfg.head))
     return hf
 
 
-def _table(cfg: ModelConfig, classifier: bool) -> dict[str, str]:
-    if classifier:
-        head = CLASSIFIER
-    else:
+def _table(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.head is None:
         head = MLM_HEAD + ([] if cfg.tie_embeddings else MLM_DECODER)
+    else:
+        head = CLASSIFIER if cfg.head.task == "sequence" else TOKEN_CLASSIFIER
     return common.expand(ENCODER + head, cfg.n_layers)
 
 
 def to_hf_state(model: nn.Module, cfg: ModelConfig) -> dict[str, Tensor]:
     """Our state dict -> HF BERT names (also run on a meta model for the expected keys)."""
-    table = _table(cfg, isinstance(model, EncoderForClassification))
+    table = _table(config_with_head(cfg, model))
     state = common.drop_tied_aliases(model, common.model_state(model), table)
     return common.rename(state, table, what="attnlab BERT model")
 
 
-def _from_hf_state(classifier: bool):
-    def from_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-        """HF BERT tensors -> our names."""
-        inverse = {hf_name: ours for ours, hf_name in _table(cfg, classifier).items()}
-        return common.rename(state, inverse)
-
-    return from_hf_state
+def from_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF BERT tensors -> our names."""
+    inverse = {hf_name: ours for ours, hf_name in _table(cfg).items()}
+    return common.rename(state, inverse)
 
 
 def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = None):
-    """An HF BERT directory -> (EncoderForMLM or EncoderForClassification in eval mode, config)."""
+    """An HF BERT directory -> (EncoderForMLM, or the classifier of cfg.head, in eval mode; cfg)."""
     if layout != "half":
         raise ValueError(f"BERT has no RoPE; layout={layout!r} does not apply")
     hf, state = common.read_config(path), common.read_state_dict(path)
@@ -207,30 +207,31 @@ def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = 
         raise ValueError(
             f"BERT architecture {arch!r} is not supported; choose from {sorted(ARCHITECTURES)}"
         )
-    classifier = ARCHITECTURES[arch] == "classifier"
+    task = ARCHITECTURES[arch]
     cfg = config_from_hf(hf)
-    if not classifier:
+    if task is None:
         cfg, state = common.resolve_tie(
             cfg, state, "cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"
         )
-    ignore = [
-        k for k in state if k in IGNORED or (not classifier and k.startswith(IGNORED_MLM_PREFIXES))
-    ]
+    else:
+        cfg = replace(cfg, head=common.head_from_hf(hf, task))
+    # A token classifier has no pooler (a base model's may be stored), a masked-LM model no
+    # pooler nor next-sentence head.
+    skipped = {None: IGNORED_MLM_PREFIXES, "token": ("bert.pooler.",), "sequence": ()}[task]
+    ignore = [k for k in state if k in IGNORED or k.startswith(skipped)]
     model = common.load_checked(
         cfg,
         state,
         to_hf_state,
-        _from_hf_state(classifier),
+        from_hf_state,
         ignore,
         what=f"BERT checkpoint {str(path)!r}",
-        n_labels=n_labels_from_hf(hf) if classifier else None,
         dtype=dtype,
     )
     return model, cfg
 
 
 def save_hf(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Path:
-    """Write an EncoderForMLM or EncoderForClassification as an HF BERT directory."""
-    classifier = isinstance(model, EncoderForClassification)
-    hf = config_to_hf(cfg, model.classifier.out_features if classifier else None)
-    return common.write_hf_dir(path, hf, to_hf_state(model, cfg))
+    """Write an EncoderForMLM or an encoder with a task head as an HF BERT directory."""
+    cfg = config_with_head(cfg, model)
+    return common.write_hf_dir(path, config_to_hf(cfg), to_hf_state(model, cfg))

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.models.build import build_model
-from attnlab.models.config import ModelConfig
+from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.weights import load_weights, shared_groups
 
 CONFIG = "config.json"
@@ -249,6 +249,31 @@ def get(hf: dict, key: str, default=None, required: bool = False):
     return default
 
 
+def head_from_hf(hf: dict, task: str, pad_token_id: int | None = None) -> HeadConfig:
+    """A task head from an HF config.json: its id2label (or num_labels), names kept.
+
+    Names HF made up (LABEL_0, LABEL_1, ...) are left out (HeadConfig.labels = ()), so they
+    round-trip to the same config.json."""
+    id2label = hf.get("id2label")
+    if not id2label:
+        return HeadConfig(task, int(hf.get("num_labels", 2)), pad_token_id=pad_token_id)
+    by_id = {int(k): str(v) for k, v in id2label.items()}
+    if sorted(by_id) != list(range(len(by_id))):
+        raise ValueError(f"config.json id2label must number its labels 0..N-1, got {id2label}")
+    names = tuple(by_id[i] for i in range(len(by_id)))
+    made_up = names == tuple(f"LABEL_{i}" for i in range(len(names)))
+    return HeadConfig(task, len(names), () if made_up else names, pad_token_id)
+
+
+def head_to_hf(head: HeadConfig) -> dict:
+    """HF's id2label and label2id for a task head."""
+    names = head.id2label
+    return {
+        "id2label": {str(i): name for i, name in names.items()},
+        "label2id": {name: i for i, name in names.items()},
+    }
+
+
 # --- models ---------------------------------------------------------------------------------
 ToHF = Callable[[nn.Module, ModelConfig], dict[str, Tensor]]
 FromHF = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
@@ -288,7 +313,6 @@ def load_checked(
     from_hf: FromHF,
     ignore: Iterable[str] = (),
     what: str = "checkpoint",
-    n_labels: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Build `cfg` on the meta device, check `state` (HF names) against it, and load it.
@@ -298,7 +322,7 @@ def load_checked(
     Returns the model in eval mode, ties re-linked.
     """
     with torch.device("meta"):
-        model = build_model(cfg, n_labels=n_labels)
+        model = build_model(cfg)  # with the task head cfg.head names, if any
     expected = to_hf(model, cfg)
     check_state(state, expected, ignore, what)
     ours = from_hf({k: v for k, v in state.items() if k in expected}, cfg)

@@ -1,4 +1,5 @@
-"""GPT-2 (HF `GPT2LMHeadModel`) <-> attnlab DecoderLM.
+"""GPT-2 (HF `GPT2LMHeadModel`, `GPT2ForSequenceClassification`) <-> attnlab DecoderLM and
+DecoderForSequenceClassification (whose `head` is HF's `score`; labels in ModelConfig.head).
 
 Two things differ from our layout:
 - GPT-2 uses `Conv1D` modules, which store weights as (in, out): every projection is transposed.
@@ -8,6 +9,7 @@ Config: huggingface.co/openai-community/gpt2/config.json names n_embd, n_layer, 
 n_positions, activation_function ("gelu_new" is the tanh approximation) and layer_norm_epsilon.
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from torch import Tensor, nn
 from attnlab.interop.hf import common
 from attnlab.models.config import AttentionConfig, ModelConfig
 
-ARCHITECTURES = ("GPT2LMHeadModel",)
+ARCHITECTURES = ("GPT2LMHeadModel", "GPT2ForSequenceClassification")
 
 TABLE: common.KeyTable = [
     ("embed.weight", "transformer.wte.weight"),
@@ -38,6 +40,7 @@ TABLE: common.KeyTable = [
     ("norm.bias", "transformer.ln_f.bias"),
 ]
 HEAD: common.KeyTable = [("head.weight", "lm_head.weight")]  # only when untied
+SCORE: common.KeyTable = [("head.weight", "score.weight")]  # a sequence classifier's head
 # Buffers older checkpoints wrote (the causal mask), which HF itself skips.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -142,8 +145,10 @@ def check_config(cfg: ModelConfig) -> None:
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> an HF GPT-2 config.json dict."""
     check_config(cfg)
-    return {
-        "architectures": list(ARCHITECTURES),
+    hf = {
+        "architectures": [
+            "GPT2LMHeadModel" if cfg.head is None else "GPT2ForSequenceClassification"
+        ],
         "model_type": "gpt2",
         "n_embd": cfg.d_model,
         "n_layer": cfg.n_layers,
@@ -164,10 +169,14 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
     }
+    if cfg.head is not None:
+        hf.update(common.head_to_hf(cfg.head), pad_token_id=cfg.head.pad_token_id)
+    return hf
 
 
 def _table(cfg: ModelConfig) -> dict[str, str]:
-    return common.expand(TABLE + ([] if cfg.tie_embeddings else HEAD), cfg.n_layers)
+    head = SCORE if cfg.head is not None else [] if cfg.tie_embeddings else HEAD
+    return common.expand(TABLE + head, cfg.n_layers)
 
 
 def to_hf_state(model: nn.Module, cfg: ModelConfig) -> dict[str, Tensor]:
@@ -185,12 +194,15 @@ def from_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 
 def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = None):
-    """An HF GPT-2 directory -> (DecoderLM in eval mode, ModelConfig)."""
+    """An HF GPT-2 directory -> (DecoderLM or DecoderForSequenceClassification, eval mode; cfg)."""
     if layout != "half":
         raise ValueError(f"GPT-2 has no RoPE; layout={layout!r} does not apply")
     hf, state = common.read_config(path), common.read_state_dict(path)
     cfg = config_from_hf(hf)
-    cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "transformer.wte.weight")
+    if "GPT2ForSequenceClassification" in (hf.get("architectures") or []):
+        cfg = replace(cfg, head=common.head_from_hf(hf, "sequence", hf.get("pad_token_id")))
+    else:
+        cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "transformer.wte.weight")
     ignore = [k for k in state if k.endswith(IGNORED_SUFFIXES)]
     model = common.load_checked(
         cfg,

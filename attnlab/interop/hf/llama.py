@@ -1,4 +1,6 @@
-"""The Llama family (HF `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`) <-> DecoderLM.
+"""The Llama family (HF `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`) <-> DecoderLM,
+and their `...ForSequenceClassification` <-> DecoderForSequenceClassification (`score` is our
+`head`; the labels are ModelConfig.head).
 
 Our weight names are Llama's, so the key table is almost the identity. The three differ in:
 - Llama 2/3: GQA through num_key_value_heads, RoPE scaling (rope_parameters: linear, dynamic,
@@ -11,6 +13,7 @@ weights). Loading with layout="interleaved" permutes them (permute_qk_weight), s
 score, and so the logits, stay the same; saving permutes them back.
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,11 +23,17 @@ from attnlab.components.positions.rope import LAYOUTS, RopeScaling, permute_qk_w
 from attnlab.interop.hf import common
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
 
-ARCHITECTURES = {
+CAUSAL_LMS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+CLASSIFIERS = {
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+}
+ARCHITECTURES = {**CAUSAL_LMS, **CLASSIFIERS}
 
 TABLE: common.KeyTable = [
     ("embed.weight", "model.embed_tokens.weight"),
@@ -53,6 +62,7 @@ MLP_BIAS: common.KeyTable = [  # Llama with mlp_bias
     ("blocks.{i}.ffn.down_proj.bias", "model.layers.{i}.mlp.down_proj.bias"),
 ]
 HEAD: common.KeyTable = [("head.weight", "lm_head.weight")]  # only when untied
+SCORE: common.KeyTable = [("head.weight", "score.weight")]  # a sequence classifier's head
 # Older checkpoints stored the RoPE frequencies; they are recomputed, as HF does.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -60,7 +70,8 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 def _table(cfg: ModelConfig) -> dict[str, str]:
     a = cfg.attention
     rows = TABLE + (QKV_BIAS if a.qkv_bias else []) + (OUT_BIAS if a.out_bias else [])
-    rows += (MLP_BIAS if cfg.ffn_bias else []) + ([] if cfg.tie_embeddings else HEAD)
+    head = SCORE if cfg.head is not None else [] if cfg.tie_embeddings else HEAD
+    rows += (MLP_BIAS if cfg.ffn_bias else []) + head
     return common.expand(rows, cfg.n_layers)
 
 
@@ -283,13 +294,14 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     scaling = cfg.rope.scaling
     dynamic = scaling is not None and scaling.kind == "dynamic"
     max_positions = scaling.original_max_seq_len if dynamic else cfg.max_seq_len
+    names = CAUSAL_LMS if cfg.head is None else CLASSIFIERS
     act = (
         "silu"
         if cfg.ffn == "swiglu"
         else {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.activation]
     )
     hf = {
-        "architectures": [next(k for k, v in ARCHITECTURES.items() if v == family)],
+        "architectures": [next(k for k, v in names.items() if v == family)],
         "model_type": family,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_width,
@@ -316,6 +328,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         hf["sliding_window"] = cfg.attention.sliding_window
     if family == "qwen2":
         hf.update(use_sliding_window=False, sliding_window=None)
+    if cfg.head is not None:
+        hf.update(common.head_to_hf(cfg.head), pad_token_id=cfg.head.pad_token_id)
     return hf
 
 
@@ -334,10 +348,14 @@ def from_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 
 def load_hf(path: str | Path, layout: str = "half", dtype: torch.dtype | None = None):
-    """An HF Llama / Mistral / Qwen2 directory -> (DecoderLM in eval mode, ModelConfig)."""
+    """An HF Llama / Mistral / Qwen2 directory -> (DecoderLM, or DecoderForSequenceClassification
+    for a ...ForSequenceClassification, in eval mode; ModelConfig)."""
     hf, state = common.read_config(path), common.read_state_dict(path)
     cfg = config_from_hf(hf, layout)
-    cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "model.embed_tokens.weight")
+    if any(a in CLASSIFIERS for a in hf.get("architectures") or []):
+        cfg = replace(cfg, head=common.head_from_hf(hf, "sequence", hf.get("pad_token_id")))
+    else:
+        cfg, state = common.resolve_tie(cfg, state, "lm_head.weight", "model.embed_tokens.weight")
     ignore = [k for k in state if k.endswith(IGNORED_SUFFIXES)]
     what = f"{hf.get('model_type', 'llama')} checkpoint {str(path)!r}"
     model = common.load_checked(cfg, state, to_hf_state, from_hf_state, ignore, what, dtype=dtype)
