@@ -29,6 +29,7 @@ LAYERS = {
     "attnlab.training": 7,
     "attnlab.interop": 7,
     "attnlab.viz": 7,
+    "attnlab.finetune": 7,
     "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
     "attnlab.cli": 8,
     "attnlab": 9,  # the public API (__init__) and `python -m attnlab` re-export from all layers
