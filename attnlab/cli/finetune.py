@@ -1,0 +1,247 @@
+"""Fine-tune a decoder checkpoint: SFT or DPO, with LoRA adapters when --lora.rank is given.
+
+    attnlab finetune --ckpt runs/base --task sft --data.source pairs.jsonl
+    attnlab finetune --ckpt runs/base --task dpo --lora.rank 8 --dpo.beta 0.1
+
+The same machinery as `attnlab train`: YAML/JSON config files and --section.field overrides
+(sections train, data, lora, dpo), the training loop with its progress bar, metrics.jsonl,
+checkpoints and exact --resume (give the same flags again). DPO's reference is a frozen copy of
+the base model, or the policy with its adapters off when the LoRA model offers
+`disable_adapters()`.
+"""
+
+import argparse
+import copy
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.options import (
+    add_config_flags,
+    apply_config_flags,
+    merge_sections,
+    read_config_file,
+    require_device,
+)
+from attnlab.cli.train import accelerators_line, final_report
+from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, LoraConfig
+from attnlab.finetune.tasks import DPO_FIELDS, SFT_FIELDS, DPOTask, SFTTask, check_example
+from attnlab.models.config import ModelConfig
+from attnlab.training.config import TrainConfig
+from attnlab.training.loop import train
+
+# Fine-tuning starts from trained weights: fewer steps, a smaller learning rate than pre-training.
+FINETUNE_TRAIN = replace(
+    TrainConfig(),
+    steps=300,
+    lr=3e-4,
+    min_lr=3e-5,
+    warmup=20,
+    batch_size=8,
+    context=128,
+    weight_decay=0.0,
+    eval_every=50,
+    ckpt_every=100,
+    sample_tokens=48,
+    out_dir="runs/finetune",
+)
+SECTIONS = {"train": TrainConfig, "data": FinetuneDataConfig, "lora": LoraConfig, "dpo": DPOConfig}
+
+
+@dataclass(frozen=True)
+class FinetuneRun:
+    """A fine-tuning run, saved in each of its checkpoints: the base's model config, the base
+    checkpoint it started from, and the sections below."""
+
+    model: ModelConfig
+    base: str = ""
+    train: TrainConfig = FINETUNE_TRAIN
+    data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s --ckpt BASE --task sft|dpo [--config FILE] [--resume] [--SECTION.FIELD=V]"
+    p.add_argument("--ckpt", required=True, help="the base checkpoint (attnlab or HF directory)")
+    p.add_argument(
+        "--task", choices=("sft", "dpo"), default=None, help="sets data.task (default sft)"
+    )
+    p.add_argument("--config", default=None, help="YAML/JSON file of section overrides")
+    p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a train.out_dir that holds another run (deletes it)",
+    )
+    defaults = {
+        "train": FINETUNE_TRAIN,
+        "data": FinetuneDataConfig(),
+        "lora": LoraConfig(),
+        "dpo": DPOConfig(),
+    }
+    add_config_flags(p, SECTIONS, defaults)
+
+
+def configs_from_args(args: argparse.Namespace) -> dict:
+    """{section: config} from the defaults, the config file and the flags (in that order)."""
+    file = read_config_file(args.config) if args.config else {}
+    configs = {
+        "train": FINETUNE_TRAIN,
+        "data": FinetuneDataConfig(),
+        "lora": LoraConfig(),
+        "dpo": DPOConfig(),
+    }
+    configs = merge_sections(configs, file, args.config)
+    configs, _ = apply_config_flags(configs, args)
+    if args.task is not None:
+        configs["data"] = replace(configs["data"], task=args.task)
+    return configs
+
+
+def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
+    """The examples of a JSONL file, one object per line (blank lines skipped); a line that is
+    not JSON or lacks a field is a ValueError naming the file, the line and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no such data file {str(path)!r} (--data.source)")
+    examples = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            example = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); fix that line") from None
+        check_example(example, fields, f"{path}:{i}")
+        examples.append(example)
+    if not examples:
+        raise ValueError(f"{str(path)!r} holds no examples")
+    return examples
+
+
+def builtin_examples(task: str) -> tuple[list[dict], list[dict]]:
+    """The built-in (train, validation) examples of `task`, made from the standard library by
+    attnlab.finetune.data: signature instructions (sft) and their preference pairs (dpo)."""
+    try:
+        from attnlab.finetune import data
+    except ImportError:
+        data = None
+    build = getattr(data, "builtin_examples", None)
+    if build is None:
+        raise ValueError(
+            "--data.source builtin needs attnlab.finetune.data.builtin_examples, which this "
+            "installation lacks; give a JSONL file (--data.source FILE.jsonl)"
+        )
+    return build(task)
+
+
+def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
+    """(train, validation) examples: built in, or a JSONL file split at 1 - val_fraction (or
+    its own val_source file)."""
+    fields = SFT_FIELDS if d.task == "sft" else DPO_FIELDS
+    if d.source == "builtin":
+        train_ex, val_ex = builtin_examples(d.task)
+    else:
+        train_ex = read_jsonl(d.source, fields)
+        if d.val_source:
+            val_ex = read_jsonl(d.val_source, fields)
+        else:
+            if len(train_ex) < 2:
+                raise ValueError(
+                    f"{d.source!r} holds {len(train_ex)} example: too few to hold some out; "
+                    "add examples or give --data.val_source"
+                )
+            n_val = min(max(1, round(len(train_ex) * d.val_fraction)), len(train_ex) - 1)
+            train_ex, val_ex = train_ex[:-n_val], train_ex[-n_val:]
+    if d.max_examples:
+        train_ex = train_ex[: d.max_examples]
+    return train_ex, val_ex
+
+
+def open_base(path: str, task: str):
+    """The base checkpoint, checked: a decoder with a tokenizer."""
+    loaded = open_checkpoint(path)
+    if loaded.config.arch != "decoder" or "n_labels" in loaded.run:
+        kind = "a classifier" if "n_labels" in loaded.run else f"an {loaded.config.arch} model"
+        raise ValueError(
+            f"--ckpt {path!r} is {kind}; --task {task} fine-tunes a decoder LM (a GPT-2 or "
+            "Llama-family checkpoint)"
+        )
+    if loaded.tokenizer is None:
+        raise ValueError(f"--ckpt {path!r} has no tokenizer.json beside its weights")
+    return loaded
+
+
+def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """LoRA adapters on lora.targets (attnlab.finetune.lora); the rest of the model frozen."""
+    from attnlab.finetune.lora import add_lora
+
+    return add_lora(
+        model, targets=lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
+    )
+
+
+def build_finetune(args: argparse.Namespace):
+    """(model, task, run) that `attnlab finetune` trains, as the flags describe."""
+    configs = configs_from_args(args)
+    t, d, lora = configs["train"], configs["data"], configs["lora"]
+    require_device(t.device, "--train.device")
+    if t.compile and d.task == "dpo":
+        raise ValueError("--train.compile is not supported with --task dpo; leave it off")
+    loaded = open_base(args.ckpt, d.task)
+    train_ex, val_ex = load_examples(d)
+    model = loaded.model
+    torch.manual_seed(t.seed)  # the same adapter initialisation on every run (and on --resume)
+    reference = None
+    if d.task == "dpo":  # the model before DPO: a frozen copy, unless the adapters can go off
+        reference = copy.deepcopy(model)
+    if lora.rank:
+        add_adapters(model, lora)
+        if reference is not None and hasattr(model, "disable_adapters"):
+            reference = None
+    common = dict(
+        tokenizer=loaded.tokenizer,
+        batch_size=t.batch_size,
+        context=t.context,
+        chat_template=d.chat_template,
+        eval_examples=d.eval_examples,
+    )
+    if d.task == "sft":
+        task = SFTTask(
+            train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
+        )
+    else:
+        task = DPOTask(train_ex, val_ex, beta=configs["dpo"].beta, reference=reference, **common)
+    run = FinetuneRun(model=loaded.config, base=str(loaded.path), **configs)
+    return model, task, run
+
+
+def run(args: argparse.Namespace) -> int:
+    model, task, run_cfg = build_finetune(args)
+    print(run_header(run_cfg, model, task))
+    state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
+    print(final_report(state, run_cfg))
+    return 0
+
+
+def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:
+    """What is about to run: base, data, trainable parameters, output."""
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    d, t, lora = run_cfg.data, run_cfg.train, run_cfg.lora
+    how = f"LoRA rank {lora.rank} on {lora.targets}" if lora.rank else "all weights"
+    left_out = f", {task.skipped} longer than the context left out" if task.skipped else ""
+    return "\n".join(
+        [
+            f"base: {run_cfg.base} ({run_cfg.model.arch}, {total / 1e6:.2f}M parameters)",
+            f"task: {d.task} on {d.source}: {len(task.train)} training, {len(task.val)} "
+            f"held-out examples{left_out}",
+            f"trained: {how}, {trained:,} parameters ({100 * trained / total:.2f}%)",
+            f"train: {t.steps} steps of {t.batch_size} on {t.device}, out_dir {t.out_dir}",
+            accelerators_line(t),
+        ]
+    )
