@@ -1,0 +1,165 @@
+"""`attnlab finetune` end to end: SFT and DPO from a small base checkpoint, resume, errors."""
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnlab.checkpoint import save_checkpoint
+from attnlab.cli.__main__ import main
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.tokenizer import train_char_tokenizer
+from attnlab.training.config import RunConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_jsonl(path: Path, examples: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    """A 1-layer Llama-style base (random weights) with a character tokenizer, and the data:
+    'up abc:' -> 'ABC' (sft); chosen 'ABC' over the reversed 'cba' (dpo)."""
+    root = tmp_path_factory.mktemp("finetune")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdef") for _ in range(rng.randint(2, 5))) for _ in range(120)]
+    sft = [{"prompt": f"up {w}:", "response": w.upper()} for w in words]
+    dpo = [{"prompt": f"up {w}:", "chosen": w.upper(), "rejected": w[::-1]} for w in words]
+    tok = train_char_tokenizer([e["prompt"] + e["chosen"] + e["rejected"] for e in dpo])
+    cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=32)
+    torch.manual_seed(0)
+    save_checkpoint(root / "base", build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
+    return {
+        "root": root,
+        "ckpt": root / "base",
+        "sft": write_jsonl(root / "sft.jsonl", sft),
+        "dpo": write_jsonl(root / "dpo.jsonl", dpo),
+    }
+
+
+def args(base: dict, task: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "finetune",
+        "--ckpt",
+        str(base["ckpt"]),
+        "--task",
+        task,
+        "--data.source",
+        str(base[task]),
+        "--data.eval_examples=8",
+        "--data.max_new_tokens=8",
+        "--train.out_dir",
+        str(out),
+        "--train.progress=false",
+        "--train.context=24",
+        "--train.batch_size=8",
+        "--train.lr=3e-3",
+        "--train.min_lr=3e-4",
+        "--train.log_every=1",
+        "--train.device=cpu",
+        *extra,
+    ]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_runs_end_to_end_and_the_loss_falls(base, tmp_path, capsys):
+    out = tmp_path / "sft"
+    assert main(args(base, "sft", out, "--train.steps=30", "--train.eval_every=15")) == 0
+    text = capsys.readouterr().out
+    assert "task: sft" in text and "trained 30 steps" in text and "val_exact_match" in text
+    rows = records(out)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
+    assert last < 0.7 * first, (first, last)
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [15, 30]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert all(0.0 <= r["val_exact_match"] <= 1.0 for r in evals)
+    saved = json.loads((out / "checkpoints" / "step_000030" / "config.json").read_text())
+    assert saved["data"]["task"] == "sft" and saved["base"] == str(base["ckpt"])
+
+
+def test_sft_with_packing_runs(base, tmp_path):
+    out = tmp_path / "packed"
+    extra = ("--train.steps=4", "--train.eval_every=4", "--data.packing=true")
+    assert main(args(base, "sft", out, *extra)) == 0
+    assert "val_exact_match" in records(out)[-1]
+
+
+def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
+    out = tmp_path / "dpo"
+    extra = ("--train.steps=30", "--train.eval_every=15", "--dpo.beta=0.5")
+    assert main(args(base, "dpo", out, *extra)) == 0
+    assert "trained 30 steps" in capsys.readouterr().out
+    rows = records(out)
+    assert rows[0]["train_loss"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference: log 2
+    assert rows[-1]["train_loss"] < 0.5
+    evals = [r for r in rows if "val_loss" in r]
+    assert evals[-1]["val_reward_margin"] > evals[0]["val_reward_margin"] > 0
+    assert evals[-1]["val_preference_accuracy"] >= 0.9
+
+
+def test_resume_continues_exactly(base, tmp_path):
+    """3 steps, then --resume to 6, equals 6 steps in one go: the same losses and weights."""
+    common = ("--train.schedule=constant", "--train.warmup=0", "--train.eval_every=3")
+    common += ("--train.ckpt_every=3",)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(args(base, "dpo", whole, "--train.steps=6", *common)) == 0
+    assert main(args(base, "dpo", split, "--train.steps=3", *common)) == 0
+    assert main(args(base, "dpo", split, "--train.steps=6", "--resume", *common)) == 0
+    assert [r["step"] for r in records(split)] == [1, 2, 3, 4, 5, 6]
+    assert [r["train_loss"] for r in records(split)] == [r["train_loss"] for r in records(whole)]
+    a = load_file(str(whole / "checkpoints" / "step_000006" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000006" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bad_jsonl_line_is_one_clear_error(base, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "up ab:", "response": "AB"}\n{"prompt": "up cd:"}\n')
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
+    argv[argv.index("--data.source") + 1] = str(bad)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"attnlab finetune: error: {bad}:2: field 'response' must be a non-empty string, "
+        "got missing"
+    )
+
+
+def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "classify"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--task: invalid choice: 'classify'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys):
+    cfg = get_preset("bert-tiny")
+    tok = train_char_tokenizer(["abc"])
+    path = tmp_path / "bert"
+    save_checkpoint(path, build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
+    argv[argv.index("--ckpt") + 1] = str(path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is an encoder model; --task sft fine-tunes a decoder LM" in err
+    assert len(err.strip().splitlines()) == 1
