@@ -104,7 +104,8 @@ def configs_from_args(args: argparse.Namespace) -> dict:
 
 def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
     """The examples of a JSONL file, one object per line (blank lines skipped); a line that is
-    not JSON or lacks a field is a ValueError naming the file, the line and the field."""
+    not JSON or lacks a field is a ValueError naming the file, the line and the field. (The
+    reader where attnlab.finetune.data is not installed; see `read_examples`.)"""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no such data file {str(path)!r} (--data.source)")
@@ -123,32 +124,43 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
     return examples
 
 
-def builtin_examples(task: str) -> tuple[list[dict], list[dict]]:
-    """The built-in (train, validation) examples of `task`, made from the standard library by
-    attnlab.finetune.data: signature instructions (sft) and their preference pairs (dpo)."""
+def read_examples(path: str, task: str) -> list[dict]:
+    """A user's JSONL file of `task` examples, through attnlab.finetune.data.load_jsonl (which
+    names the line and field of a bad one); `read_jsonl` where that module is not installed."""
+    try:
+        from attnlab.finetune.data import load_jsonl
+    except ImportError:
+        return read_jsonl(path, SFT_FIELDS if task == "sft" else DPO_FIELDS)
+    return load_jsonl(path, task)
+
+
+def builtin_examples(task: str, max_examples: int = 0) -> tuple[list[dict], list[dict]]:
+    """The built-in (train, validation) examples made from the standard library by
+    attnlab.finetune.data: "write the signature of the function documented as: ..." ->
+    `def name(args):` (sft), and the right signature preferred to a corrupted one (dpo)."""
     try:
         from attnlab.finetune import data
     except ImportError:
-        data = None
-    build = getattr(data, "builtin_examples", None)
-    if build is None:
         raise ValueError(
-            "--data.source builtin needs attnlab.finetune.data.builtin_examples, which this "
-            "installation lacks; give a JSONL file (--data.source FILE.jsonl)"
-        )
-    return build(task)
+            "--data.source builtin needs attnlab.finetune.data, which this installation lacks; "
+            "give a JSONL file (--data.source FILE.jsonl)"
+        ) from None
+    sizes = {"max_examples": max_examples} if max_examples else {}
+    built = data.build_instructions(**sizes)
+    if task == "dpo":
+        built = data.build_preferences(built)
+    return built.splits["train"], built.splits["val"]
 
 
 def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     """(train, validation) examples: built in, or a JSONL file split at 1 - val_fraction (or
     its own val_source file)."""
-    fields = SFT_FIELDS if d.task == "sft" else DPO_FIELDS
     if d.source == "builtin":
-        train_ex, val_ex = builtin_examples(d.task)
+        train_ex, val_ex = builtin_examples(d.task, d.max_examples)
     else:
-        train_ex = read_jsonl(d.source, fields)
+        train_ex = read_examples(d.source, d.task)
         if d.val_source:
-            val_ex = read_jsonl(d.val_source, fields)
+            val_ex = read_examples(d.val_source, d.task)
         else:
             if len(train_ex) < 2:
                 raise ValueError(
@@ -178,7 +190,13 @@ def open_base(path: str, task: str):
 
 def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """LoRA adapters on lora.targets (attnlab.finetune.lora); the rest of the model frozen."""
-    from attnlab.finetune.lora import add_lora
+    try:
+        from attnlab.finetune.lora import add_lora
+    except ImportError:
+        raise ValueError(
+            "--lora.rank needs attnlab.finetune.lora, which this installation lacks; "
+            "fine-tune all weights (--lora.rank 0)"
+        ) from None
 
     return add_lora(
         model, targets=lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
