@@ -225,3 +225,25 @@ def test_dpo_without_a_reference_or_adapters_is_an_error(tok):
     task = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, reference=None)
     with pytest.raises(ValueError, match="DPO needs a reference model"):
         task.loss_sum(tiny_model(tok.vocab_size), task._batch(task.train))
+
+
+def test_exact_match_after_learning_the_examples_by_heart(tok):
+    """Greedy, batched generation of the responses (prompts of different lengths, left-padded)
+    is scored right: a model trained on four examples until it knows them answers them all,
+    and each answer is the one generated for its prompt alone."""
+    model = tiny_model(tok.vocab_size).train()
+    task = SFTTask(SFT, SFT, tok, batch_size=4, context=32, max_new_tokens=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        batch = task.train_batch(gen)
+        loss = task.loss_sum(model, batch) / task.n_targets(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    assert task.evaluate(model, 1, "cpu")["val_exact_match"] == 1.0
+    prompts = [ex["prompt"] for ex in SFT]
+    together = task.responses(model, prompts, 6)
+    assert together == [task.responses(model, [p], 6)[0] for p in prompts]
+    assert [r.strip() for r in together] == [ex["response"] for ex in SFT]
