@@ -27,6 +27,7 @@ from attnlab.cli.options import (
     require_device,
 )
 from attnlab.cli.train import accelerators_line, final_report
+from attnlab.configs import from_dict
 from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, LoraConfig
 from attnlab.finetune.tasks import DPO_FIELDS, SFT_FIELDS, DPOTask, SFTTask, check_example
 from attnlab.models.config import ModelConfig
@@ -203,6 +204,24 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     )
 
 
+def build_task(run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None):
+    """The SFTTask or DPOTask of `run` (its examples read or built here)."""
+    t, d = run.train, run.data
+    train_ex, val_ex = load_examples(d)
+    common = dict(
+        tokenizer=tokenizer,
+        batch_size=t.batch_size,
+        context=t.context,
+        chat_template=d.chat_template,
+        eval_examples=d.eval_examples,
+    )
+    if d.task == "sft":
+        return SFTTask(
+            train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
+        )
+    return DPOTask(train_ex, val_ex, beta=run.dpo.beta, reference=reference, **common)
+
+
 def build_finetune(args: argparse.Namespace):
     """(model, task, run) that `attnlab finetune` trains, as the flags describe."""
     configs = configs_from_args(args)
@@ -211,7 +230,7 @@ def build_finetune(args: argparse.Namespace):
     if t.compile and d.task == "dpo":
         raise ValueError("--train.compile is not supported with --task dpo; leave it off")
     loaded = open_base(args.ckpt, d.task)
-    train_ex, val_ex = load_examples(d)
+    run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
     model = loaded.model
     torch.manual_seed(t.seed)  # the same adapter initialisation on every run (and on --resume)
     reference = None
@@ -221,21 +240,21 @@ def build_finetune(args: argparse.Namespace):
         add_adapters(model, lora)
         if reference is not None and hasattr(model, "disable_adapters"):
             reference = None
-    common = dict(
-        tokenizer=loaded.tokenizer,
-        batch_size=t.batch_size,
-        context=t.context,
-        chat_template=d.chat_template,
-        eval_examples=d.eval_examples,
-    )
-    if d.task == "sft":
-        task = SFTTask(
-            train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
-        )
-    else:
-        task = DPOTask(train_ex, val_ex, beta=configs["dpo"].beta, reference=reference, **common)
-    run = FinetuneRun(model=loaded.config, base=str(loaded.path), **configs)
-    return model, task, run
+    return model, build_task(run, loaded.tokenizer, reference), run
+
+
+def is_finetune_run(run: dict) -> bool:
+    """Whether a checkpoint's run config is one `attnlab finetune` wrote."""
+    return isinstance(run.get("data"), dict) and run["data"].get("task") in ("sft", "dpo")
+
+
+def evaluate_finetuned(loaded, device) -> dict:
+    """The task metrics of a checkpoint `attnlab finetune` wrote (opened by open_checkpoint),
+    on the held-out examples of its own run config; DPO's reference is its base checkpoint."""
+    run = from_dict(FinetuneRun, loaded.run)
+    reference = open_checkpoint(run.base, device).model if run.data.task == "dpo" else None
+    task = build_task(run, loaded.tokenizer, reference)
+    return task.evaluate(loaded.model, run.train.eval_batches, device)
 
 
 def run(args: argparse.Namespace) -> int:

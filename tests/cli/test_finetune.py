@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from attnlab.checkpoint import save_checkpoint
 from attnlab.cli.__main__ import main
+from attnlab.cli.eval import evaluate_checkpoint
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.tokenizer import train_char_tokenizer
@@ -95,7 +96,10 @@ def test_sft_runs_end_to_end_and_the_loss_falls(base, tmp_path, capsys):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     assert all(0.0 <= r["val_exact_match"] <= 1.0 for r in evals)
     saved = json.loads((out / "checkpoints" / "step_000030" / "config.json").read_text())
-    assert saved["data"]["task"] == "sft" and saved["base"] == str(base["ckpt"])
+    assert saved["data"]["task"] == "sft" and saved["base"] == str(base["ckpt"].resolve())
+    assert evaluate_checkpoint(str(out), device="cpu") == pytest.approx(
+        {k: v for k, v in evals[-1].items() if k.startswith("val_")}, abs=1e-6
+    )  # attnlab eval: the same metrics as the run's last evaluation
 
 
 def test_sft_with_packing_runs(base, tmp_path):
@@ -116,6 +120,12 @@ def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
     evals = [r for r in rows if "val_loss" in r]
     assert evals[-1]["val_reward_margin"] > evals[0]["val_reward_margin"] > 0
     assert evals[-1]["val_preference_accuracy"] >= 0.9
+    assert main(["eval", "--ckpt", str(out), "--device", "cpu"]) == 0
+    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    assert float(printed["val_reward_margin"]) == pytest.approx(
+        evals[-1]["val_reward_margin"], abs=1e-4
+    )
+    assert float(printed["val_preference_accuracy"]) == evals[-1]["val_preference_accuracy"]
 
 
 def test_resume_continues_exactly(base, tmp_path):
