@@ -260,3 +260,25 @@ def test_builtin_data_without_finetune_data_is_one_clear_error(base, tmp_path, m
     argv[argv.index("--data.source") + 1] = "builtin"
     assert main(argv) == 2
     assert "--data.source builtin needs attnlab.finetune.data" in capsys.readouterr().err
+
+
+@pytest.mark.hf
+def test_sft_from_an_hf_directory(base, tmp_path, capsys):
+    """The base may be an HF checkpoint directory (a GPT-2 saved by transformers, with a
+    tokenizer.json beside it): converted on opening, then fine-tuned like any decoder."""
+    T = pytest.importorskip("transformers")
+    from attnlab.interop.hf.auto import save_tokenizer
+    from attnlab.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(base["ckpt"])
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=tok.vocab_size, n_positions=32)
+    hf_dir = tmp_path / "gpt2"
+    T.GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    save_tokenizer(tok, hf_dir)
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=8", "--train.eval_every=8")
+    argv[argv.index("--ckpt") + 1] = str(hf_dir)
+    assert main(argv) == 0
+    assert "base: " + str(hf_dir) in capsys.readouterr().out
+    rows = records(tmp_path / "out")
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_exact_match" in rows[-1]
