@@ -29,7 +29,8 @@ from attnlab.cli.options import (
 from attnlab.cli.train import accelerators_line, final_report
 from attnlab.configs import from_dict
 from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, LoraConfig
-from attnlab.finetune.tasks import DPO_FIELDS, SFT_FIELDS, DPOTask, SFTTask, check_example
+from attnlab.finetune.sequences import DPO_FIELDS, SFT_FIELDS, check_example
+from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.config import ModelConfig
 from attnlab.training.config import TrainConfig
 from attnlab.training.loop import train

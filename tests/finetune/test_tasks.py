@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attnlab.finetune.objectives import IGNORE_INDEX, dpo_loss, sequence_logps, sft_loss
-from attnlab.finetune.tasks import DPOTask, SFTTask, check_examples, pack_rows, pad_rows
+from attnlab.finetune.sequences import check_examples, pack_rows, pad_rows
+from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.tokenizer import Tokenizer, train_char_tokenizer
