@@ -282,3 +282,17 @@ def test_sft_from_an_hf_directory(base, tmp_path, capsys):
     assert "base: " + str(hf_dir) in capsys.readouterr().out
     rows = records(tmp_path / "out")
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_exact_match" in rows[-1]
+
+
+def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
+    config = tmp_path / "ft.yaml"
+    config.write_text(
+        "train:\n  steps: 2\n  lr: 0.002\ndpo:\n  beta: 0.25\ndata:\n  eval_examples: 4\n"
+    )
+    out = tmp_path / "out"
+    argv = args(base, "dpo", out, "--config", str(config), "--train.eval_every=2")
+    assert main(argv + ["--train.lr=0.001"]) == 0
+    saved = json.loads((out / "checkpoints" / "step_000002" / "config.json").read_text())
+    assert saved["train"]["steps"] == 2 and saved["dpo"]["beta"] == 0.25
+    assert saved["train"]["lr"] == 0.001  # the flag wins over the file
+    assert saved["data"]["task"] == "dpo" and saved["lora"]["rank"] == 0
