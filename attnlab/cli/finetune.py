@@ -33,6 +33,7 @@ from attnlab.finetune.sequences import DPO_FIELDS, SFT_FIELDS, check_example
 from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.config import ModelConfig
 from attnlab.training.config import TrainConfig
+from attnlab.training.distributed import resolve_device
 from attnlab.training.loop import train
 
 # Fine-tuning starts from trained weights: fewer steps, a smaller learning rate than pre-training.
@@ -261,9 +262,23 @@ def evaluate_finetuned(loaded, device) -> dict:
 def run(args: argparse.Namespace) -> int:
     model, task, run_cfg = build_finetune(args)
     print(run_header(run_cfg, model, task))
+    if run_cfg.data.eval_before and not args.resume:
+        print("before fine-tuning: " + metrics_line(evaluate_base(model, task, run_cfg.train)))
     state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
     print(final_report(state, run_cfg))
     return 0
+
+
+def evaluate_base(model: torch.nn.Module, task, t: TrainConfig) -> dict:
+    """The task's metrics for the model as it starts (on the device it will train on)."""
+    device = resolve_device(t.device)
+    metrics = task.evaluate(model.to(device).eval(), t.eval_batches, device)
+    model.train()
+    return metrics
+
+
+def metrics_line(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:

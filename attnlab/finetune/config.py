@@ -27,6 +27,7 @@ class FinetuneDataConfig:
     chat_template: format prompts with the tokenizer's chat template when it has one.
     eval_examples: held-out examples scored at each evaluation (loss and metrics).
     max_new_tokens (sft): the longest response generated for exact match.
+    eval_before: evaluate the base before the first step of a new run (the "before" figures).
     """
 
     task: FinetuneTaskName = "sft"
@@ -38,6 +39,7 @@ class FinetuneDataConfig:
     chat_template: bool = True
     eval_examples: int = 64
     max_new_tokens: int = 48
+    eval_before: bool = True
 
     def __post_init__(self):
         check_literals(self)

@@ -87,6 +87,10 @@ def test_sft_runs_end_to_end_and_the_loss_falls(base, tmp_path, capsys):
     assert main(args(base, "sft", out, "--train.steps=30", "--train.eval_every=15")) == 0
     text = capsys.readouterr().out
     assert "task: sft" in text and "trained 30 steps" in text and "val_exact_match" in text
+    before = dict(  # the base's metrics, printed before the first step
+        kv.split() for kv in text.split("before fine-tuning: ")[1].splitlines()[0].split(", ")
+    )
+    assert float(before["val_exact_match"]) == 0.0  # random weights
     rows = records(out)
     assert [r["step"] for r in rows] == list(range(1, 31))
     first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
@@ -113,9 +117,11 @@ def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
     out = tmp_path / "dpo"
     extra = ("--train.steps=30", "--train.eval_every=15", "--dpo.beta=0.5")
     assert main(args(base, "dpo", out, *extra)) == 0
-    assert "trained 30 steps" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "trained 30 steps" in text
     rows = records(out)
     assert rows[0]["train_loss"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference: log 2
+    assert "before fine-tuning: val_loss 0.6931, val_reward_margin 0.0000" in text
     assert rows[-1]["train_loss"] < 0.5
     evals = [r for r in rows if "val_loss" in r]
     assert evals[-1]["val_reward_margin"] > evals[0]["val_reward_margin"] > 0
