@@ -145,6 +145,7 @@ def trl_sigmoid_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta):
     return trainer._compute_loss(model, inputs, return_outputs=False), trainer._metrics["train"]
 
 
+@pytest.mark.hf  # trl builds on transformers
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
 def test_dpo_loss_and_gradient_equal_trl(beta):
     torch.manual_seed(3)
