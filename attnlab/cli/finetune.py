@@ -242,7 +242,10 @@ def build_finetune(args: argparse.Namespace):
         add_adapters(model, lora)
         if reference is not None and hasattr(model, "disable_adapters"):
             reference = None
-    return model, build_task(run, loaded.tokenizer, reference), run
+    task = build_task(run, loaded.tokenizer, reference)
+    if d.task == "dpo" and run.dpo.precompute_reference:
+        task.precompute_reference(model, resolve_device(t.device))
+    return model, task, run
 
 
 def is_finetune_run(run: dict) -> bool:

@@ -79,10 +79,16 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class DPOConfig:
-    """DPO (Rafailov et al. 2023). beta weighs the implicit KL penalty towards the reference:
-    small beta lets the policy move far from it."""
+    """DPO (Rafailov et al. 2023).
+
+    beta: the weight of the implicit KL penalty towards the reference: a small beta lets the
+        policy move far from it.
+    precompute_reference: compute the frozen reference's log-probs of every pair once before
+        training (then each step runs the policy alone, and no copy of the model is kept).
+    """
 
     beta: float = 0.1
+    precompute_reference: bool = False
 
     def __post_init__(self):
         if self.beta <= 0:

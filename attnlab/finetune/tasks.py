@@ -210,7 +210,8 @@ class DPOTask(_PromptTask):
     A batch holds the chosen sequences of b pairs, then their rejected ones: x (2b, T). The
     reference log-probs are computed in `loss_sum` without gradient, by `reference` (a frozen
     copy of the base model) or, when it is None, by the policy with its LoRA adapters off
-    (`objectives.reference_model`).
+    (`objectives.reference_model`) -- or, after `precompute_reference`, read from a table
+    that the batches carry ("ref_logps").
 
     Args:
         train, val, tokenizer, batch_size (pairs per micro-batch), context, chat_template,
@@ -235,19 +236,59 @@ class DPOTask(_PromptTask):
         super().__init__(train, val, tokenizer, batch_size, context, chat_template, eval_examples)
         self.beta = beta
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
+        self.ref_train = self.ref_val = None  # (N, 2) reference log-probs, once precomputed
 
     def _encode(self, ex: dict):
         chosen = self._row(ex["prompt"], ex["chosen"])
         rejected = self._row(ex["prompt"], ex["rejected"])
         return None if chosen is None or rejected is None else (chosen, rejected)
 
-    def _batch(self, pairs: list) -> dict:
-        return pad_rows([c for c, _ in pairs] + [r for _, r in pairs], self.pad)  # (2b, T)
+    def _batch(self, pairs: list, refs: Tensor | None = None) -> dict:
+        """Chosen rows, then rejected rows, padded: x (2b, T); with refs (b, 2), the reference
+        log-probs of (chosen, rejected) as "ref_logps" (2b,) in the same order."""
+        batch = pad_rows([c for c, _ in pairs] + [r for _, r in pairs], self.pad)  # (2b, T)
+        if refs is not None:
+            batch["ref_logps"] = torch.cat([refs[:, 0], refs[:, 1]])  # (2b,)
+        return batch
 
     def train_batch(self, gen: torch.Generator, rank: int = 0, world: int = 1) -> dict:
         b = self.batch_size
-        pairs = [self.train[i] for i in self._draw(gen, b * world)]
-        return self._batch(pairs[rank * b : (rank + 1) * b])
+        picked = self._draw(gen, b * world)[rank * b : (rank + 1) * b]
+        refs = None if self.ref_train is None else self.ref_train[picked]  # (b, 2)
+        return self._batch([self.train[i] for i in picked], refs)
+
+    @torch.no_grad()
+    def precompute_reference(self, model: nn.Module, device) -> None:
+        """Compute the reference log-probs of every training and held-out pair once, so that
+        each step runs the policy alone (trl's `precompute_ref_log_probs`). A speed-up, off
+        unless asked for: the reference is frozen, so these are the values each step would
+        compute (up to float rounding in differently padded batches). The frozen copy is then
+        let go.
+
+        Args:
+            model: the policy as it starts (its adapters are switched off when there is no
+                frozen copy).
+        """
+        mode = model.training
+        model.eval()
+        self.ref_train = self._reference_table(self.train, model, device)
+        self.ref_val = self._reference_table(self.val, model, device)
+        model.train(mode)
+        self.reference = None
+
+    def _reference_table(self, pairs: list, model: nn.Module, device) -> Tensor:
+        rows = []
+        for i in range(0, len(pairs), self.batch_size):
+            batch = _to(self._batch(pairs[i : i + self.batch_size]), device)
+            rows.append(self._reference_logps(model, batch).view(2, -1).T.cpu())  # (b, 2)
+        return torch.cat(rows)  # (N, 2)
+
+    def _reference_logps(self, model: nn.Module, batch: dict) -> Tensor:
+        """log ref(y|x) of the batch's sequences, (2b,), without gradient."""
+        if self.reference is not None:
+            self.reference.to(batch["x"].device)  # a no-op once it is there
+        with torch.no_grad(), reference_model(model, self.reference) as ref:
+            return sequence_logps(_forward(ref, batch), batch["labels"])
 
     def n_targets(self, batch: dict) -> int:
         """The pairs: the loss is a mean over pairs."""
@@ -256,10 +297,9 @@ class DPOTask(_PromptTask):
     def pair_losses(self, model: nn.Module, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
         """Each pair's DPO loss and its chosen and rejected rewards, all (b,)."""
         logps = sequence_logps(_forward(model, batch), batch["labels"])  # (2b,)
-        if self.reference is not None:
-            self.reference.to(batch["x"].device)  # a no-op once it is there
-        with torch.no_grad(), reference_model(model, self.reference) as ref:
-            ref_logps = sequence_logps(_forward(ref, batch), batch["labels"])  # (2b,)
+        ref_logps = batch.get("ref_logps")  # (2b,) when precomputed
+        if ref_logps is None:
+            ref_logps = self._reference_logps(model, batch)
         b = logps.shape[0] // 2
         return dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], self.beta)
 
@@ -273,7 +313,8 @@ class DPOTask(_PromptTask):
         `eval_examples` held-out pairs (all of them, whatever n_batches)."""
         losses, chosen, rejected = [], [], []
         for i in range(0, len(self.val), self.batch_size):
-            batch = _to(self._batch(self.val[i : i + self.batch_size]), device)
+            refs = None if self.ref_val is None else self.ref_val[i : i + self.batch_size]
+            batch = _to(self._batch(self.val[i : i + self.batch_size], refs), device)
             loss, rc, rr = self.pair_losses(model, batch)
             losses.append(loss.cpu())
             chosen.append(rc.cpu())

@@ -134,10 +134,12 @@ def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
     assert float(printed["val_preference_accuracy"]) == evals[-1]["val_preference_accuracy"]
 
 
-def test_resume_continues_exactly(base, tmp_path):
-    """3 steps, then --resume to 6, equals 6 steps in one go: the same losses and weights."""
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resume_continues_exactly(base, tmp_path, precompute):
+    """3 steps, then --resume to 6, equals 6 steps in one go: the same losses and weights
+    (with the reference's log-probs computed at each step, or once before training)."""
     common = ("--train.schedule=constant", "--train.warmup=0", "--train.eval_every=3")
-    common += ("--train.ckpt_every=3",)
+    common += ("--train.ckpt_every=3", f"--dpo.precompute_reference={precompute}")
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert main(args(base, "dpo", whole, "--train.steps=6", *common)) == 0
     assert main(args(base, "dpo", split, "--train.steps=3", *common)) == 0

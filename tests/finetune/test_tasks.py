@@ -248,3 +248,25 @@ def test_exact_match_after_learning_the_examples_by_heart(tok):
     together = task.responses(model, prompts, 6)
     assert together == [task.responses(model, [p], 6)[0] for p in prompts]
     assert [r.strip() for r in together] == [ex["response"] for ex in SFT]
+
+
+def test_precomputed_reference_log_probs_give_the_same_losses(tok):
+    """precompute_reference: batches carry the frozen reference's log-probs, computed once;
+    the losses and rewards are those of computing them at each step, and the copy is let go."""
+    policy = tiny_model(tok.vocab_size)
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    kw = dict(batch_size=2, context=32, beta=0.3)
+    live = DPOTask(DPO, DPO[:3], tok, reference=copy.deepcopy(reference), **kw)
+    cached = DPOTask(DPO, DPO[:3], tok, reference=copy.deepcopy(reference), **kw)
+    cached.precompute_reference(policy, "cpu")
+    assert cached.reference is None and cached.ref_train.shape == (len(DPO), 2)
+    a = live.train_batch(torch.Generator().manual_seed(5))
+    b = cached.train_batch(torch.Generator().manual_seed(5))
+    assert "ref_logps" in b and torch.equal(a["x"], b["x"])
+    with torch.no_grad():
+        for got, want in zip(cached.pair_losses(policy, b), live.pair_losses(policy, a)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert cached.evaluate(policy, 1, "cpu") == pytest.approx(live.evaluate(policy, 1, "cpu"))
