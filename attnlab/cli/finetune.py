@@ -7,7 +7,10 @@ The same machinery as `attnlab train`: YAML/JSON config files and --section.fiel
 (sections train, data, lora, dpo), the training loop with its progress bar, metrics.jsonl,
 checkpoints and exact --resume (give the same flags again). DPO's reference is a frozen copy of
 the base model, or the policy with its adapters off when the LoRA model offers
-`disable_adapters()`.
+`disable_adapters()`; --dpo.precompute_reference computes its log-probs once, before training.
+A new run prints the base's metrics first, so a run reports them before and after.
+`attnlab eval --ckpt` on a fine-tuning checkpoint reports the same metrics
+(`evaluate_finetuned`).
 """
 
 import argparse
