@@ -13,6 +13,7 @@ from attnlab.cli.threads import ThreadChoice, apply_threads, choose_threads
 # when chosen, so one command's dependencies never slow down (or break) another.
 COMMANDS = {
     "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
+    "finetune": "Fine-tune a decoder checkpoint: SFT or DPO, optionally with LoRA adapters.",
     "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
     "generate": "Generate text from a checkpoint: sampling, beam search, stop strings, streaming.",
     "embodied": "Answer a generated VQA/VLA scene with a checkpoint; draw where it looked.",

@@ -4,6 +4,7 @@
 import argparse
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.finetune import evaluate_finetuned, is_finetune_run
 from attnlab.configs import from_dict
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
@@ -35,6 +36,8 @@ def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "au
             "attnlab eval scores the LM, MLM and seq2seq tasks of a training run and has no "
             "labelled data for it"
         )
+    if is_finetune_run(loaded.run):  # SFT or DPO: its own metrics (exact match, preferences)
+        return evaluate_finetuned(loaded, device)
     model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = build_task(run)
     return task.evaluate(model, batches or run.train.eval_batches, device)

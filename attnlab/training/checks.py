@@ -15,6 +15,8 @@ TASK_ARCH = {
     "seq2seq": "encoder_decoder",
     "vqa": "vlm",
     "vla": "vlm",
+    "sft": "decoder",  # attnlab finetune (finetune/tasks.py)
+    "dpo": "decoder",
 }
 
 

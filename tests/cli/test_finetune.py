@@ -1,0 +1,306 @@
+"""`attnlab finetune` end to end: SFT and DPO from a small base checkpoint, resume, errors."""
+
+import json
+import random
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnlab.checkpoint import save_checkpoint
+from attnlab.cli.__main__ import main
+from attnlab.cli.eval import evaluate_checkpoint
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.tokenizer import train_char_tokenizer
+from attnlab.training.config import RunConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_jsonl(path: Path, examples: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    """A 1-layer Llama-style base (random weights) with a character tokenizer, and the data:
+    'up abc:' -> 'ABC' (sft); chosen 'ABC' over the reversed 'cba' (dpo)."""
+    root = tmp_path_factory.mktemp("finetune")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdef") for _ in range(rng.randint(2, 5))) for _ in range(120)]
+    sft = [{"prompt": f"up {w}:", "response": w.upper()} for w in words]
+    dpo = [{"prompt": f"up {w}:", "chosen": w.upper(), "rejected": w[::-1]} for w in words]
+    tok = train_char_tokenizer([e["prompt"] + e["chosen"] + e["rejected"] for e in dpo])
+    cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=32)
+    torch.manual_seed(0)
+    save_checkpoint(root / "base", build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
+    return {
+        "root": root,
+        "ckpt": root / "base",
+        "sft": write_jsonl(root / "sft.jsonl", sft),
+        "dpo": write_jsonl(root / "dpo.jsonl", dpo),
+    }
+
+
+def args(base: dict, task: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "finetune",
+        "--ckpt",
+        str(base["ckpt"]),
+        "--task",
+        task,
+        "--data.source",
+        str(base[task]),
+        "--data.eval_examples=8",
+        "--data.max_new_tokens=8",
+        "--train.out_dir",
+        str(out),
+        "--train.progress=false",
+        "--train.context=24",
+        "--train.batch_size=8",
+        "--train.lr=3e-3",
+        "--train.min_lr=3e-4",
+        "--train.log_every=1",
+        "--train.device=cpu",
+        *extra,
+    ]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_runs_end_to_end_and_the_loss_falls(base, tmp_path, capsys):
+    out = tmp_path / "sft"
+    assert main(args(base, "sft", out, "--train.steps=30", "--train.eval_every=15")) == 0
+    text = capsys.readouterr().out
+    assert "task: sft" in text and "trained 30 steps" in text and "val_exact_match" in text
+    before = dict(  # the base's metrics, printed before the first step
+        kv.split() for kv in text.split("before fine-tuning: ")[1].splitlines()[0].split(", ")
+    )
+    assert float(before["val_exact_match"]) == 0.0  # random weights
+    rows = records(out)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
+    assert last < 0.7 * first, (first, last)
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [15, 30]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert all(0.0 <= r["val_exact_match"] <= 1.0 for r in evals)
+    saved = json.loads((out / "checkpoints" / "step_000030" / "config.json").read_text())
+    assert saved["data"]["task"] == "sft" and saved["base"] == str(base["ckpt"].resolve())
+    assert evaluate_checkpoint(str(out), device="cpu") == pytest.approx(
+        {k: v for k, v in evals[-1].items() if k.startswith("val_")}, abs=1e-6
+    )  # attnlab eval: the same metrics as the run's last evaluation
+
+
+def test_sft_with_packing_runs(base, tmp_path):
+    out = tmp_path / "packed"
+    extra = ("--train.steps=4", "--train.eval_every=4", "--data.packing=true")
+    assert main(args(base, "sft", out, *extra)) == 0
+    assert "val_exact_match" in records(out)[-1]
+
+
+def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
+    out = tmp_path / "dpo"
+    extra = ("--train.steps=30", "--train.eval_every=15", "--dpo.beta=0.5")
+    assert main(args(base, "dpo", out, *extra)) == 0
+    text = capsys.readouterr().out
+    assert "trained 30 steps" in text
+    rows = records(out)
+    assert rows[0]["train_loss"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference: log 2
+    assert "before fine-tuning: val_loss 0.6931, val_reward_margin 0.0000" in text
+    assert rows[-1]["train_loss"] < 0.5
+    evals = [r for r in rows if "val_loss" in r]
+    assert evals[-1]["val_reward_margin"] > evals[0]["val_reward_margin"] > 0
+    assert evals[-1]["val_preference_accuracy"] >= 0.9
+    assert main(["eval", "--ckpt", str(out), "--device", "cpu"]) == 0
+    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    assert float(printed["val_reward_margin"]) == pytest.approx(
+        evals[-1]["val_reward_margin"], abs=1e-4
+    )
+    assert float(printed["val_preference_accuracy"]) == evals[-1]["val_preference_accuracy"]
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resume_continues_exactly(base, tmp_path, precompute):
+    """3 steps, then --resume to 6, equals 6 steps in one go: the same losses and weights
+    (with the reference's log-probs computed at each step, or once before training)."""
+    common = ("--train.schedule=constant", "--train.warmup=0", "--train.eval_every=3")
+    common += ("--train.ckpt_every=3", f"--dpo.precompute_reference={precompute}")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(args(base, "dpo", whole, "--train.steps=6", *common)) == 0
+    assert main(args(base, "dpo", split, "--train.steps=3", *common)) == 0
+    assert main(args(base, "dpo", split, "--train.steps=6", "--resume", *common)) == 0
+    assert [r["step"] for r in records(split)] == [1, 2, 3, 4, 5, 6]
+    assert [r["train_loss"] for r in records(split)] == [r["train_loss"] for r in records(whole)]
+    a = load_file(str(whole / "checkpoints" / "step_000006" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000006" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bad_jsonl_line_is_one_clear_error(base, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "up ab:", "response": "AB"}\n{"prompt": "up cd:"}\n')
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
+    argv[argv.index("--data.source") + 1] = str(bad)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: ") and len(err.splitlines()) == 1
+    assert str(bad) in err and "2" in err.replace(str(bad), "") and "'response'" in err
+
+
+def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "classify"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--task: invalid choice: 'classify'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys):
+    cfg = get_preset("bert-tiny")
+    tok = train_char_tokenizer(["abc"])
+    path = tmp_path / "bert"
+    save_checkpoint(path, build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
+    argv[argv.index("--ckpt") + 1] = str(path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is an encoder model; --task sft fine-tunes a decoder LM" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+class FakeLoRALinear(torch.nn.Module):
+    """W0 x + (alpha / r) B A x, B zero at the start: a stand-in for attnlab.finetune.lora
+    (another branch) that checks the CLI's wiring, not LoRA itself."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base, self.scale = base, alpha / rank
+        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + self.scale * (x @ self.lora_A.T) @ self.lora_B.T
+
+
+def fake_lora_module(calls: list) -> types.ModuleType:
+    def add_lora(model, targets=("q_proj", "v_proj"), rank=8, alpha=16.0, dropout=0.0):
+        calls.append((tuple(targets), rank, alpha, dropout))
+        model.requires_grad_(False)
+        names = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            parent = model.get_submodule(owner)
+            setattr(parent, attr, FakeLoRALinear(getattr(parent, attr), rank, alpha))
+        return names
+
+    module = types.ModuleType("attnlab.finetune.lora")
+    module.add_lora = add_lora
+    return module
+
+
+def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, monkeypatch, capsys):
+    """--lora.* call attnlab.finetune.lora.add_lora; DPO's reference is then the frozen base
+    (the first loss is log 2: B = 0), and the base weights in the checkpoint do not move."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "attnlab.finetune.lora", fake_lora_module(calls))
+    out = tmp_path / "lora"
+    extra = ("--train.steps=3", "--train.eval_every=3", "--lora.rank=4", "--lora.alpha=8")
+    assert main(args(base, "dpo", out, *extra, "--lora.targets", "q_proj, v_proj")) == 0
+    assert calls == [(("q_proj", "v_proj"), 4, 8.0, 0.0)]
+    assert "trained: LoRA rank 4 on q_proj, v_proj" in capsys.readouterr().out
+    assert records(out)[0]["train_loss"] == pytest.approx(0.6931, abs=1e-4)
+    before = load_file(str(base["ckpt"] / "model.safetensors"))
+    after = load_file(str(out / "checkpoints" / "step_000003" / "model.safetensors"))
+    renamed = {k.replace("q_proj.base.", "q_proj.").replace("v_proj.base.", "v_proj."): v
+               for k, v in after.items() if "lora_" not in k}  # fmt: skip
+    assert renamed.keys() == before.keys()
+    assert all(torch.equal(renamed[k], before[k]) for k in before)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in after.items() if "lora_B" in k)
+
+
+def test_lora_without_the_lora_module_is_one_clear_error(base, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "attnlab.finetune.lora", None)  # import fails
+    assert main(args(base, "sft", tmp_path / "out", "--train.steps=1", "--lora.rank=4")) == 2
+    assert "--lora.rank needs attnlab.finetune.lora" in capsys.readouterr().err
+
+
+def test_builtin_data_come_from_finetune_data(base, tmp_path, monkeypatch, capsys):
+    """--data.source builtin: the train and val splits of finetune.data's instructions (sft)
+    and of the preference pairs made from them (dpo); here a stand-in module with that API."""
+    pairs = [json.loads(line) for line in base["dpo"].read_text().splitlines()]
+    sft = [{"prompt": p["prompt"], "response": p["chosen"]} for p in pairs]
+    fake = types.ModuleType("attnlab.finetune.data")
+    fake.build_instructions = lambda max_examples=2000: types.SimpleNamespace(
+        splits={"train": sft[:max_examples], "val": sft[-10:]}
+    )
+    fake.build_preferences = lambda built: types.SimpleNamespace(
+        splits={
+            s: [{**e, "chosen": e["response"], "rejected": "x"} for e in v]
+            for s, v in built.splits.items()
+        }  # fmt: skip
+    )
+    monkeypatch.setitem(sys.modules, "attnlab.finetune.data", fake)
+    for task in ("sft", "dpo"):
+        argv = args(base, task, tmp_path / task, "--train.steps=1", "--data.max_examples=40")
+        argv[argv.index("--data.source") + 1] = "builtin"
+        assert main(argv) == 0
+        assert f"task: {task} on builtin: 40 training, 8 held-out" in capsys.readouterr().out
+
+
+def test_builtin_data_without_finetune_data_is_one_clear_error(base, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "attnlab.finetune.data", None)
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
+    argv[argv.index("--data.source") + 1] = "builtin"
+    assert main(argv) == 2
+    assert "--data.source builtin needs attnlab.finetune.data" in capsys.readouterr().err
+
+
+@pytest.mark.hf
+def test_sft_from_an_hf_directory(base, tmp_path, capsys):
+    """The base may be an HF checkpoint directory (a GPT-2 saved by transformers, with a
+    tokenizer.json beside it): converted on opening, then fine-tuned like any decoder."""
+    T = pytest.importorskip("transformers")
+    from attnlab.interop.hf.auto import save_tokenizer
+    from attnlab.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(base["ckpt"])
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=tok.vocab_size, n_positions=32)
+    hf_dir = tmp_path / "gpt2"
+    T.GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    save_tokenizer(tok, hf_dir)
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=8", "--train.eval_every=8")
+    argv[argv.index("--ckpt") + 1] = str(hf_dir)
+    assert main(argv) == 0
+    assert "base: " + str(hf_dir) in capsys.readouterr().out
+    rows = records(tmp_path / "out")
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_exact_match" in rows[-1]
+
+
+def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
+    config = tmp_path / "ft.yaml"
+    config.write_text(
+        "train:\n  steps: 2\n  lr: 0.002\ndpo:\n  beta: 0.25\ndata:\n  eval_examples: 4\n"
+    )
+    out = tmp_path / "out"
+    argv = args(base, "dpo", out, "--config", str(config), "--train.eval_every=2")
+    assert main(argv + ["--train.lr=0.001"]) == 0
+    saved = json.loads((out / "checkpoints" / "step_000002" / "config.json").read_text())
+    assert saved["train"]["steps"] == 2 and saved["dpo"]["beta"] == 0.25
+    assert saved["train"]["lr"] == 0.001  # the flag wins over the file
+    assert saved["data"]["task"] == "dpo" and saved["lora"]["rank"] == 0

@@ -1,0 +1,235 @@
+"""SFT and DPO objectives against their references: a hand computation, `transformers`' loss with
+-100 labels on the HF twin of a converted model, and `trl`'s sigmoid DPO loss."""
+
+import copy
+import math
+from collections import defaultdict
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.finetune.objectives import (
+    IGNORE_INDEX,
+    dpo_loss,
+    reference_model,
+    response_labels,
+    sequence_logps,
+    sft_loss,
+    token_logps,
+)
+
+
+def test_response_labels_mask_the_prompt_and_shift_by_one():
+    ids = [10, 11, 12, 20, 21, 2]  # prompt 10 11 12, response 20 21 <eos>=2
+    x, labels = response_labels(ids, n_prompt=3)
+    assert x == [10, 11, 12, 20, 21]
+    assert labels == [IGNORE_INDEX, IGNORE_INDEX, 20, 21, 2]
+
+
+def test_response_labels_refuse_a_sequence_without_response():
+    with pytest.raises(ValueError, match="no response token"):
+        response_labels([1, 2, 3], n_prompt=3)
+
+
+def test_sft_loss_equals_a_hand_computation():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 7)
+    labels = torch.tensor([[IGNORE_INDEX, 3, 5, IGNORE_INDEX], [IGNORE_INDEX, IGNORE_INDEX, 6, 1]])
+    terms = []  # -log softmax(logits[b, t])[label], written out with exp and sums
+    for b in range(2):
+        for t in range(4):
+            y = int(labels[b, t])
+            if y != IGNORE_INDEX:
+                row = logits[b, t].double()
+                terms.append(-(float(row[y]) - math.log(float(row.exp().sum()))))
+    expected = sum(terms) / len(terms)  # token-weighted: 4 response tokens, not 2 rows
+    assert sft_loss(logits, labels).item() == pytest.approx(expected, abs=1e-6)
+    assert sft_loss(logits, labels, "sum").item() == pytest.approx(sum(terms), abs=1e-5)
+    assert sequence_logps(logits, labels).tolist() == pytest.approx(
+        [-(terms[0] + terms[1]), -(terms[2] + terms[3])], abs=1e-5
+    )
+
+
+def test_sft_loss_equals_torch_cross_entropy_with_ignore_index():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 9, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 9))
+    labels[:, :4] = IGNORE_INDEX
+    labels[2, 7:] = IGNORE_INDEX
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ours = sft_loss(logits, labels)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(g_ours, g_ref, atol=1e-7, rtol=0)
+
+
+def test_token_logps_are_zero_where_ignored():
+    logits = torch.randn(1, 3, 5)
+    labels = torch.tensor([[IGNORE_INDEX, 2, IGNORE_INDEX]])
+    got = token_logps(logits, labels)
+    assert got[0, 0] == 0 and got[0, 2] == 0
+    assert got[0, 1] == pytest.approx(float(torch.log_softmax(logits[0, 1], -1)[2]))
+
+
+@pytest.mark.hf
+def test_sft_loss_equals_transformers_loss_on_the_hf_twin(tmp_path):
+    """A tiny random GPT-2 saved by transformers, converted by attnlab: transformers' own loss
+    with -100 on the prompt (it shifts labels itself) equals sft_loss on response_labels."""
+    T = pytest.importorskip("transformers")
+    from attnlab.interop.hf import load_hf
+
+    torch.manual_seed(0)
+    config = T.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32, initializer_range=0.2
+    )
+    hf = T.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(tmp_path)
+    ours, _ = load_hf(tmp_path)
+    ours.eval()
+    seqs = [([5, 6, 7, 8], [9, 10, 11]), ([12, 13], [14, 15, 16, 17, 18, 19])]  # (prompt, response)
+    n = max(len(p) + len(r) for p, r in seqs)
+    full = torch.tensor([p + r + [0] * (n - len(p) - len(r)) for p, r in seqs])  # (B, n)
+    real = torch.tensor([[t < len(p) + len(r) for t in range(n)] for p, r in seqs])  # (B, n)
+    is_response = torch.tensor([[len(p) <= t < len(p) + len(r) for t in range(n)] for p, r in seqs])
+    hf_labels = full.masked_fill(~is_response, IGNORE_INDEX)  # unshifted: transformers shifts
+    labels = [response_labels(p + r, len(p))[1] for p, r in seqs]
+    labels = torch.tensor([ls + [IGNORE_INDEX] * (n - 1 - len(ls)) for ls in labels])  # (B, n-1)
+    with torch.no_grad():
+        expected = hf(input_ids=full, attention_mask=real.long(), labels=hf_labels).loss
+        got = sft_loss(ours(full[:, :-1], attention_mask=real[:, :-1]), labels)
+    assert got.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+# --- DPO against trl ------------------------------------------------------------------------------
+
+
+def trl_sigmoid_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta):
+    """trl 1.x's DPO loss (`DPOTrainer._compute_loss`, loss_type "sigmoid") on given sequence
+    log-probs: the trainer is built without __init__ and holds only what that method reads; the
+    "model" returns the log-probs as one token's (completion length 1), so trl's sum over the
+    completion is the sequence log-prob itself."""
+    trl = pytest.importorskip("trl")
+    trainer = trl.DPOTrainer.__new__(trl.DPOTrainer)
+    trainer.model = SimpleNamespace(training=True)
+    trainer.accelerator = SimpleNamespace(
+        device=torch.device("cpu"), gather_for_metrics=lambda t: t, gather=lambda t: t
+    )
+    trainer.aux_loss_enabled, trainer.ld_alpha, trainer.precompute_ref_logps = False, None, True
+    trainer.f_divergence_type, trainer.loss_types, trainer.loss_weights = (
+        "reverse_kl",
+        ["sigmoid"],
+        [1],
+    )
+    trainer.beta, trainer.use_weighting, trainer._tp_size = beta, False, 1
+    trainer._metrics, trainer._total_train_tokens = defaultdict(lambda: defaultdict(list)), 0
+    B = chosen.shape[0]
+    logps = torch.cat([chosen, rejected])[:, None]  # (2B, 1): [chosen, rejected] as trl batches
+
+    def model(**kwargs):
+        zeros = torch.zeros(2 * B, 1)
+        return SimpleNamespace(
+            log_probs=logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+        )
+
+    inputs = {
+        "input_ids": torch.zeros(2 * B, 2, dtype=torch.long),
+        "attention_mask": torch.ones(2 * B, 2, dtype=torch.long),
+        "completion_mask": torch.tensor([[0, 1]] * (2 * B)),
+        "ref_chosen_logps": ref_chosen,
+        "ref_rejected_logps": ref_rejected,
+    }
+    return trainer._compute_loss(model, inputs, return_outputs=False), trainer._metrics["train"]
+
+
+@pytest.mark.hf  # trl builds on transformers
+@pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
+def test_dpo_loss_and_gradient_equal_trl(beta):
+    torch.manual_seed(3)
+    B = 6
+    policy = (torch.randn(2, B, dtype=torch.float64) * 20 - 40).requires_grad_()
+    ref_c, ref_r = torch.randn(2, B, dtype=torch.float64) * 20 - 40
+    ours, rc, rr = dpo_loss(policy[0], policy[1], ref_c, ref_r, beta)
+    ours = ours.mean()  # trl averages over the pairs
+    (g_ours,) = torch.autograd.grad(ours, policy)
+    theirs, logged = trl_sigmoid_dpo_loss(policy[0], policy[1], ref_c, ref_r, beta)
+    (g_theirs,) = torch.autograd.grad(theirs, policy)
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert (g_ours - g_theirs).abs().max().item() < 1e-6
+    assert rc.mean().item() == pytest.approx(logged["rewards/chosen"][0], abs=1e-6)
+    assert rr.mean().item() == pytest.approx(logged["rewards/rejected"][0], abs=1e-6)
+    assert (rc - rr).mean().item() == pytest.approx(logged["rewards/margins"][0], abs=1e-6)
+    assert (rc > rr).double().mean().item() == pytest.approx(logged["rewards/accuracies"][0])
+
+
+def test_dpo_loss_is_the_papers_formula():
+    """Eq. 7 by hand: -log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))."""
+    pi_w, pi_l, ref_w, ref_l, beta = -3.0, -5.0, -4.0, -4.5, 0.5
+    z = beta * ((pi_w - ref_w) - (pi_l - ref_l))
+    expected = math.log(1 + math.exp(-z))
+    losses, rw, rl = dpo_loss(*(torch.tensor([v]) for v in (pi_w, pi_l, ref_w, ref_l)), beta)
+    assert losses.item() == pytest.approx(expected, abs=1e-7)
+    assert (rw.item(), rl.item()) == pytest.approx((beta * 1.0, beta * -0.5))
+
+
+def test_dpo_loss_at_the_reference_is_log_2():
+    """A policy equal to its reference has zero rewards and loss log 2 (sigmoid(0) = 1/2)."""
+    logps = torch.randn(4)
+    losses, rw, rl = dpo_loss(logps, logps + 1, logps, logps + 1, beta=0.1)
+    torch.testing.assert_close(losses, torch.full((4,), math.log(2)))
+    assert rw.abs().max() == 0 and rl.abs().max() == 0
+
+
+# --- the reference model --------------------------------------------------------------------------
+
+
+class WithAdapters(torch.nn.Module):
+    """A stand-in for a LoRA-wrapped model: a base Linear plus an adapter that can be switched
+    off through `disable_adapters()`, the protocol objectives.reference_model relies on."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(4, 4)
+        self.adapter = torch.nn.Linear(4, 4)
+        self.enabled = True
+
+    def forward(self, x):
+        return self.base(x) + (self.adapter(x) if self.enabled else 0)
+
+    @contextmanager
+    def disable_adapters(self):
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+
+def test_reference_is_the_frozen_copy_when_given():
+    policy = torch.nn.Linear(4, 4)
+    frozen = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        policy.weight.add_(1.0)  # the policy has moved; the reference has not
+    x = torch.randn(2, 4)
+    with reference_model(policy, frozen) as ref:
+        assert ref is frozen
+        torch.testing.assert_close(ref(x), x @ frozen.weight.T + frozen.bias)
+
+
+def test_reference_is_the_policy_with_adapters_off():
+    policy = WithAdapters()
+    base = copy.deepcopy(policy.base)
+    x = torch.randn(2, 4)
+    with reference_model(policy) as ref:
+        torch.testing.assert_close(ref(x), base(x))  # the base alone
+    assert policy.enabled  # back on after the block
+    assert not torch.allclose(policy(x), base(x))
+
+
+def test_reference_needs_a_copy_or_adapters():
+    with pytest.raises(ValueError, match="reference model"):
+        with reference_model(torch.nn.Linear(2, 2)):
+            pass

@@ -1,0 +1,272 @@
+"""SFTTask and DPOTask: what their batches train on, packing against unpacked rows, the chat
+template, and DPO's loss against per-sequence forwards of the policy and the reference."""
+
+import copy
+import math
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attnlab.finetune.objectives import IGNORE_INDEX, dpo_loss, sequence_logps, sft_loss
+from attnlab.finetune.sequences import check_examples, pack_rows, pad_rows
+from attnlab.finetune.tasks import DPOTask, SFTTask
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
+from attnlab.tokenizer import Tokenizer, train_char_tokenizer
+
+SFT = [
+    {"prompt": "up ab:", "response": "AB"},
+    {"prompt": "up cde:", "response": "CDE"},
+    {"prompt": "up f:", "response": "F"},
+    {"prompt": "up bad:", "response": "BAD"},
+]
+DPO = [{"prompt": e["prompt"], "chosen": e["response"], "rejected": e["response"][::-1] + "x"}
+       for e in SFT]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_char_tokenizer(["up abcdef: ABCDEF x"])
+
+
+def tiny_model(vocab: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = replace(get_preset("llama-tiny"), vocab_size=vocab, n_layers=2, max_seq_len=64)
+    return build_model(cfg).eval()
+
+
+def sft_task(tok, **kw) -> SFTTask:
+    return SFTTask(SFT, SFT[:2], tok, batch_size=4, context=32, **kw)
+
+
+def test_sft_batches_train_on_the_response_and_eos_only(tok):
+    task = sft_task(tok)
+    batch = task.train_batch(torch.Generator().manual_seed(0))
+    eos = tok.token_id("<eos>")
+    for x, labels, mask in zip(batch["x"], batch["labels"], batch["mask"]):
+        trained = labels[labels != IGNORE_INDEX].tolist()
+        assert trained[-1] == eos  # the response ends with <eos>: generation learns to stop
+        response = tok.decode(trained[:-1])
+        prompt = tok.decode(x[mask].tolist())[: -len(response)]
+        assert {"prompt": prompt, "response": response} in SFT
+        assert (labels[~mask] == IGNORE_INDEX).all()  # padding is never trained on
+    assert task.n_targets(batch) == int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def test_sft_counts_every_response_token_of_a_batch(tok):
+    task = sft_task(tok)
+    rows = task.train  # each (x, labels): the response's tokens and <eos> carry labels
+    for (x, labels), ex in zip(rows, SFT):
+        assert sum(t != IGNORE_INDEX for t in labels) == len(ex["response"]) + 1
+        assert len(x) == len(ex["prompt"]) + len(ex["response"])
+
+
+def test_packed_rows_give_each_example_its_unpacked_loss(tok):
+    """Three examples in one packed row and two more in another: the summed loss equals the sum
+    of each example's loss computed alone (nothing leaks between examples; positions restart)."""
+    task = sft_task(tok)
+    model = tiny_model(tok.vocab_size)
+    rows = task.train
+    packed = pack_rows([[rows[0], rows[1], rows[2]], [rows[3], rows[1]]], 32, task.pad)
+    assert packed["pos"][0, : len(rows[0][0]) + 1].tolist() == [*range(len(rows[0][0])), 0]
+    alone = [rows[0], rows[1], rows[2], rows[3], rows[1]]
+    expected = sum(task.loss_sum(model, pad_rows([r], task.pad)).item() for r in alone)
+    with torch.no_grad():
+        got = task.loss_sum(model, packed).item()
+    assert got == pytest.approx(expected, abs=1e-4)
+    assert task.n_targets(packed) == sum(task.n_targets(pad_rows([r], task.pad)) for r in alone)
+
+
+def test_packed_training_batches_fill_rows_of_the_context(tok):
+    task = sft_task(tok, packing=True)
+    batch = task.train_batch(torch.Generator().manual_seed(1))
+    assert batch["x"].shape == (4, 32) and batch["attn_mask"].shape == (4, 32, 32)
+    assert (batch["pos"] == 0).sum(1).min() >= 3  # several examples per row
+
+
+class TemplateTokenizer(Tokenizer):
+    """A character tokenizer with chat markers as added special tokens and a simple template
+    (the Tokenizer.apply_chat_template protocol of attnlab/tokenizer.py)."""
+
+    chat_template = "<|user|>{user}<|end|><|assistant|>{assistant}<|end|>"
+
+    def __init__(self, base: Tokenizer):
+        backend = copy.deepcopy(base.backend)
+        backend.add_special_tokens(["<|user|>", "<|assistant|>", "<|end|>"])
+        super().__init__(backend)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        text = ""
+        for m in messages:
+            text += f"<|{m['role']}|>{m['content']}<|end|>"
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def test_sft_uses_the_chat_template_and_its_end_of_turn(tok):
+    chat = TemplateTokenizer(tok)
+    task = SFTTask(SFT, SFT[:1], chat, batch_size=2, context=32)
+    end = chat.backend.token_to_id("<|end|>")
+    assert task.format.templated and task.format.stop_tokens == [end]
+    x, labels = task.train[0]
+    assert chat.decode(x, skip_special=False) == "<|user|>up ab:<|end|><|assistant|>AB"
+    trained = [t for t in labels if t != IGNORE_INDEX]
+    assert chat.decode(trained, skip_special=False) == "AB<|end|>"  # no <eos>: the turn's end
+    assert task.format.response_of(chat.encode("AB") + [end] + chat.encode("junk")) == "AB"
+    no_template = SFTTask(SFT, SFT[:1], chat, batch_size=2, context=32, chat_template=False)
+    assert not no_template.format.templated
+
+
+def test_examples_longer_than_the_context_are_left_out_and_counted(tok):
+    long = {"prompt": "up " + "a" * 40 + ":", "response": "A"}
+    task = SFTTask([*SFT, long], SFT[:1], tok, batch_size=2, context=16)
+    assert task.skipped == 1 and len(task.train) == len(SFT)
+    with pytest.raises(ValueError, match="longer than train.context=16"):
+        SFTTask([long], SFT[:1], tok, batch_size=2, context=16)
+
+
+def test_examples_are_validated_by_number_and_field():
+    with pytest.raises(ValueError, match="the data, example 2: field 'response' must be a non"):
+        check_examples(
+            [SFT[0], {"prompt": "x", "response": ""}], ("prompt", "response"), "the data"
+        )
+    with pytest.raises(ValueError, match="has no examples"):
+        check_examples([], ("prompt",), "the data")
+
+
+def test_sft_evaluate_reports_loss_and_exact_match(tok):
+    model = tiny_model(tok.vocab_size)
+    task = sft_task(tok, max_new_tokens=4)
+    got = task.evaluate(model, 1, "cpu")
+    batch = pad_rows(task.val, task.pad)
+    with torch.no_grad():
+        expected = sft_loss(model(batch["x"], attention_mask=batch["mask"]), batch["labels"])
+    assert got["val_loss"] == pytest.approx(expected.item(), abs=1e-5)
+    assert got["val_exact_match"] == 0.0  # random weights answer nothing right
+
+
+def alone_logps(model, task, pairs, side: int) -> torch.Tensor:
+    """log pi(y|x) of each sequence forwarded on its own, without padding."""
+    out = []
+    for pair in pairs:
+        x, labels = pair[side]
+        logits = model(torch.tensor([x]))
+        out.append(sequence_logps(logits, torch.tensor([labels]))[0])
+    return torch.stack(out)
+
+
+def test_dpo_loss_of_a_padded_batch_equals_per_sequence_forwards(tok):
+    policy = tiny_model(tok.vocab_size)
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the policy has moved away from the reference
+    task = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, beta=0.3, reference=reference)
+    batch = task._batch(task.train)
+    with torch.no_grad():
+        losses, rc, rr = task.pair_losses(policy, batch)
+        expected = dpo_loss(
+            alone_logps(policy, task, task.train, 0),
+            alone_logps(policy, task, task.train, 1),
+            alone_logps(reference, task, task.train, 0),
+            alone_logps(reference, task, task.train, 1),
+            beta=0.3,
+        )
+    for got, want in zip((losses, rc, rr), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert task.n_targets(batch) == len(DPO)
+    assert not any(p.requires_grad for p in reference.parameters())
+
+
+def test_dpo_starts_at_log_2_when_the_policy_is_its_reference(tok):
+    policy = tiny_model(tok.vocab_size)
+    task = DPOTask(DPO, DPO, tok, batch_size=4, context=32, reference=copy.deepcopy(policy))
+    got = task.evaluate(policy, 1, "cpu")
+    assert got["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert got["val_reward_margin"] == 0 and got["val_preference_accuracy"] == 0
+
+
+class BiasAdapter(torch.nn.Module):
+    """A decoder plus a trainable bias on its logits (a stand-in adapter), switched off by
+    disable_adapters() as a LoRA model's adapters are."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.on = model, True
+        self.bias = torch.nn.Parameter(torch.randn(model.head.out_features))
+
+    def forward(self, ids, **kw):
+        logits = self.model(ids, **kw)
+        return logits + self.bias if self.on else logits
+
+    @contextmanager
+    def disable_adapters(self):
+        self.on = False
+        try:
+            yield
+        finally:
+            self.on = True
+
+
+def test_dpo_reference_is_the_policy_with_its_adapters_off(tok):
+    base = tiny_model(tok.vocab_size)
+    policy = BiasAdapter(copy.deepcopy(base))
+    task = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, beta=0.5, reference=None)
+    with torch.no_grad():
+        _, rc, _ = task.pair_losses(policy, task._batch(task.train))
+        want = 0.5 * (
+            alone_logps(policy, task, task.train, 0) - alone_logps(base, task, task.train, 0)
+        )
+    torch.testing.assert_close(rc, want, atol=1e-5, rtol=0)
+    assert policy.on
+
+
+def test_dpo_without_a_reference_or_adapters_is_an_error(tok):
+    task = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, reference=None)
+    with pytest.raises(ValueError, match="DPO needs a reference model"):
+        task.loss_sum(tiny_model(tok.vocab_size), task._batch(task.train))
+
+
+def test_exact_match_after_learning_the_examples_by_heart(tok):
+    """Greedy, batched generation of the responses (prompts of different lengths, left-padded)
+    is scored right: a model trained on four examples until it knows them answers them all,
+    and each answer is the one generated for its prompt alone."""
+    model = tiny_model(tok.vocab_size).train()
+    task = SFTTask(SFT, SFT, tok, batch_size=4, context=32, max_new_tokens=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        batch = task.train_batch(gen)
+        loss = task.loss_sum(model, batch) / task.n_targets(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    assert task.evaluate(model, 1, "cpu")["val_exact_match"] == 1.0
+    prompts = [ex["prompt"] for ex in SFT]
+    together = task.responses(model, prompts, 6)
+    assert together == [task.responses(model, [p], 6)[0] for p in prompts]
+    assert [r.strip() for r in together] == [ex["response"] for ex in SFT]
+
+
+def test_precomputed_reference_log_probs_give_the_same_losses(tok):
+    """precompute_reference: batches carry the frozen reference's log-probs, computed once;
+    the losses and rewards are those of computing them at each step, and the copy is let go."""
+    policy = tiny_model(tok.vocab_size)
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    kw = dict(batch_size=2, context=32, beta=0.3)
+    live = DPOTask(DPO, DPO[:3], tok, reference=copy.deepcopy(reference), **kw)
+    cached = DPOTask(DPO, DPO[:3], tok, reference=copy.deepcopy(reference), **kw)
+    cached.precompute_reference(policy, "cpu")
+    assert cached.reference is None and cached.ref_train.shape == (len(DPO), 2)
+    a = live.train_batch(torch.Generator().manual_seed(5))
+    b = cached.train_batch(torch.Generator().manual_seed(5))
+    assert "ref_logps" in b and torch.equal(a["x"], b["x"])
+    with torch.no_grad():
+        for got, want in zip(cached.pair_losses(policy, b), live.pair_losses(policy, a)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert cached.evaluate(policy, 1, "cpu") == pytest.approx(live.evaluate(policy, 1, "cpu"))
