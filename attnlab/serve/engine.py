@@ -186,7 +186,13 @@ class Engine:
                     self._cond.wait()
                 if self._stopping and not self._active:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as err:  # a fault of the engine itself: fail what runs, go on
+                line = f"{type(err).__name__}: {err}".splitlines()[0]
+                with self._cond:
+                    for seq in list(self.scheduler.running):
+                        self._finish(seq, "error", error=line)
 
     @torch.no_grad()
     def step(self) -> bool:
