@@ -27,6 +27,16 @@ block table) that grows one block at a time, and returns them when it finishes.
         is the token at position j of sequence b. The mask lets query position p see keys j <= p,
         which also hides the slots a shorter row has not written (B's slot 7, any padding block).
 
+Prefix caching: keys and values at a position depend only on the tokens up to it, so a full
+block of one prompt serves every later prompt that starts with the same tokens. Such blocks are
+indexed by those tokens (`register_prefix`); a new sequence shares them (`match_prefix`,
+reference counted) and computes only the rest. A prompt C that starts like A (a b c d ...):
+
+        seq A: [0, 2]            seq C: [0, 6]        block 0 shared: refs[0] = 2
+
+A shared block is never written again (it is full, and new tokens go to later blocks). A block
+that no sequence owns but that holds a prefix stays cached until the pool needs it back.
+
 A step is described by a `PagedStep` (the `cache` a DecoderLM forward takes, with
 `slots=step.slots`): its per-layer views write and gather, and it hands the model each row's
 positions and mask. Every row of one step feeds the same number T of new tokens (a batched decode
@@ -36,7 +46,7 @@ Shapes: B batch, K kv heads, T new tokens, S keys gathered per row (blocks * blo
 D head_dim, L layers.
 """
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -50,7 +60,12 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """The pool's free list: which blocks are free, handed out first-in first-out.
+    """The pool's books: which blocks are free, and how many sequences share each block.
+
+    A block whose last owner finished goes back to the free list, unless it holds a registered
+    prompt prefix (prefix caching): then it waits in `cached`, still free to take but kept as
+    long as possible (least recently released is taken first), so that a later prompt with the
+    same prefix can share it.
 
     Args:
         n_blocks: blocks in the pool.
@@ -60,22 +75,42 @@ class BlockAllocator:
         if n_blocks < 1:
             raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
         self.n_blocks = n_blocks
-        self.free: deque[int] = deque(range(n_blocks))
+        self.free: deque[int] = deque(range(n_blocks))  # hold nothing reusable
+        self.cached: OrderedDict[int, None] = OrderedDict()  # unowned, holding a prefix
+        self.refs = [0] * n_blocks  # sequences sharing each block
 
     @property
     def n_free(self) -> int:
-        """Blocks not owned by any sequence."""
-        return len(self.free)
+        """Blocks no sequence owns (free or cached)."""
+        return len(self.free) + len(self.cached)
 
     def allocate(self) -> int:
-        """Take one free block."""
-        if not self.free:
+        """Take one block no sequence owns: a free one, else the least recently cached one
+        (whose prefix the caller must forget)."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+        else:
             raise NoFreeBlocks(f"all {self.n_blocks} KV blocks are in use")
-        return self.free.popleft()
+        self.refs[block] = 1
+        return block
 
-    def release(self, block: int) -> None:
-        """Give a block back to the free list."""
-        self.free.append(block)
+    def share(self, block: int) -> None:
+        """One more sequence reads `block` (a prefix hit)."""
+        if self.refs[block] == 0:
+            del self.cached[block]
+        self.refs[block] += 1
+
+    def release(self, block: int, keep: bool = False) -> None:
+        """One sequence fewer owns `block`; when none is left it is free again (cached with
+        `keep`)."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if keep:
+                self.cached[block] = None
+            else:
+                self.free.append(block)
 
 
 class PagedLayer(nn.Module):
@@ -208,6 +243,10 @@ class PagedKVCache(nn.Module):
         self.block_size, self.n_blocks = block_size, n_blocks
         self.allocator = BlockAllocator(n_blocks)
         self.tables: dict[Hashable, list[int]] = {}
+        # Prefix caching: the prompt tokens up to the end of a full block -> the block holding
+        # their keys/values (keys and values at a position depend on the tokens up to it only).
+        self.prefixes: dict[tuple[int, ...], int] = {}
+        self.prefix_of: dict[int, tuple[int, ...]] = {}  # block -> its key in `prefixes`
 
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks that hold n_tokens tokens."""
@@ -215,7 +254,7 @@ class PagedKVCache(nn.Module):
 
     @property
     def n_free(self) -> int:
-        """Free blocks in the pool."""
+        """Blocks no sequence owns."""
         return self.allocator.n_free
 
     def add(self, seq: Hashable) -> None:
@@ -233,16 +272,51 @@ class PagedKVCache(nn.Module):
                 f"sequence {seq!r} needs {missing} more KV blocks, {self.allocator.n_free} are free"
             )
         for _ in range(missing):
-            table.append(self.allocator.allocate())
+            block = self.allocator.allocate()
+            if block in self.prefix_of:  # a cached prefix block taken back: forget its prefix
+                del self.prefixes[self.prefix_of.pop(block)]
+            table.append(block)
+
+    def match_prefix(self, seq: Hashable, prompt: Sequence[int]) -> int:
+        """Share the cached blocks of the longest prefix of `prompt` seen before, in whole
+        blocks, leaving at least its last token to compute (its logits are the first token's).
+
+        Call on a new sequence (empty table). Returns the number of tokens whose keys and
+        values are already in its table.
+        """
+        table, n = self.tables[seq], 0
+        while (n + self.block_size) < len(prompt):
+            block = self.prefixes.get(tuple(prompt[: n + self.block_size]))
+            if block is None:
+                break
+            self.allocator.share(block)
+            table.append(block)
+            n += self.block_size
+        return n
+
+    def register_prefix(self, seq: Hashable, prompt: Sequence[int], start: int, end: int) -> None:
+        """Offer the full blocks of `prompt` that `seq` wrote between positions start and end
+        to later prompts with the same prefix."""
+        table, size = self.tables[seq], self.block_size
+        for i in range(start // size, end // size):
+            key = tuple(prompt[: (i + 1) * size])
+            if key not in self.prefixes and table[i] not in self.prefix_of:
+                self.prefixes[key], self.prefix_of[table[i]] = table[i], key
 
     def free(self, seq: Hashable, clear: bool = False) -> None:
-        """Return `seq`'s blocks to the pool (zeroed first with `clear`)."""
+        """Return `seq`'s blocks to the pool. With `clear` (the sequence failed), the blocks it
+        alone owns are zeroed and forgotten as prefixes."""
         table = self.tables.pop(seq)
-        if clear and table:
-            for layer in self.layers:
-                layer.clear(table)
+        if clear:
+            own = [b for b in table if self.allocator.refs[b] == 1]
+            for block in own:
+                if block in self.prefix_of:
+                    del self.prefixes[self.prefix_of.pop(block)]
+            if own:
+                for layer in self.layers:
+                    layer.clear(own)
         for block in table:
-            self.allocator.release(block)
+            self.allocator.release(block, keep=block in self.prefix_of)
 
     def step(self, seqs: Sequence[Hashable], starts: Sequence[int], T: int) -> PagedStep:
         """Describe a forward that writes T new tokens per row, row b at positions

@@ -56,6 +56,7 @@ class Engine:
         prefill_chunk: most prompt tokens prefilled per step (longer prompts take several).
         max_context: most prompt + generated tokens per request (default: the model's position
             table; a model without one needs max_context or n_blocks).
+        prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int = 256,
         max_context: int | None = None,
+        prefix_caching: bool = True,
     ):
         self.decoder = decoder_of(model)
         if self.decoder is not model:
@@ -83,7 +85,7 @@ class Engine:
                 )
             n_blocks = max_batch * -(-self.context // block_size)
         self.cache = PagedKVCache(self.decoder, n_blocks, block_size)
-        self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk)
+        self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk, prefix_caching)
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
@@ -167,8 +169,9 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for /metrics: running, waiting, kv_blocks_used,
-        kv_blocks_total, prompt/generation tokens, finished requests, prefix-cache hits (no
-        prefix cache: 0), time-to-first-token sum and count."""
+        kv_blocks_total, prompt/generation tokens, finished requests, prefix-cache hits
+        (prompt tokens whose keys/values were shared, not computed), time-to-first-token sum
+        and count."""
         with self._cond:
             return {
                 "running": float(len(self.scheduler.running)),
@@ -209,7 +212,9 @@ class Engine:
                 if rid in self._active:
                     self._finish(self._active[rid], "cancelled")
             if not self._stopping:
-                self.scheduler.admit()
+                for seq in self.scheduler.admit():
+                    self._counters["prompt_tokens_total"] += seq.n_prompt
+                    self._counters["prefix_cache_hits_total"] += seq.prefix_hits
         for seq, n in self.scheduler.prefill_work():
             self._guarded(seq, self._prefill, seq, n)
         ready = []
@@ -247,7 +252,8 @@ class Engine:
             logp = torch.log_softmax(logits[:m].float(), dim=-1)  # (m, V)
             seq.prompt_logprobs += logp.gather(1, targets[:, None])[:, 0].tolist()
         seq.cached += n
-        self._counters["prompt_tokens_total"] += n
+        if self.scheduler.prefix_caching:
+            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached)
         if not seq.prefilling:
             seq.logits = logits[-1]  # (V,)
 

@@ -19,7 +19,11 @@ Policy, applied at every engine step:
    tokens, oldest admitted sequence first (a long prompt takes several steps), and then runs one
    batched decode step for every sequence whose prompt is in the cache. A long prompt thus
    delays the running sequences' next token by one chunk, not by the whole prompt.
-5. **Retire at once.** A sequence that finished (stop, length, cancelled, error) leaves the batch
+5. **Prefix caching** (on unless the engine is told otherwise): the full blocks of a prompt,
+   once computed, stay indexed by the tokens up to their end; an admitted prompt that starts
+   with the same tokens shares those blocks (reference counted) and prefills only the rest.
+   Cached blocks nobody owns count as free; the least recently released is reused first.
+6. **Retire at once.** A sequence that finished (stop, length, cancelled, error) leaves the batch
    and frees its blocks in the step where it finished; a waiting request can take its place in
    the next one.
 
@@ -46,6 +50,7 @@ class Sequence:
         sampling: the request's SamplingConfig.  generator: its seeded generator, or None.
         tokens: prompt + generated token ids.  n_prompt: prompt length.
         cached: how many of `tokens` are in the KV cache.
+        prefix_hits: how many prompt tokens were found in the prefix cache at admission.
         prompt_logprobs: collected while the prompt is prefilled (when asked for).
         logits: (V,) logits of the next token, once the prompt is in the cache.
         submitted, first_token: times (time.perf_counter) for the time to first token.
@@ -59,6 +64,7 @@ class Sequence:
     n_prompt: int
     submitted: float
     cached: int = 0
+    prefix_hits: int = 0
     prompt_logprobs: list[float | None] = field(default_factory=list)
     logits: torch.Tensor | None = None
     first_token: float | None = None
@@ -66,6 +72,10 @@ class Sequence:
     @property
     def id(self) -> str:
         return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.n_prompt]
 
     @property
     def n_generated(self) -> int:
@@ -90,9 +100,17 @@ class Scheduler:
         max_batch: most sequences running at once.
         max_queue: most requests waiting.
         prefill_chunk: most prompt tokens prefilled per step.
+        prefix_caching: an admitted prompt shares the cached blocks of a prefix seen before.
     """
 
-    def __init__(self, cache: PagedKVCache, max_batch: int, max_queue: int, prefill_chunk: int):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        max_batch: int,
+        max_queue: int,
+        prefill_chunk: int,
+        prefix_caching: bool = False,
+    ):
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -100,6 +118,7 @@ class Scheduler:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.cache = cache
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
 
@@ -124,6 +143,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.cache.add(seq.id)
+            if self.prefix_caching and not seq.request.params.prompt_logprobs:
+                # Whole blocks of a prompt prefix seen before are shared, not recomputed
+                # (prompt log-probabilities need every position computed, so they skip this).
+                seq.cached = seq.prefix_hits = self.cache.match_prefix(seq.id, seq.prompt)
             self.running.append(seq)
             admitted.append(seq)
         return admitted

@@ -380,3 +380,53 @@ def test_thread_loop_stop_and_engine_stopped(gpt2):
     assert engine.cache.n_free == engine.cache.n_blocks
     with pytest.raises(EngineStopped):
         engine.submit(Request("late", (1,), SamplingParams()), sink("late"))
+
+
+def test_prefix_cache_shares_blocks_of_a_common_prompt(llama):
+    """Prompts that start with the same 20 tokens: the later ones share the first one's full
+    blocks (counted in the stats), prefill only the rest, and still give exactly their tokens
+    alone; every block is free at the end."""
+    system = tuple(range(100, 120))
+    first = Request("first", system + (1, 2), SamplingParams(4, 0.0))
+    others = [
+        Request(f"o{i}", system + (i, i + 1, i + 2), SamplingParams(5, 0.0)) for i in range(4)
+    ]
+    engine = Engine(llama, None, block_size=8, max_context=128)
+    got, _ = run(engine, [first])
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+    got, _ = run(engine, others, got)
+    assert engine.stats()["prefix_cache_hits_total"] == 4 * 16  # two full blocks each
+    for r in [first, *others]:
+        assert got.tokens(r.request_id) == alone(llama, r)
+    assert engine.cache.n_free == engine.cache.n_blocks
+    assert all(n == 0 for n in engine.cache.allocator.refs)
+
+
+def test_prefix_cache_matches_whole_prefixes_only(llama):
+    """A prompt whose second block equals a cached one but whose first block differs is no
+    hit (keys depend on every token before them); nor is a prompt of exactly one cached block
+    (its last token must be computed for the first logits)."""
+    a = Request("a", tuple(range(1, 17)) + (50,), SamplingParams(3, 0.0))
+    b = Request("b", (99,) * 8 + tuple(range(9, 17)) + (50,), SamplingParams(3, 0.0))
+    c = Request("c", tuple(range(1, 9)), SamplingParams(3, 0.0))
+    engine = Engine(llama, None, block_size=8, max_context=128)
+    got, _ = run(engine, [a])
+    got, _ = run(engine, [b, c], got)
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+    for r in (a, b, c):
+        assert got.tokens(r.request_id) == alone(llama, r)
+
+
+def test_prefix_cache_forgets_blocks_it_hands_out_again(llama):
+    """A small pool: a cached prompt's blocks are taken by other requests, so the prompt must be
+    computed again (no stale hit), and it still gives exactly its tokens."""
+    a = Request("a", tuple(range(1, 20)), SamplingParams(3, 0.0))
+    engine = Engine(llama, None, block_size=4, n_blocks=12, max_context=128)
+    got, _ = run(engine, [a])
+    fill = [Request(f"f{i}", (200 + i,) * 30, SamplingParams(10, 0.0)) for i in range(2)]
+    got, _ = run(engine, fill, got)
+    assert a.prompt_ids[:4] not in engine.cache.prefixes, "its first block was taken"
+    again = Request("a2", a.prompt_ids, a.params)
+    got, _ = run(engine, [again], got)
+    assert got.tokens("a2") == got.tokens("a") == alone(llama, a)
+    assert engine.stats()["prefix_cache_hits_total"] == 0
