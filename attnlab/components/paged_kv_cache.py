@@ -32,7 +32,7 @@ block of one prompt serves every later prompt that starts with the same tokens. 
 indexed by those tokens (`register_prefix`); a new sequence shares them (`match_prefix`,
 reference counted) and computes only the rest. A prompt C that starts like A (a b c d ...):
 
-        seq A: [0, 2]            seq C: [0, 6]        block 0 shared: refs[0] = 2
+        seq A: [0, 2]            seq C: [0, 4]        block 0 shared: refs[0] = 2
 
 A shared block is never written again (it is full, and new tokens go to later blocks). A block
 that no sequence owns but that holds a prefix stays cached until the pool needs it back.
