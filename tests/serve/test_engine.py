@@ -430,3 +430,26 @@ def test_prefix_cache_forgets_blocks_it_hands_out_again(llama):
     got, _ = run(engine, [again], got)
     assert got.tokens("a2") == got.tokens("a") == alone(llama, a)
     assert engine.stats()["prefix_cache_hits_total"] == 0
+
+
+def test_long_prefill_is_chunked_between_decode_steps(gpt2):
+    """A 100-token prompt prefilled 16 tokens a step: it takes 7 steps to its first token, and
+    the request already running gets one token in every one of them."""
+    engine = Engine(gpt2, None, prefill_chunk=16)
+    got = Collector()
+    short = Request("short", (1, 2), SamplingParams(20, 0.0))
+    engine.submit(short, got("short"))
+    engine.step()
+    long = Request("long", tuple(range(1, 101)), SamplingParams(2, 0.0))
+    engine.submit(long, got("long"))
+    steps = 0
+    while not got.events["long"]:
+        before = len(got.events["short"])
+        engine.step()
+        steps += 1
+        assert len(got.events["short"]) == before + 1, "the running request waited"
+    assert steps == 7  # ceil(100 / 16)
+    while engine.step():
+        pass
+    assert got.tokens("short") == alone(gpt2, short)
+    assert got.tokens("long") == alone(gpt2, long)
