@@ -18,6 +18,10 @@ the request's own generator: a seeded request draws the same tokens batched or a
 Log-probabilities are those of the model itself (log-softmax of its logits), whatever the
 temperature or top-p the token was drawn with: what a scorer such as lm-eval asks for.
 
+The last token's event carries the finish reason: a stop token is sent (with "stop"), and so is
+the token that completes a stop string; cutting the matched text out of the reply is the
+caller's, who holds the text.
+
 Faults stay with their request: an exception (or a non-finite logit) while prefilling or
 sampling one sequence ends it with finish_reason "error"; a batched decode step that raises is
 re-run one row at a time, so only the rows that raise alone fail. A failed sequence's blocks are
@@ -295,7 +299,7 @@ class Engine:
         return True
 
     def _finish_reason(self, seq: Sequence) -> str | None:
-        """ "stop", "length" or None for a sequence whose last token was just chosen."""
+        """Why a sequence whose last token was just chosen ends ("stop", "length"), or None."""
         p, token = seq.request.params, seq.tokens[-1]
         if token in p.stop_token_ids:
             return "stop"
@@ -311,9 +315,6 @@ class Engine:
         try:
             self._forward(seqs)
         except Exception:
-            if len(seqs) == 1:
-                self._guarded(seqs[0], self._forward, seqs)
-                return
             for seq in seqs:
                 self._guarded(seq, self._forward, [seq])
 
