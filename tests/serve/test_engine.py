@@ -453,3 +453,17 @@ def test_long_prefill_is_chunked_between_decode_steps(gpt2):
         pass
     assert got.tokens("short") == alone(gpt2, short)
     assert got.tokens("long") == alone(gpt2, long)
+
+
+def test_engine_arguments_are_checked(llama):
+    """An encoder-decoder model, or a model without a position table and no bound on the
+    context, is refused with a line that says what to do."""
+    with pytest.raises(ValueError, match="decoder-only models, got a"):
+        Engine(build_model(get_preset("t5-tiny")), None)
+    with pytest.raises(ValueError, match="give max_context"):
+        Engine(llama, None)
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
+        Engine(llama, None, max_context=64, prefill_chunk=0)
+    engine = Engine(llama, None, n_blocks=4, block_size=4)  # no table: the pool is the bound
+    with pytest.raises(ValueError, match="needs 5 KV blocks, the pool has 4"):
+        engine.submit(Request("x", (1,) * 10, SamplingParams(10)), lambda e: None)
