@@ -467,3 +467,35 @@ def test_engine_arguments_are_checked(llama):
     engine = Engine(llama, None, n_blocks=4, block_size=4)  # no table: the pool is the bound
     with pytest.raises(ValueError, match="needs 5 KV blocks, the pool has 4"):
         engine.submit(Request("x", (1,) * 10, SamplingParams(10)), lambda e: None)
+
+
+def test_threaded_loop_with_concurrent_submitters(gpt2):
+    """Four threads submit 16 requests while the loop thread runs (the server's situation):
+    every request finishes once, with its tokens alone, and the pool ends empty."""
+    requests = mixed_requests(16, seed=6, temperature=0.0)
+    engine = Engine(gpt2, None, block_size=8)
+    got, finished = Collector(), threading.Semaphore(0)
+    sinks = {r.request_id: got(r.request_id) for r in requests}
+
+    def on_event(event):
+        sinks[event.request_id](event)
+        if event.finish_reason:
+            finished.release()
+
+    engine.start()
+    submitters = [
+        threading.Thread(target=lambda rs=requests[i::4]: [engine.submit(r, on_event) for r in rs])
+        for i in range(4)
+    ]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join()
+    for _ in requests:
+        assert finished.acquire(timeout=20)
+    engine.stop(timeout=1.0)
+    for r in requests:
+        assert got.reason(r.request_id) == "length"
+        assert got.tokens(r.request_id) == alone(gpt2, r)
+    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats()["requests_finished_total"] == 16
