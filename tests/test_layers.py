@@ -29,6 +29,7 @@ LAYERS = {
     "attnlab.training": 7,
     "attnlab.interop": 7,
     "attnlab.viz": 7,
+    "attnlab.serve": 7,  # the HTTP server and its engines, over inference
     "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
     "attnlab.finetune": 7.5,  # fine-tuning runs through training's loop, so it sits above it
     "attnlab.cli": 8,

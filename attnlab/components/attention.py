@@ -94,8 +94,9 @@ class Attention(nn.Module):
             ctx: the forward's AttentionContext (components/context.py). Self-attention reads
                 its mask, is_causal, positions and slots; cross attention its memory and
                 memory_mask.
-            cache: self-attention: a KVCache written at `ctx.slots`; cross-attention: a CrossKV
-                that keeps the memory's keys and values after the first call.
+            cache: self-attention: a KVCache (or a paged cache's layer view) written at
+                `ctx.slots`; cross-attention: a CrossKV that keeps the memory's keys and values
+                after the first call.
 
         Returns:
             (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.

@@ -29,7 +29,8 @@ class AttentionContext:
         mask: self-attention, bool broadcastable to (B, H, T, S), True = may attend; or None.
         is_causal: add a causal mask (cheaper than passing one: SDPA's flash path).
         positions: the position scheme's prepared terms (RoPE cos/sin, or a score bias).
-        slots: (T,) cache slots of the new tokens, when a cache is written.
+        slots: (T,) cache slots of the new tokens, when a cache is written; (B, T) per-row pool
+            slots with a paged cache (components/paged_kv_cache.py).
         memory: (B, M, C_kv) encoder output, for cross-attention.
         memory_mask: cross-attention, bool broadcastable to (B, H, T, M); or None.
     """

@@ -215,8 +215,10 @@ class DecoderLM(nn.Module):
                 cache's positions of `slots`).
             memory: (B, M, C) encoder output, for blocks with cross-attention.
             memory_mask: (B, M) True = real memory token.
-            cache: a ModelCache (components/kv_cache.py), or None.
-            slots: (T,) cache slots of `ids`, with a cache.
+            cache: a ModelCache (components/kv_cache.py), a PagedStep
+                (components/paged_kv_cache.py), or None.
+            slots: (T,) cache slots of `ids`, with a ModelCache; (B, T) per-row pool slots
+                (the step's `.slots`), with a PagedStep.
             last_only: the logits of the last position only (generation's prefill needs no
                 more, and the head is the largest matmul: GPT-2's is 768 x 50257).
             attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j: replaces
@@ -269,6 +271,9 @@ class DecoderLM(nn.Module):
                 is_causal = False
             else:
                 mask, is_causal = custom_attention_mask(attn_mask, B, T, attention_mask), False
+        elif slots.dim() == 2:  # per-row slots (B, T): a PagedStep (components/paged_kv_cache.py)
+            pos, k_pos, bound = cache.pos, cache.key_pos, cache.bound  # (B, T), (B, S)
+            mask, is_causal = cache.attention_mask(self.window), False
         else:
             pos, k_pos = cache.pos[:, slots], cache.pos  # (B, T), (B, S_max)
             bound = k_pos.shape[1]  # a row's positions never exceed its slots

@@ -1,0 +1,345 @@
+"""A paged KV cache: PagedAttention's idea (Kwon et al. 2023, vLLM) written in PyTorch.
+
+The static cache (kv_cache.py) gives every row of a batch the same S_max slots up front. A server
+with many requests of different lengths would reserve the longest one's room for all of them.
+Here keys and values live in a pool of fixed-size blocks; a sequence owns a list of blocks (its
+block table) that grows one block at a time, and returns them when it finishes.
+
+    pool, one per layer: (n_blocks, K, block_size, D) keys and the same for values
+    (block_size 4; letters are tokens, . is a free slot)
+
+        block:     0         1         2         3         4         5
+                [a b c d] [w x y z] [e f g .] [u v . .] [. . . .] [. . . .]
+
+    block tables (shared by all layers: block i of a sequence is block i in every layer's pool)
+
+        seq A: [0, 2]    length 7: positions 0-3 in block 0, 4-6 in block 2
+        seq B: [1, 3]    length 6: positions 0-3 in block 1, 4-5 in block 3
+        free list: [4, 5]
+
+    one decode step of both (B = 2, T = 1): each new token goes to its own row's next position
+
+        A, position 7 -> block A[7 // 4] = 2, offset 7 % 4 = 3 -> pool slot 2 * 4 + 3 = 11
+        B, position 6 -> block B[6 // 4] = 3, offset 6 % 4 = 2 -> pool slot 3 * 4 + 2 = 14
+
+        written with one index_put per layer at slots (B, T) = [[11], [14]]; then each row's keys
+        are gathered through its table, pool[tables] -> (B, K, 2 blocks * 4, D): key j of row b
+        is the token at position j of sequence b. The mask lets query position p see keys j <= p,
+        which also hides the slots a shorter row has not written (B's slot 7, any padding block).
+
+Prefix caching: keys and values at a position depend only on the tokens up to it, so a full
+block of one prompt serves every later prompt that starts with the same tokens. Such blocks are
+indexed by those tokens (`register_prefix`); a new sequence shares them (`match_prefix`,
+reference counted) and computes only the rest. A prompt C that starts like A (a b c d ...):
+
+        seq A: [0, 2]            seq C: [0, 4]        block 0 shared: refs[0] = 2
+
+A shared block is never written again (it is full, and new tokens go to later blocks). A block
+that no sequence owns but that holds a prefix stays cached until the pool needs it back.
+
+A step is described by a `PagedStep` (the `cache` a DecoderLM forward takes, with
+`slots=step.slots`): its per-layer views write and gather, and it hands the model each row's
+positions and mask. Every row of one step feeds the same number T of new tokens (a batched decode
+step: T = 1 per row; a prefill chunk: one row of T tokens).
+
+Shapes: B batch, K kv heads, T new tokens, S keys gathered per row (blocks * block_size),
+D head_dim, L layers.
+"""
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.components.attention import Attention
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool has no free block left for a sequence that needs one."""
+
+
+class BlockAllocator:
+    """The pool's books: which blocks are free, and how many sequences share each block.
+
+    A block whose last owner finished goes back to the free list, unless it holds a registered
+    prompt prefix (prefix caching): then it waits in `cached`, still free to take but kept as
+    long as possible (least recently released is taken first), so that a later prompt with the
+    same prefix can share it.
+
+    Args:
+        n_blocks: blocks in the pool.
+    """
+
+    def __init__(self, n_blocks: int):
+        if n_blocks < 1:
+            raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
+        self.n_blocks = n_blocks
+        self.free: deque[int] = deque(range(n_blocks))  # hold nothing reusable
+        self.cached: OrderedDict[int, None] = OrderedDict()  # unowned, holding a prefix
+        self.refs = [0] * n_blocks  # sequences sharing each block
+
+    @property
+    def n_free(self) -> int:
+        """Blocks no sequence owns (free or cached)."""
+        return len(self.free) + len(self.cached)
+
+    def allocate(self) -> int:
+        """Take one block no sequence owns: a free one, else the least recently cached one
+        (whose prefix the caller must forget)."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+        else:
+            raise NoFreeBlocks(f"all {self.n_blocks} KV blocks are in use")
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more sequence reads `block` (a prefix hit)."""
+        if self.refs[block] == 0:
+            del self.cached[block]
+        self.refs[block] += 1
+
+    def release(self, block: int, keep: bool = False) -> None:
+        """One sequence fewer owns `block`; when none is left it is free again (cached with
+        `keep`)."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if keep:
+                self.cached[block] = None
+            else:
+                self.free.append(block)
+
+
+class PagedLayer(nn.Module):
+    """One layer's pool: (n_blocks, K, block_size, D) keys and values.
+
+    Args:
+        n_blocks, K, block_size, D: pool shape.  dtype, device: of the buffers.
+    """
+
+    def __init__(self, n_blocks: int, K: int, block_size: int, D: int, dtype, device=None):
+        super().__init__()
+        shape = (n_blocks, K, block_size, D)
+        # Non-persistent: a cache is scratch space, never part of a checkpoint.
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """Store the new tokens' keys and values.
+
+        Args:
+            k, v: (B, K, T, D).  slots: (B, T) pool slots, block * block_size + offset.
+        """
+        block_size = self.k.shape[2]
+        block, offset = slots // block_size, slots % block_size  # (B, T) each
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is (B, T, K, D).
+        self.k[block, :, offset] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[block, :, offset] = v.transpose(1, 2).to(self.v.dtype)
+
+    def gather(self, tables: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's keys and values in position order.
+
+        Args:
+            tables: (B, N) block ids per row (N blocks; shorter rows padded with any block).
+
+        Returns:
+            keys and values, each (B, K, N * block_size, D).
+        """
+        B, N = tables.shape
+        _, K, block_size, D = self.k.shape
+        k = self.k[tables].transpose(1, 2).reshape(B, K, N * block_size, D)
+        v = self.v[tables].transpose(1, 2).reshape(B, K, N * block_size, D)
+        return k, v
+
+    def clear(self, blocks: Sequence[int]) -> None:
+        """Zero `blocks` (so a non-finite value left by a failed request cannot reach a row
+        that reads the block as masked padding: 0 * NaN is NaN)."""
+        index = torch.as_tensor(list(blocks), dtype=torch.long, device=self.k.device)
+        self.k[index] = 0
+        self.v[index] = 0
+
+
+class PagedLayerView:
+    """What one attention layer sees as its cache for one step: `update` as KVCache's, with
+    per-row slots."""
+
+    def __init__(self, layer: PagedLayer, tables: Tensor):
+        self.layer, self.tables = layer, tables
+
+    def update(self, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values (B, K, T, D) at `slots` (B, T) and return every row's keys
+        and values (B, K, S, D) through its block table."""
+        self.layer.write(k, v, slots)
+        return self.layer.gather(self.tables)
+
+
+class PagedStep:
+    """One forward over a paged cache: the `cache` argument of `DecoderLM.forward`.
+
+    Attributes:
+        layers: one PagedLayerView per decoder block.
+        cross: None (decoder-only models).
+        slots: (B, T) pool slots of the new tokens (pass as `slots=`).
+        pos: (B, T) positions of the new tokens in their sequences.
+        key_pos: (B, S) positions of the gathered keys: 0 .. S-1 in every row.
+        bound: S, above every position of the step.
+    """
+
+    def __init__(self, layers: list[PagedLayer], tables: Tensor, slots: Tensor, pos: Tensor):
+        self.layers = [PagedLayerView(layer, tables) for layer in layers]
+        self.cross = None
+        self.slots, self.pos = slots, pos
+        B, N = tables.shape
+        self.bound = N * layers[0].k.shape[2]
+        self.key_pos = torch.arange(self.bound, device=pos.device).expand(B, self.bound)
+
+    def attention_mask(self, window: int | None = None) -> Tensor:
+        """Query at position p sees keys j <= p (within `window`): bool (B, 1, T, S).
+
+        Keys past a row's length are never below its queries' positions, so causality also hides
+        unwritten slots and padding blocks."""
+        q = self.pos[:, :, None]  # (B, T, 1)
+        j = self.key_pos[:, None, :]  # (B, 1, S)
+        mask = j <= q
+        if window is not None:
+            mask = mask & (j > q - window)
+        return mask[:, None]  # (B, 1, T, S)
+
+
+class PagedKVCache(nn.Module):
+    """A decoder's paged cache: one pool per layer, one free list and one block table per
+    sequence (shared by all layers).
+
+    Args:
+        decoder: the DecoderLM whose blocks' self-attention is cached (Attention layers; an MLA
+            layer keeps a latent cache, which this pool does not hold).
+        n_blocks: blocks in each layer's pool.
+        block_size: tokens per block.
+        dtype: of the pools (default: the embedding's).
+    """
+
+    def __init__(self, decoder: nn.Module, n_blocks: int, block_size: int = 16, dtype=None):
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        weight = decoder.embed.weight
+        dtype = weight.dtype if dtype is None else dtype
+        layers = []
+        for i, blk in enumerate(decoder.blocks):
+            attn = blk.self_attn
+            if type(attn) is not Attention:
+                raise ValueError(
+                    f"block {i}: a paged cache holds Attention keys/values, not a "
+                    f"{type(attn).__name__} (MLA and cross-attention models: use the static cache)"
+                )
+            K, D = attn.n_kv_heads, attn.head_dim
+            layers.append(PagedLayer(n_blocks, K, block_size, D, dtype, weight.device))
+        if getattr(decoder.blocks[0], "cross_attn", None) is not None:
+            raise ValueError("a paged cache is for decoder-only models (this one cross-attends)")
+        self.layers = nn.ModuleList(layers)
+        self.block_size, self.n_blocks = block_size, n_blocks
+        self.allocator = BlockAllocator(n_blocks)
+        self.tables: dict[Hashable, list[int]] = {}
+        # Prefix caching: the prompt tokens up to the end of a full block -> the block holding
+        # their keys/values (keys and values at a position depend on the tokens up to it only).
+        self.prefixes: dict[tuple[int, ...], int] = {}
+        self.prefix_of: dict[int, tuple[int, ...]] = {}  # block -> its key in `prefixes`
+
+    def blocks_for(self, n_tokens: int) -> int:
+        """Blocks that hold n_tokens tokens."""
+        return -(-n_tokens // self.block_size)
+
+    @property
+    def n_free(self) -> int:
+        """Blocks no sequence owns."""
+        return self.allocator.n_free
+
+    def add(self, seq: Hashable) -> None:
+        """Start an empty block table for a new sequence."""
+        if seq in self.tables:
+            raise ValueError(f"sequence {seq!r} is already in the cache")
+        self.tables[seq] = []
+
+    def reserve(self, seq: Hashable, n_tokens: int) -> None:
+        """Grow `seq`'s table until it holds n_tokens tokens (all or nothing)."""
+        table = self.tables[seq]
+        missing = self.blocks_for(n_tokens) - len(table)
+        if missing > self.allocator.n_free:
+            raise NoFreeBlocks(
+                f"sequence {seq!r} needs {missing} more KV blocks, {self.allocator.n_free} are free"
+            )
+        for _ in range(missing):
+            block = self.allocator.allocate()
+            if block in self.prefix_of:  # a cached prefix block taken back: forget its prefix
+                del self.prefixes[self.prefix_of.pop(block)]
+            table.append(block)
+
+    def match_prefix(self, seq: Hashable, prompt: Sequence[int]) -> int:
+        """Share the cached blocks of the longest prefix of `prompt` seen before, in whole
+        blocks, leaving at least its last token to compute (its logits are the first token's).
+
+        Call on a new sequence (empty table). Returns the number of tokens whose keys and
+        values are already in its table.
+        """
+        table, n = self.tables[seq], 0
+        while (n + self.block_size) < len(prompt):
+            block = self.prefixes.get(tuple(prompt[: n + self.block_size]))
+            if block is None:
+                break
+            self.allocator.share(block)
+            table.append(block)
+            n += self.block_size
+        return n
+
+    def register_prefix(self, seq: Hashable, prompt: Sequence[int], start: int, end: int) -> None:
+        """Offer the full blocks of `prompt` that `seq` wrote between positions start and end
+        to later prompts with the same prefix."""
+        table, size = self.tables[seq], self.block_size
+        for i in range(start // size, end // size):
+            key = tuple(prompt[: (i + 1) * size])
+            if key not in self.prefixes and table[i] not in self.prefix_of:
+                self.prefixes[key], self.prefix_of[table[i]] = table[i], key
+
+    def free(self, seq: Hashable, clear: bool = False) -> None:
+        """Return `seq`'s blocks to the pool. With `clear` (the sequence failed), the blocks it
+        alone owns are zeroed and forgotten as prefixes."""
+        table = self.tables.pop(seq)
+        if clear:
+            own = [b for b in table if self.allocator.refs[b] == 1]
+            for block in own:
+                if block in self.prefix_of:
+                    del self.prefixes[self.prefix_of.pop(block)]
+            if own:
+                for layer in self.layers:
+                    layer.clear(own)
+        for block in table:
+            self.allocator.release(block, keep=block in self.prefix_of)
+
+    def step(self, seqs: Sequence[Hashable], starts: Sequence[int], T: int) -> PagedStep:
+        """Describe a forward that writes T new tokens per row, row b at positions
+        starts[b] .. starts[b] + T - 1 of sequence seqs[b] (allocating blocks as needed).
+
+        Writing the same positions again (a step re-run) writes the same slots.
+
+        Returns:
+            the PagedStep to pass as `cache` (and its `.slots` as `slots`) to the decoder.
+        """
+        need = sum(
+            max(0, self.blocks_for(s + T) - len(self.tables[q])) for q, s in zip(seqs, starts)
+        )
+        if need > self.allocator.n_free:
+            raise NoFreeBlocks(f"a step needs {need} more KV blocks, {self.n_free} are free")
+        for q, s in zip(seqs, starts):
+            self.reserve(q, s + T)
+        device = self.layers[0].k.device
+        N = max(self.blocks_for(s + T) for s in starts)
+        rows = [self.tables[q][:N] for q in seqs]
+        # Shorter rows are padded with their own first block: masked, any block would do.
+        tables = torch.tensor([r + [r[0]] * (N - len(r)) for r in rows], device=device)  # (B, N)
+        pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        block = torch.gather(tables, 1, pos // self.block_size)  # (B, T)
+        slots = block * self.block_size + pos % self.block_size  # (B, T)
+        return PagedStep(list(self.layers), tables, slots, pos)

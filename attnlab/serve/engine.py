@@ -1,0 +1,383 @@
+"""Engine: continuous batching over a paged KV cache (Yu et al. 2022, Orca; Kwon et al. 2023).
+
+One loop, on a daemon thread, repeats one step for as long as there is work:
+
+    submit ─> waiting (bounded) ─admit─> running ─┬─ prefill a chunk of a new prompt
+                                                  ├─ choose each running sequence's next token
+                                                  │  (sample; events out; finished ones retire)
+                                                  └─ one batched decode step for the rest:
+                                                     every row its own length and position
+
+A request never waits for another to finish: it joins the batch at the next step where the
+scheduler (scheduler.py, whose docstring states the policy) admits it, and leaves it in the step
+where it finishes, giving its KV blocks back at once. Each row's keys live in its own blocks of
+the pool (components/paged_kv_cache.py), so rows of very different lengths decode together.
+
+Tokens are chosen by the same `sample` as `attnlab.inference.generate`, one row at a time with
+the request's own generator: a seeded request draws the same tokens batched or alone.
+Log-probabilities are those of the model itself (log-softmax of its logits), whatever the
+temperature or top-p the token was drawn with: what a scorer such as lm-eval asks for.
+
+The last token's event carries the finish reason: a stop token is sent (with "stop"), and so is
+the token that completes a stop string; cutting the matched text out of the reply is the
+caller's, who holds the text.
+
+Faults stay with their request: an exception (or a non-finite logit) while prefilling or
+sampling one sequence ends it with finish_reason "error"; a batched decode step that raises is
+re-run one row at a time, so only the rows that raise alone fail. A failed sequence's blocks are
+zeroed before they go back to the pool.
+
+Shapes: B running sequences, T tokens per row of a step, V vocab_size.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from attnlab.components.paged_kv_cache import PagedKVCache
+from attnlab.inference.generate import context_window
+from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.steps import decoder_of
+from attnlab.serve.scheduler import Scheduler, Sequence
+from attnlab.serve.types import EngineStopped, Request, TokenEvent
+
+OnEvent = Callable[[TokenEvent], None]
+
+
+class Engine:
+    """Continuous batching of decoder-only generation (see the module docstring).
+
+    Args:
+        model: a decoder-only model (eval mode).
+        tokenizer: attnlab.tokenizer.Tokenizer, to match stop strings (None: no stop strings).
+        max_batch: most sequences decoded together.
+        block_size: tokens per KV block.
+        n_blocks: blocks in the pool (default: room for max_batch full contexts).
+        max_queue: waiting requests beyond this make `submit` raise QueueFull.
+        prefill_chunk: most prompt tokens prefilled per step (longer prompts take several).
+        max_context: most prompt + generated tokens per request (default: the model's position
+            table; a model without one needs max_context or n_blocks).
+        prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        max_batch: int = 16,
+        block_size: int = 16,
+        n_blocks: int | None = None,
+        max_queue: int = 64,
+        prefill_chunk: int = 256,
+        max_context: int | None = None,
+        prefix_caching: bool = True,
+    ):
+        self.decoder = decoder_of(model)
+        if self.decoder is not model:
+            raise ValueError(f"the engine serves decoder-only models, got a {type(model).__name__}")
+        self.model, self.tokenizer = model, tokenizer
+        self.context, _ = context_window(model, max_context)  # None: no limit but the pool's
+        if n_blocks is None:
+            if self.context is None:
+                raise ValueError(
+                    "this model has no position table: give max_context (e.g. max_seq_len) "
+                    "or n_blocks"
+                )
+            n_blocks = max_batch * -(-self.context // block_size)
+        self.cache = PagedKVCache(self.decoder, n_blocks, block_size)
+        self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk, prefix_caching)
+        self.vocab_size = self.decoder.head.out_features
+        self.device = self.decoder.head.weight.device
+        self._active: dict[str, Sequence] = {}  # waiting or running, by request id
+        self._cancels: set[str] = set()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._counters = dict.fromkeys(
+            (
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "requests_finished_total",
+                "prefix_cache_hits_total",
+                "time_to_first_token_seconds_sum",
+                "time_to_first_token_seconds_count",
+            ),
+            0.0,
+        )
+
+    # --- the interface ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the engine loop in a daemon thread."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._thread = threading.Thread(target=self._loop, name="attnlab-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, on_event: OnEvent) -> None:
+        """Queue `request`; `on_event` gets each token, the last event with finish_reason.
+
+        Raises:
+            ValueError: a request no engine could run (one line).  QueueFull: the queue is at
+            its bound.  EngineStopped: stop() has begun.
+        """
+        self._check(request)
+        p = request.params
+        sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
+        gen = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
+        seq = Sequence(
+            request,
+            on_event,
+            sampling,
+            gen,
+            list(request.prompt_ids),
+            len(request.prompt_ids),
+            time.perf_counter(),
+        )
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            if request.request_id in self._active:
+                raise ValueError(f"request id {request.request_id!r} is already in the engine")
+            self.scheduler.add(seq)  # QueueFull at the bound
+            self._active[seq.id] = seq
+            self._cond.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """End `request_id` at the next step with finish_reason "cancelled" (freeing its
+        blocks); unknown or finished ids are ignored."""
+        with self._cond:
+            if request_id in self._active:
+                self._cancels.add(request_id)
+                self._cond.notify()
+
+    def stop(self, timeout: float) -> None:
+        """Stop admitting; let the running requests finish for up to `timeout` seconds, cancel
+        the rest (and every waiting one), and join the loop."""
+        with self._cond:
+            self._stopping = True
+            self._cancels.update(s.id for s in self.scheduler.waiting)
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cond:
+            self._cancels.update(self._active)
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        else:  # never started: the caller's thread finishes the work
+            self.step()
+
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters for /metrics: running, waiting, kv_blocks_used,
+        kv_blocks_total, prompt/generation tokens, finished requests, prefix-cache hits
+        (prompt tokens whose keys/values were shared, not computed), time-to-first-token sum
+        and count."""
+        with self._cond:
+            return {
+                "running": float(len(self.scheduler.running)),
+                "waiting": float(len(self.scheduler.waiting)),
+                "kv_blocks_used": float(self.cache.n_blocks - self.cache.n_free),
+                "kv_blocks_total": float(self.cache.n_blocks),
+                **self._counters,
+            }
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._active and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._active:
+                    return
+            try:
+                self.step()
+            except Exception as err:  # a fault of the engine itself: fail what runs, go on
+                line = f"{type(err).__name__}: {err}".splitlines()[0]
+                with self._cond:
+                    for seq in list(self.scheduler.running):
+                        self._finish(seq, "error", error=line)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One engine step: cancellations, admissions, a prefill chunk, the next token of every
+        running sequence, one batched decode step. The loop thread calls it; a test may drive an
+        engine that was never started by calling it until it returns False.
+
+        Returns:
+            whether any request is still waiting or running.
+        """
+        with self._cond:
+            cancels, self._cancels = self._cancels, set()
+            for rid in cancels:
+                if rid in self._active:
+                    self._finish(self._active[rid], "cancelled")
+            if not self._stopping:
+                for seq in self.scheduler.admit():
+                    self._counters["prompt_tokens_total"] += seq.n_prompt
+                    self._counters["prefix_cache_hits_total"] += seq.prefix_hits
+        for seq, n in self.scheduler.prefill_work():
+            self._guarded(seq, self._prefill, seq, n)
+        ready = []
+        for seq in self.scheduler.decoding():
+            if self._guarded(seq, self._choose, seq):
+                ready.append(seq)
+        if ready:
+            self._decode(ready)
+        with self._cond:
+            return bool(self._active)
+
+    def _guarded(self, seq: Sequence, fn, *args) -> bool:
+        """Run fn(*args) for one sequence; an exception ends that sequence with "error".
+        Returns whether the sequence is still running."""
+        try:
+            return fn(*args) is not False
+        except Exception as err:  # the request fails; the engine and the others go on
+            line = f"{type(err).__name__}: {err}".splitlines()[0]
+            with self._cond:
+                self._finish(seq, "error", error=line)
+            return False
+
+    def _prefill(self, seq: Sequence, n: int) -> None:
+        """Write prompt tokens seq.cached .. seq.cached + n - 1 into the cache."""
+        start = seq.cached
+        ids = torch.tensor([seq.tokens[start : start + n]], device=self.device)  # (1, n)
+        step = self.cache.step([seq.id], [start], n)
+        want_all = seq.request.params.prompt_logprobs
+        logits = self.decoder(ids, cache=step, slots=step.slots, last_only=not want_all)[0]
+        if want_all:  # logits[i] scores token start + i + 1 of the prompt
+            if start == 0:
+                seq.prompt_logprobs.append(None)
+            m = min(n, seq.n_prompt - 1 - start)  # positions whose next token is in the prompt
+            targets = ids.new_tensor(seq.tokens[start + 1 : start + 1 + m])  # (m,)
+            logp = torch.log_softmax(logits[:m].float(), dim=-1)  # (m, V)
+            seq.prompt_logprobs += logp.gather(1, targets[:, None])[:, 0].tolist()
+        seq.cached += n
+        if self.scheduler.prefix_caching:
+            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached)
+        if not seq.prefilling:
+            seq.logits = logits[-1]  # (V,)
+
+    def _choose(self, seq: Sequence) -> bool:
+        """Choose seq's next token from seq.logits and send it. Returns whether seq goes on."""
+        p = seq.request.params
+        first = seq.n_generated == 0
+        prompt_lp = tuple(seq.prompt_logprobs) if first and p.prompt_logprobs else None
+        if p.max_tokens == 0:  # only the prompt's log-probabilities were asked for
+            with self._cond:
+                self._finish(seq, "length", prompt_logprobs=prompt_lp)
+            return False
+        logits = seq.logits
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError("the model's logits are not finite (NaN or inf)")
+        token = int(sample(logits[None], seq.sampling, None, seq.generator))
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        top = None
+        if p.logprobs is not None:
+            values, ids = logp.topk(min(p.logprobs, logp.shape[0]))
+            top = dict(zip(ids.tolist(), values.tolist()))
+        seq.tokens.append(token)
+        seq.logits = None
+        reason = self._finish_reason(seq)
+        if first:
+            seq.first_token = time.perf_counter()
+            self._counters["time_to_first_token_seconds_sum"] += seq.first_token - seq.submitted
+            self._counters["time_to_first_token_seconds_count"] += 1
+        self._counters["generation_tokens_total"] += 1
+        event = TokenEvent(seq.id, token, float(logp[token]), top, reason, prompt_lp)
+        if reason is not None:
+            with self._cond:
+                self._finish(seq, reason, event=event)
+            return False
+        if not self._send(seq, event):
+            with self._cond:
+                self._finish(seq, "cancelled")
+            return False
+        return True
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        """Why a sequence whose last token was just chosen ends ("stop", "length"), or None."""
+        p, token = seq.request.params, seq.tokens[-1]
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(seq.tokens[seq.n_prompt :])
+            if any(s in text for s in p.stop):
+                return "stop"
+        return "length" if seq.n_generated >= p.max_tokens else None
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One batched decode step: each sequence's last token in, its next logits out. If the
+        batch raises, each row is re-run alone (re-writing a row's slot writes the same keys)."""
+        try:
+            self._forward(seqs)
+        except Exception:
+            for seq in seqs:
+                self._guarded(seq, self._forward, [seq])
+
+    def _forward(self, seqs: list[Sequence]) -> None:
+        """Feed each sequence's last token at its own position; keep the next logits."""
+        ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
+        step = self.cache.step([s.id for s in seqs], [s.cached for s in seqs], 1)
+        logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
+        for seq, row in zip(seqs, logits):
+            seq.cached += 1
+            seq.logits = row  # (V,)
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        event: TokenEvent | None = None,
+        error: str | None = None,
+        prompt_logprobs=None,
+    ) -> None:
+        """Retire seq (under the lock): free its blocks, count it, send its last event."""
+        if self._active.pop(seq.id, None) is None:
+            return  # already finished
+        self.scheduler.remove(seq, clear=reason == "error")
+        self._counters["requests_finished_total"] += 1
+        if event is None:
+            event = TokenEvent(seq.id, None, None, None, reason, prompt_logprobs, error)
+        self._send(seq, event)
+
+    def _send(self, seq: Sequence, event: TokenEvent) -> bool:
+        """Call the request's on_event; False if it raised (the client is gone)."""
+        try:
+            seq.on_event(event)
+            return True
+        except Exception:
+            return False
+
+    def _check(self, request: Request) -> None:
+        """A one-line ValueError for a request this engine can never run."""
+        p, n = request.params, len(request.prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if p.max_tokens < 0 or (p.max_tokens == 0 and not p.prompt_logprobs):
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        if self.context is not None and n + p.max_tokens > self.context:
+            raise ValueError(
+                f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
+                f"context of {self.context} tokens: shorten the prompt or lower max_tokens"
+            )
+        need = self.cache.blocks_for(n + p.max_tokens)
+        if need > self.cache.n_blocks:
+            raise ValueError(
+                f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) needs {need} KV blocks, "
+                f"the pool has {self.cache.n_blocks}: lower max_tokens or raise n_blocks"
+            )
+        if p.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.logprobs is not None and not 0 <= p.logprobs <= self.vocab_size:
+            raise ValueError(f"logprobs must be in [0, {self.vocab_size}], got {p.logprobs}")
+        if p.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: give the engine one")
