@@ -30,6 +30,7 @@ LAYERS = {
     "attnlab.finetune": 7,  # LoRA and the fine-tuning tasks, beside training
     "attnlab.interop": 7,
     "attnlab.viz": 7,
+    "attnlab.serve": 7,  # the HTTP server and its engines, over inference
     "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
     "attnlab.cli": 8,
     "attnlab": 9,  # the public API (__init__) and `python -m attnlab` re-export from all layers

@@ -1,0 +1,1 @@
+"""`attnlab serve`: an OpenAI-compatible HTTP server over a generation engine."""
