@@ -748,9 +748,23 @@ def bind(host: str, port: int) -> socket.socket:
 def run_server(app: FastAPI, sock: socket.socket, stop_timeout: float = 10.0) -> None:
     """Serve `app` on `sock` until SIGINT/SIGTERM: uvicorn stops accepting, lets open requests
     finish for up to `stop_timeout` s, then the lifespan stops the engine (`engine.stop`)."""
+    import signal
+    import threading
+
     import uvicorn
 
     config = uvicorn.Config(
         app, log_level="warning", timeout_graceful_shutdown=stop_timeout, access_log=False
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    if threading.current_thread() is not threading.main_thread():
+        uvicorn.Server(config).run(sockets=[sock])
+        return
+    # uvicorn re-raises the signal that stopped it once it is done; by then the shutdown was
+    # clean, so the re-raised signal is ignored and the process exits 0.
+    signals = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
