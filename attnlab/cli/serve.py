@@ -11,12 +11,14 @@ admitting, lets running requests finish for up to --stop-timeout seconds, then e
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
-from attnlab.serve.app import Settings, bind, create_app, run_server
+from attnlab.serve.app import bind, create_app, run_server
+from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
 
 
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(
         model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, max_context=context
     )
-    name = args.model_name or loaded.path.name
+    name = args.model_name or Path(args.ckpt).resolve().name
     settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -11,7 +11,8 @@ import torch
 from attnlab.checkpoint import open_checkpoint, save_pretrained
 from attnlab.models.build import build_model
 from attnlab.models.presets import llama_tiny
-from attnlab.serve.app import Settings, bind, create_app
+from attnlab.serve.app import bind, create_app
+from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine
 from attnlab.tokenizer import CHAT_TOKENS, train_bpe_tokenizer
 
