@@ -10,6 +10,9 @@ admitting, lets running requests finish for up to --stop-timeout seconds, then e
 """
 
 import argparse
+import dataclasses
+import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,12 @@ from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
+
+ENGINE_DEFAULTS = {
+    k: p.default for k, p in inspect.signature(SequentialEngine.__init__).parameters.items()
+}
+SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
+API_KEY_ENV = "ATTNLAB_API_KEY"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -32,25 +41,43 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         default="batched",
         help="continuous batching, or one request at a time (default %(default)s)",
     )
-    p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests run at once")
     p.add_argument(
-        "--max-queue", type=int, default=64, metavar="N", help="waiting requests (429 beyond)"
+        "--max-batch",
+        type=int,
+        default=ENGINE_DEFAULTS["max_batch"],
+        metavar="N",
+        help="requests decoded together (batched engine; default %(default)s)",
     )
     p.add_argument(
-        "--max-context", type=int, metavar="N", help="tokens per request (default: max_seq_len)"
+        "--max-queue",
+        type=int,
+        default=ENGINE_DEFAULTS["max_queue"],
+        metavar="N",
+        help="requests that may wait; more get HTTP 429 (default %(default)s)",
     )
-    p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY on /v1")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        metavar="N",
+        help="prompt + new tokens per request (default: the model's max_seq_len)",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require Authorization: Bearer KEY on /v1 (default: ${API_KEY_ENV}, else none)",
+    )
     p.add_argument(
         "--model-name",
         metavar="NAME",
-        help="the model id clients send (default: the directory name)",
+        help="the model id clients send (default: the checkpoint directory's name)",
     )
     p.add_argument(
         "--stop-timeout",
         type=float,
-        default=10.0,
+        default=SETTINGS_DEFAULTS["stop_timeout"],
         metavar="S",
-        help="seconds running requests get on shutdown",
+        help="on SIGTERM, seconds running requests get to finish (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
 
