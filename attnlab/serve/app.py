@@ -132,24 +132,18 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
     async def completions(request: Request):
         body = await read_body(request)
         wire.check_model(body, settings)
-        prompts = []
-        for p in wire.raw_prompts(body):
-            ids = await encode(tokenizer, p) if isinstance(p, str) else p
-            prompts.append(
-                wire.check_prompt_length(
-                    wire.token_ids(ids, settings, "prompt"), settings, "prompt"
-                )
-            )
+        prompts = [await prompt_ids(p, tokenizer, settings) for p in wire.raw_prompts(body)]
         echo = wire.field_of(body, "echo", bool, False, rule="a boolean")
-        k = wire.field_of(
-            body, "logprobs", int, None, lambda v: 0 <= v <= wire.MAX_LOGPROBS, "in [0, 20]"
-        )
+        rule = f"in [0, {wire.MAX_LOGPROBS}]"
+        k = wire.field_of(body, "logprobs", int, None, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+        scored = echo and k is not None  # the prompt's log-probs come back too
         params = wire.sampling_params(
-            body, settings, logprobs=k, prompt_logprobs=echo and k is not None, chat=False
+            body, settings, logprobs=k, prompt_logprobs=scored, chat=False
         )
+        n, stream = wire.choices_per_prompt(body), wire.streamed(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = submit(app, rid, prompts, params, wire.choices_per_prompt(body), echo, chat=False)
-        if wire.field_of(body, "stream", bool, False, rule="a boolean"):
+        choices = submit(app, rid, prompts, params, n, echo, chat=False)
+        if stream:
             return sse(stream_completion(app, rid, choices, body, k, echo))
         if not await wait_all(request, app, choices):
             return Response(status_code=GONE)
@@ -166,15 +160,14 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
             raise APIError(400, str(e), "messages") from None
         prompts = [wire.check_prompt_length(await encode(tokenizer, text), settings, "messages")]
         want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
-        k = wire.field_of(
-            body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, "in [0, 20]"
-        )
-        params = wire.sampling_params(
-            body, settings, logprobs=k if want else None, prompt_logprobs=False, chat=True
-        )
+        rule = f"in [0, {wire.MAX_LOGPROBS}]"
+        k = wire.field_of(body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+        k = k if want else None
+        params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+        n, stream = wire.choices_per_prompt(body), wire.streamed(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = submit(app, rid, prompts, params, wire.choices_per_prompt(body), False, chat=True)
-        if wire.field_of(body, "stream", bool, False, rule="a boolean"):
+        choices = submit(app, rid, prompts, params, n, False, chat=True)
+        if stream:
             return sse(stream_chat(app, rid, choices, body, want))
         if not await wait_all(request, app, choices):
             return Response(status_code=GONE)
@@ -199,6 +192,12 @@ async def read_body(request: Request) -> dict:
         message = f"the request body is over {wire.MAX_BODY_BYTES} bytes: send a shorter prompt"
         raise APIError(400, message, "prompt", "context_length_exceeded")
     return wire.parse_body(b"".join(chunks))
+
+
+async def prompt_ids(prompt: str | list, tokenizer, settings: Settings) -> list[int]:
+    """A completion prompt (text or ids) as checked token ids."""
+    ids = await encode(tokenizer, prompt) if isinstance(prompt, str) else prompt
+    return wire.check_prompt_length(wire.token_ids(ids, settings, "prompt"), settings, "prompt")
 
 
 async def encode(tokenizer, text: str) -> list[int]:

@@ -161,6 +161,10 @@ def choices_per_prompt(body: dict) -> int:
     return field_of(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"in [1, {MAX_N}]")
 
 
+def streamed(body: dict) -> bool:
+    return field_of(body, "stream", bool, False, rule="a boolean")
+
+
 def stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:

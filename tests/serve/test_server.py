@@ -213,13 +213,19 @@ BAD_REQUESTS = {
     "prompt longer than the context": {"model": "tiny", "prompt": list(range(200))},
     "n 0": {"model": "tiny", "prompt": "a", "n": 0},
     "stop not text": {"model": "tiny", "prompt": "a", "stop": 5},
+    "stream not a boolean": {"model": "tiny", "prompt": "a", "stream": 3},
+    "logprobs over 20": {"model": "tiny", "prompt": "a", "logprobs": 21},
 }
 
 
 @pytest.mark.parametrize("body", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
-def test_bad_input_is_a_400_the_client_raises(server, client, body):
+def test_bad_input_is_a_400_the_client_raises(server, client, body, monkeypatch):
+    submitted = []
+    monkeypatch.setattr(server.engine, "submit", lambda *a: submitted.append(a))
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**body)
+    assert not submitted  # checked before anything reaches the engine
+    monkeypatch.undo()
     error = e.value.body
     assert set(error) >= {"message", "type", "param", "code"}  # the client unwraps "error"
     assert error["type"] == "invalid_request_error" and error["message"]
