@@ -29,30 +29,37 @@ to its level before the run (measured after a warm-up round), within --rss-slack
 Shared machines are noisy: compare the ratio, measured within one run.
 """
 
-import argparse
-import asyncio
-import json
 import os
-import platform
-import random
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 
-import httpx
-import torch
-from _timing import cpu_name
+# As benchmarks/decode.py: on a busy machine, OpenMP threads sleep instead of spinning at
+# barriers. Here it matters more: a spinning worker also takes the core the server's event loop
+# needs to stream tokens. Set before torch loads; the server process inherits it.
+if os.getloadavg()[0] >= len(os.sched_getaffinity(0)):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from attnlab.checkpoint import open_checkpoint, save_pretrained
-from attnlab.inference.generate import generate
-from attnlab.inference.sampling import SamplingConfig
-from attnlab.models.build import build_model
-from attnlab.models.presets import gpt2
-from attnlab.tokenizer import train_bpe_tokenizer
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from _timing import cpu_name, use_all_cores  # noqa: E402
+
+from attnlab.checkpoint import open_checkpoint, save_pretrained  # noqa: E402
+from attnlab.inference.generate import generate  # noqa: E402
+from attnlab.inference.sampling import SamplingConfig  # noqa: E402
+from attnlab.models.build import build_model  # noqa: E402
+from attnlab.models.presets import gpt2  # noqa: E402
+from attnlab.tokenizer import train_bpe_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 4.0  # issue 22: >= 4x the one-at-a-time output tokens/s at 16 clients
@@ -99,7 +106,8 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "attnlab", "serve", "--ckpt", str(ckpt), "--port", "0"]
+    cmd = [sys.executable, "-m", "attnlab", "--threads", str(torch.get_num_threads())]
+    cmd += ["serve", "--ckpt", str(ckpt), "--port", "0"]
     cmd += ["--engine", args.engine, "--max-batch", str(args.concurrency)]
     cmd += ["--max-queue", str(max(64, args.requests)), "--model-name", "bench"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -253,9 +261,11 @@ def main() -> None:
     args.prompt_len = (4, 24) if args.quick else (16, 256)
     args.output_len = (4, 16) if args.quick else (32, 256)
     cfg = model_config(args.quick)
+    threads = use_all_cores()  # the server gets the same count (--threads)
     print(
-        f"attnlab serve benchmark: {cpu_name()}, {os.cpu_count()} cores (load average "
-        f"{os.getloadavg()[0]:.1f} at start), torch {torch.__version__}, "
+        f"attnlab serve benchmark: {cpu_name()}, {threads} threads for the server and for "
+        f"generate (load average {os.getloadavg()[0]:.1f} at start, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}), torch {torch.__version__}, "
         f"{platform.system()} {platform.release()}"
     )
     print(
