@@ -100,7 +100,7 @@ class SequentialEngine:
         self.context = context_length(model, max_context)
         self.vocab_size = decoder_of(model).head.out_features
         self.device = decoder_of(model).head.weight.device
-        self._waiting: deque[tuple[Request, OnEvent]] = deque()
+        self._waiting: deque[tuple[Request, OnEvent, float]] = deque()  # + arrival time
         self._cancelled: set[str] = set()
         self._running: str | None = None
         self._cond = threading.Condition()
@@ -132,7 +132,7 @@ class SequentialEngine:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting: try again later")
-            self._waiting.append((request, on_event))
+            self._waiting.append((request, on_event, time.perf_counter()))
             self._cond.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -183,10 +183,10 @@ class SequentialEngine:
                     self._cond.wait()
                 if not self._waiting or self._deadline_passed:
                     return
-                request, on_event = self._waiting.popleft()
+                request, on_event, arrived = self._waiting.popleft()
                 self._running = request.request_id
             try:
-                reason = self._run(request, on_event)
+                reason = self._run(request, on_event, arrived)
                 if reason != _NO_FINAL:
                     on_event(TokenEvent(request.request_id, None, None, None, reason))
             except Exception as e:  # the request fails; the engine keeps serving
@@ -198,14 +198,14 @@ class SequentialEngine:
                 self._stats["requests_finished_total"] += 1
 
     @torch.no_grad()
-    def _run(self, request: Request, on_event: OnEvent) -> str:
-        """Generate for one request, sending each token; return the finish reason."""
-        start = time.perf_counter()
+    def _run(self, request: Request, on_event: OnEvent, arrived: float) -> str:
+        """Generate for one request, sending each token; return the finish reason (or
+        _NO_FINAL when the last token carried it). Time to first token counts from `arrived`."""
         p, rid = request.params, request.request_id
         ids = torch.tensor([request.prompt_ids], device=self.device)  # (1, T0)
         self._stats["prompt_tokens_total"] += ids.shape[1]
         prompt_lp = None
-        if p.prompt_logprobs:  # a full forward: the logits of every prompt position
+        if p.prompt_logprobs:  # a full forward (the cached prefill keeps only the last logits)
             logits = self.model(ids)[0].float()  # (T0, V)
             logp = torch.log_softmax(logits[:-1], dim=-1)  # (T0 - 1, V)
             picked = logp.gather(1, ids[0, 1:, None])[:, 0]  # (T0 - 1,)
@@ -230,13 +230,15 @@ class SequentialEngine:
             text_ids.append(t)
             reason = self._finish_reason(t, text_ids, p, i)
             if i == 0:
-                self._stats["time_to_first_token_seconds_sum"] += time.perf_counter() - start
+                self._stats["time_to_first_token_seconds_sum"] += time.perf_counter() - arrived
                 self._stats["time_to_first_token_seconds_count"] += 1
             self._stats["generation_tokens_total"] += 1
             on_event(TokenEvent(rid, t, lp, top, reason, prompt_lp if i == 0 else None))
             if reason is not None:
                 return _NO_FINAL
-            logits = decode_step(self.model, token[:, None], torch.tensor([slot]), cache)
+            logits = decode_step(
+                self.model, token[:, None], torch.tensor([slot], device=self.device), cache
+            )
             slot += 1
         return _NO_FINAL  # unreachable: the last token carries "length"
 
@@ -251,6 +253,6 @@ class SequentialEngine:
 _NO_FINAL = ""  # _run already sent the event that carries finish_reason
 
 
-def _finish(item: tuple[Request, OnEvent], reason: str) -> None:
-    request, on_event = item
+def _finish(item: tuple[Request, OnEvent, float], reason: str) -> None:
+    request, on_event, _ = item
     on_event(TokenEvent(request.request_id, None, None, None, reason))

@@ -18,23 +18,23 @@ BOOM = 5  # a prompt starting with this token id fails inside the engine
 class FaultyEngine(SequentialEngine):
     """A SequentialEngine whose requests fail when their prompt starts with BOOM."""
 
-    def _run(self, request, on_event):
+    def _run(self, request, on_event, arrived):
         if request.prompt_ids[0] == BOOM:
             raise RuntimeError("planted fault")
-        return super()._run(request, on_event)
+        return super()._run(request, on_event, arrived)
 
 
 class SlowEngine(SequentialEngine):
     """A SequentialEngine that takes 10 ms per token and ignores <eos>: a request of 100
     tokens lasts over a second."""
 
-    def _run(self, request, on_event):
+    def _run(self, request, on_event, arrived):
         def slow(event):
             time.sleep(0.01)
             on_event(event)
 
         request = replace(request, params=replace(request.params, stop_token_ids=()))
-        return super()._run(request, slow)
+        return super()._run(request, slow, arrived)
 
 
 @pytest.fixture(scope="module")
