@@ -29,6 +29,7 @@ from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab.serve import protocol as wire
@@ -144,7 +145,7 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices = submit(app, rid, prompts, params, n, echo, chat=False)
         if stream:
-            return sse(stream_completion(app, rid, choices, body, k, echo))
+            return sse(stream_completion(app, rid, choices, body, k, echo), app, choices)
         if not await wait_all(request, app, choices):
             return Response(status_code=GONE)
         out = [completion_choice(tokenizer, c, k) for c in choices]
@@ -168,7 +169,7 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = submit(app, rid, prompts, params, n, False, chat=True)
         if stream:
-            return sse(stream_chat(app, rid, choices, body, want))
+            return sse(stream_chat(app, rid, choices, body, want), app, choices)
         if not await wait_all(request, app, choices):
             return Response(status_code=GONE)
         out = [chat_choice(tokenizer, c, want) for c in choices]
@@ -303,8 +304,10 @@ async def merged(choices: list[Choice]) -> AsyncIterator[Choice]:
             t.cancel()
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events, one `data: {json}` per chunk, then `data: [DONE]`."""
+def sse(chunks: AsyncIterator[dict], app, choices: list[Choice]) -> StreamingResponse:
+    """Server-sent events, one `data: {json}` per chunk, then `data: [DONE]`. Whatever ends
+    the response (a client gone even before the first chunk), unfinished choices are cancelled
+    after it (`background` runs then)."""
 
     async def lines():
         async for chunk in chunks:
@@ -312,7 +315,12 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(
+        lines(),
+        media_type="text/event-stream",
+        headers=headers,
+        background=BackgroundTask(cancel_unfinished, app, choices),
+    )
 
 
 def failure(c: Choice) -> dict | None:

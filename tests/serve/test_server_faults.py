@@ -70,7 +70,7 @@ def test_a_client_gone_mid_stream_frees_its_request(ckpt):
             first = next(line for line in r.iter_lines() if line.startswith("data: "))
             rid = json.loads(first[6:])["id"]
         eventually(lambda: cancelled and idle(s))
-        assert cancelled == [f"{rid}-0"]
+        assert set(cancelled) == {f"{rid}-0"}
         assert s.engine.stats()["generation_tokens_total"] < 120
         assert s.engine.stats()["requests_finished_total"] == 1
     finally:
