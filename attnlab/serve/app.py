@@ -148,7 +148,7 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
             return sse(stream_completion(app, rid, choices, body, k, echo), app, choices)
         if not await wait_all(request, app, choices):
             return Response(status_code=GONE)
-        out = [completion_choice(tokenizer, c, k) for c in choices]
+        out = [wire.completion_choice(tokenizer, c, k) for c in choices]
         return wire.envelope(rid, "text_completion", settings, out, usage_of(choices, prompts))
 
     @app.post("/v1/chat/completions")
@@ -172,7 +172,7 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
             return sse(stream_chat(app, rid, choices, body, want), app, choices)
         if not await wait_all(request, app, choices):
             return Response(status_code=GONE)
-        out = [chat_choice(tokenizer, c, want) for c in choices]
+        out = [wire.chat_choice(tokenizer, c, want) for c in choices]
         return wire.envelope(rid, "chat.completion", settings, out, usage_of(choices, prompts))
 
     return app
@@ -338,30 +338,6 @@ def include_usage(body: dict) -> bool:
 
 
 # --- completions ----------------------------------------------------------------------------------
-def echo_logprobs(c: Choice) -> tuple[list[int], list, list]:
-    """The prompt's part of an echo: each token's log p given those before it (None for the
-    first). The engine reports no alternatives for prompt tokens, so each position's
-    top_logprobs holds the prompt token alone."""
-    ids = list(c.echo_ids)
-    lps = list(c.prompt_logprobs or [None] * len(ids))
-    if len(lps) == len(ids) - 1:
-        lps = [None, *lps]
-    return ids, lps, [None if lp is None else {t: lp} for t, lp in zip(ids, lps)]
-
-
-def completion_choice(tokenizer, c: Choice, k: int | None) -> dict:
-    logprobs, text = None, c.text
-    if k is not None:
-        tokens, lps, tops = list(c.tokens), list(c.logprobs), list(c.top)
-        if c.echo_ids:
-            ids, plps, ptops = echo_logprobs(c)
-            tokens, lps, tops = ids + tokens, plps + lps, ptops + tops
-        logprobs = wire.completion_logprobs(tokenizer, tokens, lps, tops)
-    if c.echo_ids:
-        text = tokenizer.decode(c.echo_ids) + text
-    return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
-
-
 async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[dict]:
     settings, tokenizer = app.state.settings, app.state.tokenizer
 
@@ -377,7 +353,7 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
         async for c in merged(choices):
             if echo and k is not None and c.index not in echoed:
                 echoed.add(c.index)
-                prompt = wire.completion_logprobs(tokenizer, *echo_logprobs(c))
+                prompt = wire.completion_logprobs(tokenizer, *wire.echo_logprobs(c))
                 yield chunk(c, tokenizer.decode(c.echo_ids), prompt)
             if (error := failure(c)) is not None:
                 yield error
@@ -398,17 +374,6 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
 
 
 # --- chat -----------------------------------------------------------------------------------------
-def chat_choice(tokenizer, c: Choice, want: bool) -> dict:
-    logprobs = wire.chat_logprobs(tokenizer, c.tokens, c.logprobs, c.top) if want else None
-    message = {"role": "assistant", "content": c.text}
-    return {
-        "index": c.index,
-        "message": message,
-        "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
-    }
-
-
 async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
     settings, tokenizer = app.state.settings, app.state.tokenizer
 

@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from attnlab.serve.choice import Choice
 from attnlab.serve.types import SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20  # a request body beyond this is refused before it is parsed
@@ -270,6 +271,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def echo_logprobs(c: Choice) -> tuple[list[int], list, list]:
+    """The prompt's part of an echo: each token's log p given those before it (None for the
+    first). The engine reports no alternatives for prompt tokens, so each position's
+    top_logprobs holds the prompt token alone."""
+    ids = list(c.echo_ids)
+    lps = list(c.prompt_logprobs or [None] * len(ids))
+    if len(lps) == len(ids) - 1:
+        lps = [None, *lps]
+    return ids, lps, [None if lp is None else {t: lp} for t, lp in zip(ids, lps)]
+
+
+def completion_choice(tokenizer, c: Choice, k: int | None) -> dict:
+    logprobs, text = None, c.text
+    if k is not None:
+        tokens, lps, tops = list(c.tokens), list(c.logprobs), list(c.top)
+        if c.echo_ids:
+            ids, plps, ptops = echo_logprobs(c)
+            tokens, lps, tops = ids + tokens, plps + lps, ptops + tops
+        logprobs = completion_logprobs(tokenizer, tokens, lps, tops)
+    if c.echo_ids:
+        text = tokenizer.decode(c.echo_ids) + text
+    return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def chat_choice(tokenizer, c: Choice, want: bool) -> dict:
+    logprobs = chat_logprobs(tokenizer, c.tokens, c.logprobs, c.top) if want else None
+    message = {"role": "assistant", "content": c.text}
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
     }
 
 
