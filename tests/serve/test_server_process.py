@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.server_helpers import write_checkpoint
+from attnlab.serve.sequential import SequentialEngine
+from tests.serve.server_helpers import engines, write_checkpoint
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,10 +51,12 @@ def start(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split(" on ", 1)[1].split("/v1")[0]
 
 
-def test_sigterm_finishes_the_request_in_flight_and_exits_0(tmp_path):
-    proc, url = start(
-        write_checkpoint(tmp_path / "tiny"), "--engine", "sequential", "--stop-timeout", "60"
-    )
+@pytest.mark.parametrize(
+    "engine", ["sequential" if e is SequentialEngine else "batched" for e in engines()]
+)
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(tmp_path, engine):
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    proc, url = start(ckpt, "--engine", engine, "--stop-timeout", "60")
     try:
         body = {
             "model": "tiny",
