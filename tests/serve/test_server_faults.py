@@ -3,6 +3,7 @@ request that fails inside the engine is an error for that client only."""
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -100,5 +101,27 @@ def test_a_failing_request_is_a_500_and_the_server_keeps_serving(ckpt):
         with pytest.raises(openai.APIError, match="planted fault"):
             list(client.completions.create(model="tiny", prompt=[BOOM], max_tokens=3, stream=True))
         assert client.completions.create(model="tiny", prompt=[6, 5], max_tokens=3).choices
+    finally:
+        s.close()
+
+
+def test_overload_is_429_for_some_and_answers_for_the_rest(ckpt):
+    s = Server(ckpt, SlowEngine, max_queue=2)  # one running + two waiting; the rest are refused
+    try:
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 60}  # 0.6 s or more each
+
+        def post(_):
+            return httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(post, range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) == {200, 429} and codes.count(200) >= 3, codes
+        for r in answers:
+            if r.status_code == 429:
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 60
+        assert httpx.get(f"{s.url}/health").status_code == 200
     finally:
         s.close()
