@@ -23,6 +23,7 @@ COMMANDS = {
     "quantize": "Quantize a checkpoint's Linear weights to int8 or int4 (weight-only).",
     "convert": "Convert a checkpoint between the HF (safetensors) and attnlab formats.",
     "check": "Compare two models layer by layer and name the likely cause of a divergence.",
+    "serve": "Serve a decoder checkpoint over an OpenAI-compatible HTTP API (127.0.0.1:8000).",
     "data": "Download a named dataset (attnlab data get shakespeare) once into the user's cache.",
 }
 

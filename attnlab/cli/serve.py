@@ -1,0 +1,133 @@
+"""Serve a decoder checkpoint over an OpenAI-compatible HTTP API (attnlab.serve.app).
+
+    attnlab serve --ckpt runs/default                       # http://127.0.0.1:8000/v1
+    attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
+
+Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
+quantized) with its tokenizer.json. `--engine batched` (continuous batching over a paged KV
+cache) is the default; `sequential` runs one request at a time. SIGTERM or Ctrl-C stops
+admitting, lets running requests finish for up to --stop-timeout seconds, then exits.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from attnlab.checkpoint import open_checkpoint
+from attnlab.inference.steps import decoder_of, prefix_length
+from attnlab.serve.app import bind, create_app, run_server
+from attnlab.serve.protocol import Settings
+from attnlab.serve.sequential import SequentialEngine, context_length
+
+ENGINE_DEFAULTS = {
+    k: p.default for k, p in inspect.signature(SequentialEngine.__init__).parameters.items()
+}
+SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
+API_KEY_ENV = "ATTNLAB_API_KEY"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="a decoder checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0: any free)")
+    p.add_argument(
+        "--engine",
+        choices=("batched", "sequential"),
+        default="batched",
+        help="continuous batching, or one request at a time (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=ENGINE_DEFAULTS["max_batch"],
+        metavar="N",
+        help="requests decoded together (batched engine; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=ENGINE_DEFAULTS["max_queue"],
+        metavar="N",
+        help="requests that may wait; more get HTTP 429 (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        metavar="N",
+        help="prompt + new tokens per request (default: the model's max_seq_len)",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require Authorization: Bearer KEY on /v1 (default: ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="the model id clients send (default: the checkpoint directory's name)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=SETTINGS_DEFAULTS["stop_timeout"],
+        metavar="S",
+        help="on SIGTERM, seconds running requests get to finish (default %(default)s)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
+
+
+def engine_class(name: str):
+    """The engine class for --engine (the batched one if this build has it)."""
+    if name == "sequential":
+        return SequentialEngine
+    try:
+        from attnlab.serve.engine import Engine
+    except ModuleNotFoundError:
+        print(
+            "attnlab serve: no batched engine in this build; running --engine sequential",
+            file=sys.stderr,
+        )
+        return SequentialEngine
+    return Engine
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = open_checkpoint(args.ckpt, device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
+        raise ValueError(
+            f"{args.ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
+            "language model checkpoint"
+        )
+    if "n_labels" in loaded.run:
+        raise ValueError(f"{args.ckpt!r} is a sequence classifier: it has no LM head to serve")
+    if tokenizer is None:
+        raise ValueError(f"{args.ckpt!r} has no tokenizer.json: attnlab serve needs one")
+    max_context = args.max_context or loaded.config.max_seq_len
+    context = context_length(model, max_context)
+    Engine = engine_class(args.engine)
+    engine = Engine(
+        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, max_context=context
+    )
+    name = args.model_name or Path(args.ckpt).resolve().name
+    settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"attnlab serve: {name} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True)
+    run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
+    print("attnlab serve: stopped", flush=True)
+    return 0
+
+
+def model_vocab(model: torch.nn.Module) -> int:
+    """The size of the model's output vocabulary."""
+    return decoder_of(model).head.out_features

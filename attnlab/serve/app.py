@@ -1,0 +1,447 @@
+"""The OpenAI-compatible HTTP API over an engine (types.py), on FastAPI (Starlette) and uvicorn.
+
+    POST /v1/completions        prompt text or token ids (or a list of either), n, stop, seed,
+                                stream, logprobs, echo (echo + logprobs: the prompt's log-probs,
+                                which is how lm-eval's `local-completions` scores)
+    POST /v1/chat/completions   messages through the tokenizer's chat template
+    GET  /v1/models  /health  /metrics (Prometheus text)
+    GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
+
+Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
+the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
+events into text). Streams are server-sent events in OpenAI's chunk format, ending with
+`data: [DONE]`. A client gone mid-request has its engine requests cancelled: a stream's
+generator is closed by Starlette, a plain request polls for the disconnect.
+
+Request parsing and the response objects are in protocol.py; errors there and here are
+`APIError`s, answered in OpenAI's shape.
+"""
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from attnlab.serve import protocol as wire
+from attnlab.serve.choice import Choice
+from attnlab.serve.protocol import APIError, Settings
+from attnlab.serve.types import EngineStopped, QueueFull, SamplingParams
+from attnlab.serve.types import Request as EngineRequest
+
+POLL_S = 0.5  # how often a plain (non-streaming) request checks that its client is still there
+OPEN_PATHS = ("/health", "/metrics")  # need no API key (probes and scrapers on loopback)
+GONE = 499  # nginx's "client closed request": the status of an answer nobody reads
+SPECIAL_NAMES = {"eos_token": "<eos>", "bos_token": "<bos>", "pad_token": "<pad>"}
+
+
+class Guard:
+    """ASGI middleware: the API key check (401) and the count of responses by status code."""
+
+    def __init__(self, app, settings: Settings, counts: dict[int, int]):
+        self.app, self.settings, self.counts = app, settings, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        key = self.settings.api_key
+        if key and not scope["path"].startswith(OPEN_PATHS):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization", b"") != f"Bearer {key}".encode():
+                error = APIError(401, "a wrong or missing API key: send Authorization: Bearer KEY")
+                response = JSONResponse(error.body(), 401, {"WWW-Authenticate": "Bearer"})
+                self.counts[401] = self.counts.get(401, 0) + 1
+                return await response(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.counts[message["status"]] = self.counts.get(message["status"], 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
+    """The app serving `engine`; its lifespan starts the engine and, at shutdown, stops it
+    (`engine.stop(settings.stop_timeout)`)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop, settings.stop_timeout)
+
+    app = FastAPI(title="attnlab", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
+    counts: dict[int, int] = {}
+    app.add_middleware(Guard, settings=settings, counts=counts)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": settings.model_name, "object": "model", "created": settings.created}
+        card |= {"owned_by": "attnlab", "max_model_len": settings.context}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(wire.prometheus_text(engine.stats(), counts))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        ids = {k: tokenizer.token_id(v) for k, v in SPECIAL_NAMES.items()}
+        info = {k: None if i is None else wire.token_text(tokenizer, i) for k, i in ids.items()}
+        return info | {
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": settings.context,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        prompt = (await read_body(request)).get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "prompt must be a string", "prompt")
+        tokens = await encode(tokenizer, prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": settings.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        tokens = wire.token_ids((await read_body(request)).get("tokens"), settings, "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        wire.check_model(body, settings)
+        prompts = [await prompt_ids(p, tokenizer, settings) for p in wire.raw_prompts(body)]
+        echo = wire.field_of(body, "echo", bool, False, rule="a boolean")
+        rule = f"in [0, {wire.MAX_LOGPROBS}]"
+        k = wire.field_of(body, "logprobs", int, None, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+        scored = echo and k is not None  # the prompt's log-probs come back too
+        params = wire.sampling_params(
+            body, settings, logprobs=k, prompt_logprobs=scored, chat=False
+        )
+        n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices = submit(app, rid, prompts, params, n, echo, chat=False)
+        if stream:
+            return sse(stream_completion(app, rid, choices, body, k, echo), app, choices)
+        if not await wait_all(request, app, choices):
+            return Response(status_code=GONE)
+        out = [wire.completion_choice(tokenizer, c, k) for c in choices]
+        return wire.envelope(rid, "text_completion", settings, out, usage_of(choices, prompts))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await read_body(request)
+        wire.check_model(body, settings)
+        try:
+            text = tokenizer.apply_chat_template(wire.chat_messages(body))
+        except ValueError as e:  # no chat template
+            raise APIError(400, str(e), "messages") from None
+        prompts = [wire.check_prompt_length(await encode(tokenizer, text), settings, "messages")]
+        want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
+        rule = f"in [0, {wire.MAX_LOGPROBS}]"
+        k = wire.field_of(body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+        k = k if want else None
+        params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+        n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = submit(app, rid, prompts, params, n, False, chat=True)
+        if stream:
+            return sse(stream_chat(app, rid, choices, body, want), app, choices)
+        if not await wait_all(request, app, choices):
+            return Response(status_code=GONE)
+        out = [wire.chat_choice(tokenizer, c, want) for c in choices]
+        return wire.envelope(rid, "chat.completion", settings, out, usage_of(choices, prompts))
+
+    return app
+
+
+# --- reading --------------------------------------------------------------------------------------
+async def read_body(request: Request) -> dict:
+    """The request body as a JSON object; a 400 for one too large, malformed or not an object."""
+    declared = int(request.headers.get("content-length") or 0)
+    chunks, seen = [], 0
+    if declared <= wire.MAX_BODY_BYTES:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > wire.MAX_BODY_BYTES:
+                break
+            chunks.append(chunk)
+    if max(declared, seen) > wire.MAX_BODY_BYTES:
+        message = f"the request body is over {wire.MAX_BODY_BYTES} bytes: send a shorter prompt"
+        raise APIError(400, message, "prompt", "context_length_exceeded")
+    return wire.parse_body(b"".join(chunks))
+
+
+async def prompt_ids(prompt: str | list, tokenizer, settings: Settings) -> list[int]:
+    """A completion prompt (text or ids) as checked token ids."""
+    ids = await encode(tokenizer, prompt) if isinstance(prompt, str) else prompt
+    return wire.check_prompt_length(wire.token_ids(ids, settings, "prompt"), settings, "prompt")
+
+
+async def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text`; a long text is encoded off the event loop."""
+    if len(text) < 4096:
+        return tokenizer.encode(text)
+    return await asyncio.to_thread(tokenizer.encode, text)
+
+
+# --- running the choices --------------------------------------------------------------------------
+def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, chat: bool):
+    """One engine request per prompt and choice. The n choices of a seeded request draw with
+    seeds seed, seed + 1, ... (different from each other, each reproducible). Every request
+    stops at <eos>; a chat reply also at the template's <|end|>."""
+    engine, settings, tokenizer = app.state.engine, app.state.settings, app.state.tokenizer
+    loop = asyncio.get_running_loop()
+    names = ["<eos>", "<|end|>"] if chat else ["<eos>"]
+    stops = tuple(i for i in map(tokenizer.token_id, names) if i is not None)
+    choices: list[Choice] = []
+    try:
+        for i, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
+            ids = prompts[p]
+            choice_params = replace(
+                params,
+                max_tokens=wire.max_tokens_for(params, len(ids), settings, chat),
+                seed=None if params.seed is None else params.seed + j,
+                stop_token_ids=params.stop_token_ids + stops,
+            )
+            request = EngineRequest(f"{rid}-{i}", tuple(ids), choice_params)
+            choice = Choice(i, request, tokenizer, engine.cancel, tuple(ids) if echo else ())
+
+            def on_event(event, queue=choice.queue):  # on the engine's thread
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+
+            engine.submit(request, on_event)
+            choices.append(choice)
+    except (QueueFull, EngineStopped, ValueError, APIError) as e:
+        cancel_unfinished(app, choices)
+        if isinstance(e, APIError):
+            raise
+        status = {QueueFull: 429, EngineStopped: 503}.get(type(e), 400)
+        raise APIError(status, str(e)) from None
+    return choices
+
+
+async def wait_all(request: Request, app, choices: list[Choice]) -> bool:
+    """Run every choice to its end; False (all cancelled) if the client goes away first."""
+
+    async def drain(c: Choice):
+        async for _ in c.events():
+            pass
+
+    task = asyncio.gather(*(drain(c) for c in choices))
+    try:
+        while not (await asyncio.wait({task}, timeout=POLL_S))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return False
+        task.result()
+    finally:
+        cancel_unfinished(app, choices)
+    for c in choices:
+        if c.finish_reason == "error":
+            raise APIError(500, f"generation failed: {c.error}", code="engine_error")
+        if c.finish_reason == "cancelled":
+            raise APIError(503, "the request was cancelled: the server is stopping")
+    return True
+
+
+def cancel_unfinished(app, choices: list[Choice]) -> None:
+    for c in choices:
+        if c.finish_reason is None:
+            app.state.engine.cancel(c.request.request_id)
+
+
+def usage_of(choices: list[Choice], prompts: list[list[int]]) -> dict:
+    return wire.usage(sum(map(len, prompts)), sum(len(c.tokens) for c in choices))
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[Choice]:
+    """Each choice after each of its events, in the order the events come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice):
+        async for _ in c.events():
+            await queue.put(c)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(choices)
+        while running:
+            c = await queue.get()
+            if c is None:
+                running -= 1
+            else:
+                yield c
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def sse(chunks: AsyncIterator[dict], app, choices: list[Choice]) -> StreamingResponse:
+    """Server-sent events, one `data: {json}` per chunk, then `data: [DONE]`. Whatever ends
+    the response (a client gone even before the first chunk), unfinished choices are cancelled
+    after it (`background` runs then)."""
+
+    async def lines():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(
+        lines(),
+        media_type="text/event-stream",
+        headers=headers,
+        background=BackgroundTask(cancel_unfinished, app, choices),
+    )
+
+
+def failure(c: Choice) -> dict | None:
+    """The error chunk that ends a stream whose choice failed or was cancelled by a stop."""
+    if c.finish_reason == "error":
+        return APIError(500, f"generation failed: {c.error}", code="engine_error").body()
+    if c.finish_reason == "cancelled":
+        return APIError(503, "the request was cancelled: the server is stopping").body()
+    return None
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+# --- completions ----------------------------------------------------------------------------------
+async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[dict]:
+    settings, tokenizer = app.state.settings, app.state.tokenizer
+
+    def chunk(c: Choice, text: str, logprobs=None, finish=None) -> dict:
+        choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return wire.envelope(rid, "text_completion", settings, [choice])
+
+    try:
+        if echo and k is None:  # with logprobs, the echo waits for the prompt's log-probs
+            for c in choices:
+                yield chunk(c, tokenizer.decode(c.echo_ids))
+        echoed: set[int] = set()
+        async for c in merged(choices):
+            if echo and k is not None and c.index not in echoed:
+                echoed.add(c.index)
+                prompt = wire.completion_logprobs(tokenizer, *wire.echo_logprobs(c))
+                yield chunk(c, tokenizer.decode(c.echo_ids), prompt)
+            if (error := failure(c)) is not None:
+                yield error
+                return
+            new, logprobs = c.new_tokens(), None
+            if k is not None and c.tokens[new]:
+                logprobs = wire.completion_logprobs(
+                    tokenizer, c.tokens[new], c.logprobs[new], c.top[new]
+                )
+            text = c.delta()
+            if text or logprobs or c.finish_reason:
+                yield chunk(c, text, logprobs, c.finish_reason)
+        if include_usage(body):
+            prompts = [c.request.prompt_ids for c in choices]
+            yield wire.envelope(rid, "text_completion", settings, [], usage_of(choices, prompts))
+    finally:
+        cancel_unfinished(app, choices)
+
+
+# --- chat -----------------------------------------------------------------------------------------
+async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
+    settings, tokenizer = app.state.settings, app.state.tokenizer
+
+    def chunk(c: Choice, delta: dict, logprobs=None, finish=None) -> dict:
+        choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return wire.envelope(rid, "chat.completion.chunk", settings, [choice])
+
+    try:
+        for c in choices:
+            yield chunk(c, {"role": "assistant", "content": ""})
+        async for c in merged(choices):
+            if (error := failure(c)) is not None:
+                yield error
+                return
+            new, logprobs = c.new_tokens(), None
+            if want and c.tokens[new]:
+                logprobs = wire.chat_logprobs(tokenizer, c.tokens[new], c.logprobs[new], c.top[new])
+            text = c.delta()
+            if text or logprobs or c.finish_reason:
+                yield chunk(c, {"content": text} if text else {}, logprobs, c.finish_reason)
+        if include_usage(body):
+            prompts = [c.request.prompt_ids for c in choices]
+            yield wire.envelope(
+                rid, "chat.completion.chunk", settings, [], usage_of(choices, prompts)
+            )
+    finally:
+        cancel_unfinished(app, choices)
+
+
+# --- running it -----------------------------------------------------------------------------------
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free one); a port in use is one clear line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on {host} is in use: choose another with --port"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    sock.listen(2048)
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket, stop_timeout: float = 10.0) -> None:
+    """Serve `app` on `sock` until SIGINT/SIGTERM: uvicorn stops accepting, lets open requests
+    finish for up to `stop_timeout` s, then the lifespan stops the engine (`engine.stop`)."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=stop_timeout, access_log=False
+    )
+    if threading.current_thread() is not threading.main_thread():
+        uvicorn.Server(config).run(sockets=[sock])
+        return
+    # uvicorn re-raises the signal that stopped it once it is done; by then the shutdown was
+    # clean, so the re-raised signal is ignored and the process exits 0.
+    signals = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

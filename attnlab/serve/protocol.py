@@ -1,0 +1,333 @@
+"""OpenAI's wire format, as plain functions: reading a request body into checked values and
+writing the response objects. No HTTP and no engine here (app.py does both).
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so the `openai`
+client raises its typed exceptions: 400 bad input, 401 a wrong or missing API key, 404 an
+unknown route, 429 the engine's queue is full, 503 the server is stopping.
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from attnlab.serve.choice import Choice
+from attnlab.serve.types import SamplingParams
+
+MAX_BODY_BYTES = 4 * 2**20  # a request body beyond this is refused before it is parsed
+MAX_N = 16  # choices per prompt
+MAX_STOP = 4  # stop strings, as OpenAI
+MAX_LOGPROBS = 20  # alternatives per token
+DEFAULT_MAX_TOKENS = 16  # a completion's default (OpenAI's); a chat reply may fill the context
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape (see `body`)."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }
+
+    def __init__(self, status: int, message: str, param: str | None = None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+@dataclass
+class Settings:
+    """What the server knows beside the engine.
+
+    Attributes:
+        model_name: the model id clients send (any other is a 400).
+        context: prompt + generated tokens of one request, at most.
+        vocab_size: token ids must be below it.
+        api_key: when set, /v1 and the tokenizer endpoints need `Authorization: Bearer KEY`.
+        stop_timeout: seconds running requests get when the server stops.
+    """
+
+    model_name: str
+    context: int
+    vocab_size: int
+    api_key: str | None = None
+    stop_timeout: float = 10.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# --- reading a request ----------------------------------------------------------------------------
+def parse_body(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def field_of(body: dict, name: str, kind: type, default, check=None, rule: str = ""):
+    """body[name] (`default` when absent or null), of type `kind` and passing `check`; a 400
+    naming the field and `rule` otherwise. An int is accepted for a float; a bool never for
+    a number."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok or (check is not None and not check(value)):
+        raise APIError(400, f"{name} must be {rule or kind.__name__}, got {value!r}", name)
+    return value
+
+
+def check_model(body: dict, settings: Settings) -> None:
+    """A request naming another model is a 400 (a missing name means the one served)."""
+    model = body.get("model", settings.model_name)
+    if model != settings.model_name:
+        message = f"model {model!r} is not served here: use {settings.model_name!r}"
+        raise APIError(400, message, "model", "model_not_found")
+
+
+def token_ids(value, settings: Settings, param: str) -> list[int]:
+    """A list of token ids, each inside the vocabulary."""
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise APIError(400, f"{param} must be a list of token ids", param)
+    bad = [t for t in value if not 0 <= t < settings.vocab_size]
+    if bad:
+        message = f"token id {bad[0]} is outside the vocabulary [0, {settings.vocab_size})"
+        raise APIError(400, message, param)
+    return value
+
+
+def check_prompt_length(ids: list[int], settings: Settings, param: str) -> list[int]:
+    """A prompt must be non-empty and leave room for at least one new token."""
+    if not ids:
+        raise APIError(400, "the prompt is empty: give at least one token", param)
+    if len(ids) >= settings.context:
+        message = (
+            f"the prompt has {len(ids)} tokens; this model's context is {settings.context}: "
+            "shorten it"
+        )
+        raise APIError(400, message, param, "context_length_exceeded")
+    return ids
+
+
+def raw_prompts(body: dict) -> list[str | list[int]]:
+    """A completion's prompts: a string, a list of ids, or a list of either (not yet encoded)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "prompt is required (text or token ids)", "prompt")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(400, "prompt must be text, token ids, or a non-empty list of them", "prompt")
+    for p in prompt:
+        if not isinstance(p, (str, list)):
+            raise APIError(400, f"each prompt must be text or token ids, got {p!r}", "prompt")
+    return prompt
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """The messages of a chat request, with text content (OpenAI's list of parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must have a role and content", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be text", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def choices_per_prompt(body: dict) -> int:
+    return field_of(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"in [1, {MAX_N}]")
+
+
+def streamed(body: dict) -> bool:
+    return field_of(body, "stream", bool, False, rule="a boolean")
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise APIError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop takes at most {MAX_STOP} strings, got {len(stop)}", "stop")
+    return tuple(stop)
+
+
+def sampling_params(
+    body: dict, settings: Settings, *, logprobs: int | None, prompt_logprobs: bool, chat: bool
+) -> SamplingParams:
+    """SamplingParams from the request; max_tokens is -1 where the request leaves it to the
+    server (resolved per prompt by `max_tokens_for`)."""
+    name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    limit = settings.context - 1
+    low = 0 if prompt_logprobs else 1  # 0: score the prompt only (echo + logprobs)
+    rule = f"in [{low}, {limit}] (the context is {settings.context} tokens)"
+    max_tokens = field_of(body, name, int, -1, lambda v: low <= v <= limit, rule)
+    stop_ids = token_ids(body.get("stop_token_ids") or [], settings, "stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=field_of(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "in [0, 2]"),
+        top_p=field_of(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        stop=stop_strings(body),
+        stop_token_ids=tuple(stop_ids),
+        seed=field_of(body, "seed", int, None, rule="an integer"),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def max_tokens_for(params: SamplingParams, n_prompt: int, settings: Settings, chat: bool) -> int:
+    """The request's max_tokens, or its default: 16 for a completion (less where the context
+    has less room), the rest of the context for a chat reply; a 400 where it does not fit."""
+    room = settings.context - n_prompt
+    if params.max_tokens >= 0:
+        if params.max_tokens > room:
+            message = (
+                f"the prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"this model's context of {settings.context} tokens"
+            )
+            raise APIError(400, message, "max_tokens", "context_length_exceeded")
+        return params.max_tokens
+    return room if chat else min(DEFAULT_MAX_TOKENS, room)
+
+
+# --- writing a response ---------------------------------------------------------------------------
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's text; a piece of a multi-byte character (no text alone) is named by the
+    vocabulary's own string for it, so distinct tokens keep distinct keys in top_logprobs."""
+    text = tokenizer.decode([token_id], skip_special=False)
+    if "\ufffd" in text:
+        return tokenizer.backend.id_to_token(token_id) or text
+    return text
+
+
+def completion_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
+    """The legacy completions `logprobs` object: each token's text, its log-prob, the top
+    alternatives ({text: log-prob}) and its character offset."""
+    strings = [token_text(tokenizer, t) for t in tokens]
+    offsets, at = [], 0
+    for s in strings:
+        offsets.append(at)
+        at += len(s)
+    top = [None if d is None else {token_text(tokenizer, i): v for i, v in d.items()} for d in tops]
+    return {
+        "tokens": strings,
+        "token_logprobs": logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+
+    def entry(t: int, lp: float) -> dict:
+        s = token_text(tokenizer, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    content = [
+        entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in (top or {}).items()]}
+        for t, lp, top in zip(tokens, logprobs, tops)
+    ]
+    return {"content": content}
+
+
+def envelope(rid: str, kind: str, settings: Settings, choices: list, usage=None) -> dict:
+    """The object around the choices ("text_completion", "chat.completion", or a chunk)."""
+    out = {"id": rid, "object": kind, "created": int(time.time()), "model": settings.model_name}
+    out["choices"] = choices
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def echo_logprobs(c: Choice) -> tuple[list[int], list, list]:
+    """The prompt's part of an echo: each token's log p given those before it (None for the
+    first). The engine reports no alternatives for prompt tokens, so each position's
+    top_logprobs holds the prompt token alone."""
+    ids = list(c.echo_ids)
+    lps = list(c.prompt_logprobs or [None] * len(ids))
+    if len(lps) == len(ids) - 1:
+        lps = [None, *lps]
+    return ids, lps, [None if lp is None else {t: lp} for t, lp in zip(ids, lps)]
+
+
+def completion_choice(tokenizer, c: Choice, k: int | None) -> dict:
+    logprobs, text = None, c.text
+    if k is not None:
+        tokens, lps, tops = list(c.tokens), list(c.logprobs), list(c.top)
+        if c.echo_ids:
+            ids, plps, ptops = echo_logprobs(c)
+            tokens, lps, tops = ids + tokens, plps + lps, ptops + tops
+        logprobs = completion_logprobs(tokenizer, tokens, lps, tops)
+    if c.echo_ids:
+        text = tokenizer.decode(c.echo_ids) + text
+    return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def chat_choice(tokenizer, c: Choice, want: bool) -> dict:
+    logprobs = chat_logprobs(tokenizer, c.tokens, c.logprobs, c.top) if want else None
+    message = {"role": "assistant", "content": c.text}
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+    }
+
+
+def prometheus_text(stats: dict[str, float], http: dict[int, int]) -> str:
+    """Prometheus' text format: the engine's stats (names ending in _total are counters, but
+    kv_blocks_total, a pool size; time_to_first_token_seconds a summary; the rest gauges) and
+    the HTTP responses by status code."""
+    lines = [
+        "# HELP attnlab_http_responses_total HTTP responses by status code.",
+        "# TYPE attnlab_http_responses_total counter",
+    ]
+    lines += [f'attnlab_http_responses_total{{code="{k}"}} {v}' for k, v in sorted(http.items())]
+    summaries = {k.rsplit("_", 1)[0] for k in stats if k.endswith(("_sum", "_count"))}
+    for name in sorted(summaries):
+        lines.append(f"# TYPE attnlab_{name} summary")
+        lines += [f"attnlab_{name}_{p} {stats.get(f'{name}_{p}', 0)}" for p in ("sum", "count")]
+    for key, value in sorted(stats.items()):
+        if key.rsplit("_", 1)[0] in summaries:
+            continue
+        counter = key.endswith("_total") and not key.startswith("kv_blocks")
+        lines += [
+            f"# TYPE attnlab_{key} {'counter' if counter else 'gauge'}",
+            f"attnlab_{key} {value}",
+        ]
+    return "\n".join(lines) + "\n"

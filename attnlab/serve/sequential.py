@@ -1,0 +1,258 @@
+"""SequentialEngine: the serving interface (types.py) run one request at a time.
+
+It is the baseline the continuous-batching `Engine` is measured against, and the simplest engine
+the server can run: a daemon thread takes the oldest waiting request and runs it to the end with
+the steps `attnlab.inference.generate` is made of (prefill into a fresh KV cache, then one decode
+step per token, `sample` for the choice), reporting each token as it comes.
+
+    submit ─> waiting queue (bounded) ─> thread: prefill ─> sample ─> on_event ─> decode_step ─> ...
+
+Log-probabilities are those of the model itself (log-softmax of its logits), whatever the
+temperature or top-p the token was drawn with: what a scorer such as lm-eval asks for.
+A request may ask for max_tokens=0 when it wants only its prompt's log-probabilities.
+"""
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.inference.generate import context_window
+from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.steps import decode_step, decoder_of, fill_cache
+from attnlab.serve.types import EngineStopped, QueueFull, Request, TokenEvent
+
+OnEvent = Callable[[TokenEvent], None]
+
+
+def context_length(model: nn.Module, max_context: int | None = None) -> int:
+    """The most prompt + generated tokens a request may hold: `max_context` or the model's
+    position table, the smaller (RoPE and ALiBi models have no table: give max_context, e.g.
+    the config's max_seq_len, as `attnlab serve` does)."""
+    window, _ = context_window(model, max_context)
+    if window is None:
+        raise ValueError("this model has no position table: give max_context (e.g. max_seq_len)")
+    return window
+
+
+def check_request(request: Request, vocab_size: int, context: int) -> None:
+    """Raise a one-line ValueError for a request no engine can run."""
+    p, n = request.params, len(request.prompt_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if p.max_tokens < 0 or (p.max_tokens == 0 and not p.prompt_logprobs):
+        raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+    if n + p.max_tokens > context:
+        raise ValueError(
+            f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
+            f"context of {context} tokens: shorten the prompt or lower max_tokens"
+        )
+    if p.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.logprobs is not None and not 0 <= p.logprobs <= vocab_size:
+        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {p.logprobs}")
+
+
+def token_logprobs(logits: Tensor, token: int, k: int | None):
+    """(log p(token), {id: log p} of the k most likely) from one row of logits (V,)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+    top = None
+    if k is not None:
+        values, ids = logp.topk(k) if k else (logp[:0], logp[:0].long())
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return logp[token].item(), top
+
+
+class SequentialEngine:
+    """One request at a time, in arrival order, on a daemon thread (see the module docstring).
+
+    Args:
+        model: a decoder-only model in eval mode.
+        tokenizer: attnlab.tokenizer.Tokenizer (decodes text for stop strings).
+        max_batch, block_size, n_blocks, prefill_chunk: accepted for the common interface,
+            unused (one request runs at a time, in a cache of its own).
+        max_queue: waiting requests beyond this make `submit` raise QueueFull.
+        max_context: the most prompt + generated tokens of a request (default: the model's).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        max_batch: int = 16,
+        block_size: int = 16,
+        n_blocks: int | None = None,
+        max_queue: int = 64,
+        prefill_chunk: int = 256,
+        max_context: int | None = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_queue = max_queue
+        self.context = context_length(model, max_context)
+        self.vocab_size = decoder_of(model).head.out_features
+        self.device = decoder_of(model).head.weight.device
+        self._waiting: deque[tuple[Request, OnEvent, float]] = deque()  # + arrival time
+        self._cancelled: set[str] = set()
+        self._running: str | None = None
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._deadline_passed = False
+        self._thread: threading.Thread | None = None
+        self._stats = dict.fromkeys(
+            (
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "requests_finished_total",
+                "time_to_first_token_seconds_sum",
+                "time_to_first_token_seconds_count",
+            ),
+            0.0,
+        )
+
+    # --- the interface ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine loop in a daemon thread."""
+        self._thread = threading.Thread(target=self._loop, name="attnlab-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, on_event: OnEvent) -> None:
+        """Queue `request`; `on_event` gets each token and, last, one event with finish_reason."""
+        check_request(request, self.vocab_size, self.context)
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting: try again later")
+            self._waiting.append((request, on_event, time.perf_counter()))
+            self._cond.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """End `request_id` (waiting or running) with finish_reason "cancelled"."""
+        with self._cond:
+            for item in self._waiting:
+                if item[0].request_id == request_id:
+                    self._waiting.remove(item)
+                    _finish(item, "cancelled")
+                    return
+            if self._running == request_id:
+                self._cancelled.add(request_id)
+
+    def stop(self, timeout: float) -> None:
+        """Stop admitting, let the queue run for up to `timeout` s, cancel the rest, join."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cond:
+            self._deadline_passed = True
+            while self._waiting:
+                _finish(self._waiting.popleft(), "cancelled")
+            if self._running is not None:
+                self._cancelled.add(self._running)
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for /metrics (no paged cache here: kv blocks are 0)."""
+        with self._cond:
+            return {
+                "running": float(self._running is not None),
+                "waiting": float(len(self._waiting)),
+                "kv_blocks_used": 0.0,
+                "kv_blocks_total": 0.0,
+                "prefix_cache_hits_total": 0.0,
+                **self._stats,
+            }
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if not self._waiting or self._deadline_passed:
+                    return
+                request, on_event, arrived = self._waiting.popleft()
+                self._running = request.request_id
+            try:
+                reason = self._run(request, on_event, arrived)
+                if reason != _NO_FINAL:
+                    on_event(TokenEvent(request.request_id, None, None, None, reason))
+            except Exception as e:  # the request fails; the engine keeps serving
+                line = f"{type(e).__name__}: {e}".splitlines()[0]
+                on_event(TokenEvent(request.request_id, None, None, None, "error", error=line))
+            with self._cond:
+                self._running = None
+                self._cancelled.discard(request.request_id)
+                self._stats["requests_finished_total"] += 1
+
+    @torch.no_grad()
+    def _run(self, request: Request, on_event: OnEvent, arrived: float) -> str:
+        """Generate for one request, sending each token; return the finish reason (or
+        _NO_FINAL when the last token carried it). Time to first token counts from `arrived`."""
+        p, rid = request.params, request.request_id
+        ids = torch.tensor([request.prompt_ids], device=self.device)  # (1, T0)
+        self._stats["prompt_tokens_total"] += ids.shape[1]
+        prompt_lp = None
+        if p.prompt_logprobs:  # a full forward (the cached prefill keeps only the last logits)
+            logits = self.model(ids)[0].float()  # (T0, V)
+            logp = torch.log_softmax(logits[:-1], dim=-1)  # (T0 - 1, V)
+            picked = logp.gather(1, ids[0, 1:, None])[:, 0]  # (T0 - 1,)
+            prompt_lp = (None, *picked.tolist())
+        if p.max_tokens == 0:
+            on_event(TokenEvent(rid, None, None, None, "length", prompt_logprobs=prompt_lp))
+            return _NO_FINAL
+        sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
+        history, text_ids = ids, []
+        for i in range(p.max_tokens):
+            if rid in self._cancelled:
+                return "cancelled"
+            token = sample(logits, sampling, history, gen)  # (1,)
+            t = int(token)
+            lp, top = token_logprobs(logits[0], t, p.logprobs)
+            history = torch.cat([history, token[:, None]], dim=1)  # (1, T0 + i + 1)
+            text_ids.append(t)
+            reason = self._finish_reason(t, text_ids, p, i)
+            if i == 0:
+                self._stats["time_to_first_token_seconds_sum"] += time.perf_counter() - arrived
+                self._stats["time_to_first_token_seconds_count"] += 1
+            self._stats["generation_tokens_total"] += 1
+            on_event(TokenEvent(rid, t, lp, top, reason, prompt_lp if i == 0 else None))
+            if reason is not None:
+                return _NO_FINAL
+            logits = decode_step(
+                self.model, token[:, None], torch.tensor([slot], device=self.device), cache
+            )
+            slot += 1
+        return _NO_FINAL  # unreachable: the last token carries "length"
+
+    def _finish_reason(self, token: int, text_ids: list[int], p, i: int) -> str | None:
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.stop and any(s in self.tokenizer.decode(text_ids) for s in p.stop):
+            return "stop"
+        return "length" if i == p.max_tokens - 1 else None
+
+
+_NO_FINAL = ""  # _run already sent the event that carries finish_reason
+
+
+def _finish(item: tuple[Request, OnEvent, float], reason: str) -> None:
+    request, on_event, _ = item
+    on_event(TokenEvent(request.request_id, None, None, None, reason))

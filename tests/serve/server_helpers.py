@@ -1,0 +1,66 @@
+"""A tiny served model for the server tests: a checkpoint written by the test, and the real
+uvicorn server on a free loopback port in a thread."""
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from attnlab.checkpoint import open_checkpoint, save_pretrained
+from attnlab.models.build import build_model
+from attnlab.models.presets import llama_tiny
+from attnlab.serve.app import bind, create_app
+from attnlab.serve.protocol import Settings
+from attnlab.serve.sequential import SequentialEngine
+from attnlab.tokenizer import CHAT_TOKENS, train_bpe_tokenizer
+
+TEXT = "the cat sat on the mat. the dog ate the bone. hello world, hello cat. " * 8
+
+
+def engines() -> list:
+    """The engines to serve with: the sequential one, and the batched one where it exists."""
+    try:
+        from attnlab.serve.engine import Engine
+    except ModuleNotFoundError:
+        return [SequentialEngine]
+    return [SequentialEngine, Engine]
+
+
+def write_checkpoint(path: Path) -> Path:
+    """A random llama_tiny (GQA, RoPE) with a byte-level BPE tokenizer that has chat markers."""
+    torch.manual_seed(0)
+    tokenizer = train_bpe_tokenizer([TEXT], 320, CHAT_TOKENS)
+    config = replace(llama_tiny(), vocab_size=tokenizer.vocab_size)
+    return save_pretrained(path, build_model(config).eval(), config, tokenizer)
+
+
+class Server:
+    """The app on 127.0.0.1:<free port> in a thread (uvicorn), until `close()`."""
+
+    def __init__(self, ckpt: Path, engine_cls=SequentialEngine, api_key=None, **engine_kw):
+        import uvicorn
+
+        loaded = open_checkpoint(ckpt)
+        self.model, self.tokenizer, self.config = loaded.model, loaded.tokenizer, loaded.config
+        context = loaded.config.max_seq_len
+        self.engine = engine_cls(self.model, self.tokenizer, max_context=context, **engine_kw)
+        settings = Settings("tiny", context, loaded.config.vocab_size, api_key, stop_timeout=5)
+        self.app = create_app(self.engine, self.tokenizer, settings)
+        sock = bind("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -1,0 +1,42 @@
+"""`attnlab serve`: one clear line for a checkpoint it cannot serve or a port in use."""
+
+import socket
+
+import torch
+
+from attnlab.checkpoint import save_pretrained
+from attnlab.cli.__main__ import main
+from attnlab.models.build import build_model
+from attnlab.models.presets import bert_tiny
+from attnlab.tokenizer import train_char_tokenizer
+from tests.serve.server_helpers import write_checkpoint
+
+
+def test_a_port_in_use_is_one_line(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code = main(["serve", "--ckpt", str(ckpt), "--port", str(port), "--engine", "sequential"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        f"attnlab serve: error: port {port} on 127.0.0.1 is in use: choose another with --port"
+    )
+
+
+def test_an_encoder_checkpoint_is_one_line(tmp_path, capsys):
+    torch.manual_seed(0)
+    save_pretrained(
+        tmp_path / "bert", build_model(bert_tiny()), bert_tiny(), train_char_tokenizer(["ab"])
+    )
+    assert main(["serve", "--ckpt", str(tmp_path / "bert"), "--engine", "sequential"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "encoder model" in err[0] and "decoder-only" in err[0]
+
+
+def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["serve", "--ckpt", str(ckpt), "--engine", "sequential"]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err

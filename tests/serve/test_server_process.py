@@ -1,0 +1,91 @@
+"""`attnlab serve` as its own process: SIGTERM lets the request in flight finish, then the
+server exits 0."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from attnlab.serve.sequential import SequentialEngine
+from tests.serve.server_helpers import engines, write_checkpoint
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python -m attnlab serve` on a free port; returns the process and its base URL."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "attnlab",
+            "--threads",
+            "1",
+            "serve",
+            "--ckpt",
+            str(ckpt),
+            "--port",
+            "0",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    line = proc.stdout.readline()  # "attnlab serve: NAME on http://127.0.0.1:PORT/v1 (Engine)"
+    if " on http://" not in line:
+        proc.kill()
+        raise AssertionError(f"the server did not start: {line}{proc.stderr.read()}")
+    return proc, line.split(" on ", 1)[1].split("/v1")[0]
+
+
+@pytest.mark.parametrize(
+    "engine", ["sequential" if e is SequentialEngine else "batched" for e in engines()]
+)
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(tmp_path, engine):
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    proc, url = start(ckpt, "--engine", engine, "--stop-timeout", "60")
+    try:
+        body = {
+            "model": "tiny",
+            "prompt": "the cat",
+            "max_tokens": 100,
+            "temperature": 0,
+            "stream": True,
+        }
+        chunks, first = [], threading.Event()
+
+        def read():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(60), "no first token"
+        proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"  # ran to the end, not cut
+    assert "attnlab serve: stopped" in proc.stdout.read()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
