@@ -1,0 +1,475 @@
+"""What attention heads do: importance, pruning, attention patterns and the logit lens.
+
+    set_head_mask(model, mask)          a gate per head, (L, H), on every self-attention layer
+    head_importance(model, batches)     Michel et al. 2019: |dL / d gate|, gates at 1
+    pruning_curve(model, batches, order)  loss as heads are masked one by one in `order`
+    pattern_scores(maps)                previous token, same position, offset k, first token
+    induction_scores(model, ...)        Olsson et al. 2022: on [r, r], the second copy's attention
+                                        to the token after the first occurrence
+    logit_lens(model, ids)              final norm + LM head on each layer's residual stream
+    heads_lab(HeadsLab(ckpt=...), out)  all of it for one checkpoint: JSON, PNGs, the HTML viewer
+
+Head importance (Michel et al. 2019, "Are Sixteen Heads Really Better than One?", eq. 4): every
+head's output is multiplied by a gate xi_h before the output projection; with all gates at 1 the
+model is unchanged, and I_h = mean over batches of |dL/dxi_h| is a first-order estimate of how
+much the loss moves when the head is removed. As the paper recommends (section 4.1), the scores
+are then normalised per layer by their L2 norm, so layers compare on one scale.
+
+The experiments run on causal language models (`DecoderLM`): the loss is next-token cross-entropy.
+
+Shapes: L layers, H heads, B batch, T length, S keys, V vocab.
+"""
+
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.checkpoint import open_checkpoint
+from attnlab.configs import from_dict
+from attnlab.models.decoder import DecoderLM
+from attnlab.training.config import DataConfig
+from attnlab.training.data import lm_batch, prepare_text_data
+from attnlab.viz.capture import capture_attention
+from attnlab.viz.figures import finish
+from attnlab.viz.report import AttentionViz, attention_pictures
+
+Batch = tuple[Tensor, Tensor]  # (B, T) inputs, (B, T) next-token targets
+MAX_LOSS_INCREASE = 0.01  # "heads that can be removed": at most 1% above the unpruned loss
+VIEWER_TOKENS = 32  # the viewer shows a text of this many tokens, twice (induction stripes)
+
+
+# --- head masks ----------------------------------------------------------------------------------
+def head_layers(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a decoder LM, in layer order (each has `head_mask`)."""
+    if not isinstance(model, DecoderLM):
+        raise ValueError(
+            f"the heads experiments take a causal LM (DecoderLM), got {type(model).__name__}; "
+            "train one with `attnlab train` (task clm)"
+        )
+    return [block.self_attn for block in model.blocks]
+
+
+def head_shape(model: nn.Module) -> tuple[int, int]:
+    """(L, H): layers and query heads per layer."""
+    layers = head_layers(model)
+    return len(layers), layers[0].n_heads
+
+
+def set_head_mask(model: nn.Module, mask: Tensor | None) -> None:
+    """Gate every head's output before its layer's o_proj (Michel et al. 2019).
+
+    Args:
+        model: a DecoderLM.
+        mask: (L, H) gates (1 keeps a head, 0 removes it, anything between scales it; a tensor
+            that requires grad gives dL/d gate), or None to remove every gate.
+    """
+    layers = head_layers(model)
+    if mask is None:
+        for attn in layers:
+            attn.head_mask = None
+        return
+    shape = (len(layers), layers[0].n_heads)
+    if tuple(mask.shape) != shape:
+        raise ValueError(
+            f"head mask of shape {tuple(mask.shape)} for a model of {shape[0]} layers x "
+            f"{shape[1]} heads; give shape {shape}"
+        )
+    for attn, row in zip(layers, mask):
+        attn.head_mask = row  # (H,), a view: gradients flow back to `mask`
+
+
+# --- loss, importance, pruning -------------------------------------------------------------------
+def lm_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """Mean next-token cross-entropy of one batch (a scalar tensor)."""
+    x, y = batch
+    return token_loss(model(x), y)
+
+
+def token_loss(logits: Tensor, y: Tensor) -> Tensor:
+    """Cross-entropy of logits (B, T, V) against targets (B, T), in at least float32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """The mean of the batches' losses."""
+    return sum(lm_loss(model, b).item() for b in batches) / len(batches)
+
+
+def head_importance(model: nn.Module, batches: Sequence[Batch]) -> tuple[Tensor, Tensor]:
+    """Per-head importance: I_h = mean over batches of |dL/dxi_h|, gates xi at 1.
+
+    Args:
+        model: a DecoderLM (its parameters' gradients are left untouched).
+        batches: the data the expectation is taken over.
+
+    Returns:
+        (raw, normalised): each (L, H); normalised divides each layer's row by its L2 norm.
+    """
+    L, H = head_shape(model)
+    gate = torch.ones(L, H, requires_grad=True)
+    total = torch.zeros(L, H)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)  # only the gates need gradients
+    try:
+        set_head_mask(model, gate)
+        for batch in batches:
+            (grad,) = torch.autograd.grad(lm_loss(model, batch), gate)
+            total += grad.abs()  # |dL/dxi| per batch, as in the paper's code
+    finally:
+        set_head_mask(model, None)
+        for p in params:
+            p.requires_grad_(True)
+    raw = total / len(batches)
+    return raw, raw / raw.norm(dim=1, keepdim=True).clamp_min(1e-20)
+
+
+@torch.no_grad()
+def pruning_curve(model: nn.Module, batches: Sequence[Batch], order: Sequence[int]) -> list[float]:
+    """The loss with the first k heads of `order` masked, for k = 0 .. L*H.
+
+    Args:
+        order: flat head indices (layer * H + head), the first to be removed first.
+
+    Returns:
+        L*H + 1 mean losses over `batches`.
+    """
+    L, H = head_shape(model)
+    mask = torch.ones(L * H)
+    losses = []
+    try:
+        for k in range(L * H + 1):
+            if k:
+                mask[order[k - 1]] = 0.0
+            set_head_mask(model, mask.view(L, H))
+            losses.append(mean_loss(model, batches))
+    finally:
+        set_head_mask(model, None)
+    return losses
+
+
+def prunable_fraction(losses: Sequence[float], tolerance: float = MAX_LOSS_INCREASE) -> float:
+    """The largest fraction of heads masked before the loss first rises above (1 + tolerance)
+    times the unpruned loss (losses[0]); losses[k] has k of len(losses) - 1 heads masked."""
+    limit = losses[0] * (1 + tolerance)
+    k = next((k for k, loss in enumerate(losses) if loss > limit), len(losses)) - 1
+    return k / (len(losses) - 1)
+
+
+# --- attention patterns --------------------------------------------------------------------------
+def offset_score(probs: Tensor, offset: int) -> Tensor:
+    """Mean attention from each query i to key i - offset (queries with i >= offset).
+
+    Args:
+        probs: (B, H, T, S) attention probabilities, queries the last T of S keys (S = T here).
+        offset: 0 = the same position, 1 = the previous token, k = k tokens back.
+
+    Returns:
+        (H,) scores in [0, 1].
+    """
+    T = probs.shape[2]
+    if not 0 <= offset < T:
+        raise ValueError(f"offset {offset} needs a sequence longer than {T} tokens")
+    diag = probs.diagonal(offset=-offset, dim1=2, dim2=3)  # (B, H, T - offset): A[i, i - offset]
+    return diag.mean(dim=(0, 2))
+
+
+def first_token_score(probs: Tensor) -> Tensor:
+    """(H,) mean attention from queries 1..T-1 to key 0 (query 0 can only attend to itself)."""
+    return probs[:, :, 1:, 0].mean(dim=(0, 2))
+
+
+def induction_score(probs: Tensor) -> Tensor:
+    """Olsson et al. 2022 on a repeated sequence [r, r] of 2n tokens: the mean attention from
+    each token of the second copy (position n + j) to the token after its first occurrence (j + 1).
+
+    Args:
+        probs: (B, H, 2n, 2n) attention probabilities on [r, r].
+
+    Returns:
+        (H,) scores in [0, 1].
+    """
+    n = probs.shape[2] // 2
+    j = torch.arange(n)
+    return probs[:, :, n + j, j + 1].mean(dim=(0, 2))
+
+
+def induction_chance(n: int) -> float:
+    """The induction score of uniform causal attention on [r, r]: mean of 1 / (n + j + 1)."""
+    return sum(1 / (n + j + 1) for j in range(n)) / n
+
+
+def repeated_tokens(vocab_size: int, n: int, batch: int, seed: int) -> Tensor:
+    """(batch, 2n) ids [r, r]: r is n distinct tokens drawn uniformly (seeded).
+
+    Distinct, so every token of the second copy has exactly one earlier occurrence: with a small
+    vocabulary (characters) repeats inside r would split an induction head's attention between
+    several "tokens after" and lower its score for a reason that is not the head's.
+    """
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"repeat length n={n} must be in 1..vocab_size={vocab_size}")
+    gen = torch.Generator().manual_seed(seed)
+    r = torch.rand(batch, vocab_size, generator=gen).argsort(dim=1)[:, :n]  # (B, n) distinct
+    return torch.cat([r, r], dim=1)  # (B, 2n)
+
+
+@torch.no_grad()
+def layer_probs(model: nn.Module, ids: Tensor) -> list[Tensor]:
+    """Each layer's self-attention probabilities on `ids` (B, T): L tensors of (B, H, T, T)."""
+    with capture_attention(model, kinds=["decoder_self"]) as maps:
+        model(ids)
+    return [maps["decoder_self"][i] for i in range(len(maps["decoder_self"]))]
+
+
+def pattern_scores(probs: list[Tensor], offsets: Sequence[int] = (2,)) -> dict[str, Tensor]:
+    """Positional scores of every head, each (L, H).
+
+    Args:
+        probs: per layer (B, H, T, T), e.g. from `layer_probs` on ordinary text.
+        offsets: the fixed offsets k scored besides 0 (same position) and 1 (previous token).
+
+    Returns:
+        {"previous_token", "same_position", "first_token", "offset_k" for each k}.
+    """
+    scores = {
+        "previous_token": torch.stack([offset_score(p, 1) for p in probs]),
+        "same_position": torch.stack([offset_score(p, 0) for p in probs]),
+        "first_token": torch.stack([first_token_score(p) for p in probs]),
+    }
+    for k in offsets:
+        scores[f"offset_{k}"] = torch.stack([offset_score(p, k) for p in probs])
+    return scores
+
+
+def induction_scores(model: nn.Module, vocab_size: int, n: int, batch: int, seed: int) -> Tensor:
+    """(L, H) induction scores on `batch` seeded repeated random sequences of 2n tokens."""
+    ids = repeated_tokens(vocab_size, n, batch, seed)  # (B, 2n)
+    return torch.stack([induction_score(p) for p in layer_probs(model, ids)])
+
+
+# --- logit lens ----------------------------------------------------------------------------------
+@torch.no_grad()
+def logit_lens(model: nn.Module, x: Tensor, y: Tensor) -> list[dict]:
+    """The final norm and LM head applied to the residual stream after the embedding and after
+    each block (nostalgebraist 2020, "interpreting GPT: the logit lens").
+
+    Args:
+        x: (B, T) ids.  y: (B, T) next-token targets.
+
+    Returns:
+        One row per stream ("embedding", "block 0", ...): its loss on y and "agreement", the
+        fraction of positions whose top-1 token equals the full model's.
+    """
+    streams: list[Tensor] = []
+    hooks = [model.blocks[0].register_forward_pre_hook(lambda m, args: streams.append(args[0]))]
+    hooks += [b.register_forward_hook(lambda m, a, out: streams.append(out)) for b in model.blocks]
+    try:
+        final = model(x).argmax(-1)  # (B, T)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for i, h in enumerate(streams):
+        logits = model.logits(h)  # (B, T, V)
+        rows.append(
+            {
+                "stream": "embedding" if i == 0 else f"block {i - 1}",
+                "loss": token_loss(logits, y).item(),
+                "agreement": (logits.argmax(-1) == final).float().mean().item(),
+            }
+        )
+    return rows
+
+
+# --- the experiment ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsLab:
+    """Options of `attnlab lab heads`; `fast` shrinks the data for tests.
+
+    ckpt: a causal LM checkpoint (or a run directory).  source: text to measure on (default:
+    the checkpoint's own data source, through its tokenizer).  batches / batch_size / context:
+    the importance batches (training split) and, as many again, the evaluation batches
+    (validation split).  random_orders: seeded random pruning orders, the control.
+    repeat_len: n of the [r, r] induction sequences (2n <= the model's positions).
+    """
+
+    ckpt: str
+    source: str | None = None
+    fast: bool = False
+    batches: int = 16
+    batch_size: int = 12
+    context: int = 128
+    random_orders: int = 5
+    repeat_len: int = 64
+    offsets: tuple[int, ...] = (2,)
+    seed: int = 0
+
+    def sized(self) -> "HeadsLab":
+        """These options, shrunk in fast mode."""
+        if not self.fast:
+            return self
+        return replace(self, batches=2, batch_size=4, context=32, random_orders=2, repeat_len=16)
+
+
+def max_len(model: nn.Module) -> int:
+    """The longest input the model's position tables allow (a large number when unbounded)."""
+    limits = [m.max_positions for m in model.modules() if getattr(m, "max_positions", None)]
+    return min(limits) if limits else 1 << 16
+
+
+def load_data(loaded, source: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """The (train, val) token streams of the checkpoint's data, or of `source` through the
+    checkpoint's tokenizer."""
+    data = from_dict(DataConfig, loaded.run["data"]) if "data" in loaded.run else DataConfig()
+    if source is not None or "data" not in loaded.run:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read text with")
+        tokenizer = str(loaded.path / "tokenizer.json")
+        data = replace(data, source=source or data.source, tokenizer=tokenizer)
+    tokens = prepare_text_data(data)
+    return tokens.train, tokens.val
+
+
+def sample_batches(tokens: np.ndarray, opts: HeadsLab, seed: int) -> list[Batch]:
+    """`opts.batches` seeded random windows of `opts.context` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return [lm_batch(tokens, opts.context, opts.batch_size, gen) for _ in range(opts.batches)]
+
+
+def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
+    """Every measurement for one checkpoint, written to `out`: heads.json, heads.png (layer x
+    head heatmaps), pruning.png, and the attention viewer of a repeated text (attention.html).
+
+    Returns:
+        The dict saved as heads.json.
+    """
+    started, out, opts = time.perf_counter(), Path(out), opts.sized()
+    loaded = open_checkpoint(opts.ckpt)
+    model = loaded.model.eval()
+    L, H = head_shape(model)
+    limit = max_len(model)
+    vocab = model.embed.num_embeddings
+    context, n = min(opts.context, limit), min(opts.repeat_len, limit // 2, vocab)
+    opts = replace(opts, context=context, repeat_len=n)
+    train, val = load_data(loaded, opts.source)
+    fit, held_out = sample_batches(train, opts, opts.seed), sample_batches(val, opts, opts.seed + 1)
+    raw, importance = head_importance(model, fit)
+    by_importance = importance.flatten().argsort().tolist()  # least important first
+    gen = torch.Generator().manual_seed(opts.seed)
+    random_orders = [
+        torch.randperm(L * H, generator=gen).tolist() for _ in range(opts.random_orders)
+    ]
+    curve = pruning_curve(model, held_out, by_importance)
+    random_curves = [pruning_curve(model, held_out, order) for order in random_orders]
+    scores = pattern_scores(layer_probs(model, held_out[0][0]), opts.offsets)
+    scores["induction"] = induction_scores(model, vocab, n, opts.batch_size, opts.seed)
+    scores = {"importance": importance, **scores}
+    result = {
+        "options": asdict(opts),
+        "checkpoint": str(loaded.path),
+        "layers": L,
+        "heads": H,
+        "importance_raw": raw.tolist(),
+        "scores": {k: v.tolist() for k, v in scores.items()},
+        "induction_chance": induction_chance(n),
+        "pruning": {
+            "fractions": [k / (L * H) for k in range(L * H + 1)],
+            "by_importance": curve,
+            "random": random_curves,
+            "importance_order": by_importance,
+            "random_orders": random_orders,
+            "prunable_by_importance": prunable_fraction(curve),
+            "prunable_random": [prunable_fraction(c) for c in random_curves],
+            "tolerance": MAX_LOSS_INCREASE,
+        },
+        "logit_lens": logit_lens(model, *held_out[0]),
+    }
+    plot_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
+    plot_pruning(result["pruning"], out / "pruning.png")
+    best = int(scores["induction"].flatten().argmax())
+    shown = min(n, VIEWER_TOKENS)
+    text = loaded.tokenizer.decode(val[:shown].tolist()) if loaded.tokenizer else None
+    if text:
+        viz = AttentionViz(ckpt=opts.ckpt, text=text + text, layer=best // H, head=best % H)
+        result["pictures"] = [str(p) for p in attention_pictures(viz, out)]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "heads.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+# --- pictures and the terminal report ------------------------------------------------------------
+def plot_scores(scores: dict[str, Tensor], out: str | Path | None = None, title: str = ""):
+    """One layer x head heatmap per score, side by side; returns the Figure."""
+    from matplotlib.figure import Figure
+
+    n = len(scores)
+    L, H = next(iter(scores.values())).shape
+    fig = Figure(figsize=(2.2 + 0.35 * H * n, 1.2 + 0.35 * L))
+    for ax, (name, s) in zip(fig.subplots(1, n, squeeze=False)[0], scores.items()):
+        im = ax.imshow(s.numpy(), cmap="viridis", vmin=0, aspect="auto")
+        ax.set_title(name.replace("_", " "), fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(H))
+        ax.set_yticks(range(L))
+        fig.colorbar(im, ax=ax, fraction=0.05)
+    if title:
+        fig.suptitle(title)
+    return finish(fig, out)
+
+
+def plot_pruning(pruning: dict, out: str | Path | None = None):
+    """Loss against the fraction of heads masked: by importance, and each random order."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    x = pruning["fractions"]
+    for i, curve in enumerate(pruning["random"]):
+        ax.plot(x, curve, color="gray", alpha=0.6, label="random order" if i == 0 else None)
+    ax.plot(x, pruning["by_importance"], color="C3", marker="o", ms=3, label="by importance")
+    base = pruning["by_importance"][0]
+    ax.axhline(base * (1 + pruning["tolerance"]), color="k", ls=":", lw=1, label="+1% loss")
+    ax.set_xlabel("fraction of heads masked")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    return finish(fig, out)
+
+
+def format_report(result: dict) -> str:
+    """The terminal summary: importance, the top heads per score, pruning, the logit lens."""
+    lines = []
+    for name, s in result["scores"].items():
+        flat = torch.tensor(s).flatten()
+        top = flat.argsort(descending=True)[:3].tolist()
+        H = result["heads"]
+        best = ", ".join(f"L{i // H}H{i % H} {flat[i]:.3f}" for i in top)
+        lines.append(f"{name:16s} top heads: {best}")
+    lines.append(f"induction chance level (uniform attention): {result['induction_chance']:.3f}")
+    p = result["pruning"]
+    random = p["prunable_random"]
+    lines.append(
+        f"prunable at <= {p['tolerance']:.0%} loss increase: {p['prunable_by_importance']:.1%} "
+        f"of heads by importance, {_mean(random):.1%} at random (orders: "
+        f"{', '.join(f'{f:.1%}' for f in random)})"
+    )
+    lines.append("logit lens (final norm + head on each layer's residual stream):")
+    lines.append(f"  {'stream':12s} {'loss':>8s} {'top-1 agrees':>13s}")
+    for row in result["logit_lens"]:
+        lines.append(f"  {row['stream']:12s} {row['loss']:8.4f} {row['agreement']:13.3f}")
+    return "\n".join(lines)
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
