@@ -13,7 +13,10 @@ Head importance (Michel et al. 2019, "Are Sixteen Heads Really Better than One?"
 head's output is multiplied by a gate xi_h before the output projection; with all gates at 1 the
 model is unchanged, and I_h = mean over batches of |dL/dxi_h| is a first-order estimate of how
 much the loss moves when the head is removed. As the paper recommends (section 4.1), the scores
-are then normalised per layer by their L2 norm, so layers compare on one scale.
+are then normalised per layer by their L2 norm, so layers compare on one scale. The pruning
+curve masks heads in the order of one importance pass (least important first; the paper's code
+recomputes the scores after each pruning step), beside the order of the scores not normalised and
+seeded random orders as the control, each measured on held-out batches.
 
 The experiments run on causal language models (`DecoderLM`): the loss is next-token cross-entropy.
 
@@ -38,11 +41,12 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.training.config import DataConfig
 from attnlab.training.data import lm_batch, prepare_text_data
 from attnlab.viz.capture import capture_attention
-from attnlab.viz.figures import finish
+from attnlab.viz.heads import plot_head_scores, plot_pruning
 from attnlab.viz.report import AttentionViz, attention_pictures
 
 Batch = tuple[Tensor, Tensor]  # (B, T) inputs, (B, T) next-token targets
 MAX_LOSS_INCREASE = 0.01  # "heads that can be removed": at most 1% above the unpruned loss
+DEFAULT_CONTEXT = 128  # measuring context of a checkpoint that does not record its own
 VIEWER_TOKENS = 32  # the viewer shows a text of this many tokens, twice (induction stripes)
 
 
@@ -299,8 +303,9 @@ class HeadsLab:
     ckpt: a causal LM checkpoint (or a run directory).  source: text to measure on (default:
     the checkpoint's own data source, through its tokenizer).  batches / batch_size / context:
     the importance batches (training split) and, as many again, the evaluation batches
-    (validation split).  random_orders: seeded random pruning orders, the control.
-    repeat_len: n of the [r, r] induction sequences (2n <= the model's positions).
+    (validation split); context None = the checkpoint's training context (measuring past it
+    would mix in how well the positions extrapolate).  random_orders: seeded random pruning
+    orders, the control.  repeat_len: n of the [r, r] induction sequences; None = context / 2.
     """
 
     ckpt: str
@@ -308,9 +313,9 @@ class HeadsLab:
     fast: bool = False
     batches: int = 16
     batch_size: int = 12
-    context: int = 128
+    context: int | None = None
     random_orders: int = 5
-    repeat_len: int = 64
+    repeat_len: int | None = None
     offsets: tuple[int, ...] = (2,)
     seed: int = 0
 
@@ -359,7 +364,9 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     L, H = head_shape(model)
     limit = max_len(model)
     vocab = model.embed.num_embeddings
-    context, n = min(opts.context, limit), min(opts.repeat_len, limit // 2, vocab)
+    trained = loaded.run.get("train", {}).get("context", DEFAULT_CONTEXT)
+    context = min(opts.context or trained, limit)
+    n = min(opts.repeat_len or context // 2, limit // 2, vocab)
     opts = replace(opts, context=context, repeat_len=n)
     train, val = load_data(loaded, opts.source)
     fit, held_out = sample_batches(train, opts, opts.seed), sample_batches(val, opts, opts.seed + 1)
@@ -369,7 +376,9 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     random_orders = [
         torch.randperm(L * H, generator=gen).tolist() for _ in range(opts.random_orders)
     ]
+    by_raw = raw.flatten().argsort().tolist()
     curve = pruning_curve(model, held_out, by_importance)
+    raw_curve = pruning_curve(model, held_out, by_raw)
     random_curves = [pruning_curve(model, held_out, order) for order in random_orders]
     scores = pattern_scores(layer_probs(model, held_out[0][0]), opts.offsets)
     scores["induction"] = induction_scores(model, vocab, n, opts.batch_size, opts.seed)
@@ -385,16 +394,19 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         "pruning": {
             "fractions": [k / (L * H) for k in range(L * H + 1)],
             "by_importance": curve,
+            "by_raw_importance": raw_curve,
             "random": random_curves,
             "importance_order": by_importance,
+            "raw_importance_order": by_raw,
             "random_orders": random_orders,
             "prunable_by_importance": prunable_fraction(curve),
+            "prunable_by_raw_importance": prunable_fraction(raw_curve),
             "prunable_random": [prunable_fraction(c) for c in random_curves],
             "tolerance": MAX_LOSS_INCREASE,
         },
         "logit_lens": logit_lens(model, *held_out[0]),
     }
-    plot_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
+    plot_head_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
     plot_pruning(result["pruning"], out / "pruning.png")
     best = int(scores["induction"].flatten().argmax())
     shown = min(n, VIEWER_TOKENS)
@@ -407,45 +419,7 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     return result
 
 
-# --- pictures and the terminal report ------------------------------------------------------------
-def plot_scores(scores: dict[str, Tensor], out: str | Path | None = None, title: str = ""):
-    """One layer x head heatmap per score, side by side; returns the Figure."""
-    from matplotlib.figure import Figure
-
-    n = len(scores)
-    L, H = next(iter(scores.values())).shape
-    fig = Figure(figsize=(2.2 + 0.35 * H * n, 1.2 + 0.35 * L))
-    for ax, (name, s) in zip(fig.subplots(1, n, squeeze=False)[0], scores.items()):
-        im = ax.imshow(s.numpy(), cmap="viridis", vmin=0, aspect="auto")
-        ax.set_title(name.replace("_", " "), fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(H))
-        ax.set_yticks(range(L))
-        fig.colorbar(im, ax=ax, fraction=0.05)
-    if title:
-        fig.suptitle(title)
-    return finish(fig, out)
-
-
-def plot_pruning(pruning: dict, out: str | Path | None = None):
-    """Loss against the fraction of heads masked: by importance, and each random order."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    x = pruning["fractions"]
-    for i, curve in enumerate(pruning["random"]):
-        ax.plot(x, curve, color="gray", alpha=0.6, label="random order" if i == 0 else None)
-    ax.plot(x, pruning["by_importance"], color="C3", marker="o", ms=3, label="by importance")
-    base = pruning["by_importance"][0]
-    ax.axhline(base * (1 + pruning["tolerance"]), color="k", ls=":", lw=1, label="+1% loss")
-    ax.set_xlabel("fraction of heads masked")
-    ax.set_ylabel("validation loss")
-    ax.legend()
-    return finish(fig, out)
-
-
+# --- the terminal report ------------------------------------------------------------------------
 def format_report(result: dict) -> str:
     """The terminal summary: importance, the top heads per score, pruning, the logit lens."""
     lines = []
@@ -460,7 +434,8 @@ def format_report(result: dict) -> str:
     random = p["prunable_random"]
     lines.append(
         f"prunable at <= {p['tolerance']:.0%} loss increase: {p['prunable_by_importance']:.1%} "
-        f"of heads by importance, {_mean(random):.1%} at random (orders: "
+        f"of heads by importance ({p['prunable_by_raw_importance']:.1%} by the scores not "
+        f"normalised per layer), {_mean(random):.1%} at random (orders: "
         f"{', '.join(f'{f:.1%}' for f in random)})"
     )
     lines.append("logit lens (final norm + head on each layer's residual stream):")

@@ -291,6 +291,8 @@ def test_cli_lab_heads_end_to_end_in_fast_mode(tmp_path, capsys):
     assert set(result["scores"]) == expected | {"induction"}
     assert len(result["pruning"]["by_importance"]) == 9
     assert len(result["pruning"]["random"]) == 2
+    assert len(result["pruning"]["by_raw_importance"]) == 9
+    assert result["options"]["context"] == 32 and result["options"]["repeat_len"] == 16
     assert sorted(result["pruning"]["importance_order"]) == list(range(8))
     assert [r["stream"] for r in result["logit_lens"]][-1] == "block 1"
     for name in ("heads.png", "pruning.png", "attention.html", "attention_decoder_self.png"):
