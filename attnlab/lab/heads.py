@@ -351,6 +351,48 @@ def sample_batches(tokens: np.ndarray, opts: HeadsLab, seed: int) -> list[Batch]
     return [lm_batch(tokens, opts.context, opts.batch_size, gen) for _ in range(opts.batches)]
 
 
+def pruning_curves(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    raw: Tensor,
+    importance: Tensor,
+    n_random: int,
+    seed: int,
+) -> dict:
+    """Pruning curves by normalised importance, by raw importance and in seeded random orders.
+
+    Args:
+        raw, importance: (L, H) from `head_importance`.  n_random: random orders drawn.
+
+    Returns:
+        {"fractions", "by_importance", "by_raw_importance", "random": [curves], the orders,
+        "prunable_*": the fractions removable within MAX_LOSS_INCREASE, "tolerance"}.
+    """
+    n = raw.numel()
+    by_importance = importance.flatten().argsort().tolist()  # least important first
+    by_raw = raw.flatten().argsort().tolist()
+    gen = torch.Generator().manual_seed(seed)
+    random_orders = [torch.randperm(n, generator=gen).tolist() for _ in range(n_random)]
+    curve, raw_curve = (
+        pruning_curve(model, batches, by_importance),
+        pruning_curve(model, batches, by_raw),
+    )
+    random_curves = [pruning_curve(model, batches, order) for order in random_orders]
+    return {
+        "fractions": [k / n for k in range(n + 1)],
+        "by_importance": curve,
+        "by_raw_importance": raw_curve,
+        "random": random_curves,
+        "importance_order": by_importance,
+        "raw_importance_order": by_raw,
+        "random_orders": random_orders,
+        "prunable_by_importance": prunable_fraction(curve),
+        "prunable_by_raw_importance": prunable_fraction(raw_curve),
+        "prunable_random": [prunable_fraction(c) for c in random_curves],
+        "tolerance": MAX_LOSS_INCREASE,
+    }
+
+
 def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     """Every measurement for one checkpoint, written to `out`: heads.json, heads.png (layer x
     head heatmaps), pruning.png, and the attention viewer of a repeated text (attention.html).
@@ -371,15 +413,6 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     train, val = load_data(loaded, opts.source)
     fit, held_out = sample_batches(train, opts, opts.seed), sample_batches(val, opts, opts.seed + 1)
     raw, importance = head_importance(model, fit)
-    by_importance = importance.flatten().argsort().tolist()  # least important first
-    gen = torch.Generator().manual_seed(opts.seed)
-    random_orders = [
-        torch.randperm(L * H, generator=gen).tolist() for _ in range(opts.random_orders)
-    ]
-    by_raw = raw.flatten().argsort().tolist()
-    curve = pruning_curve(model, held_out, by_importance)
-    raw_curve = pruning_curve(model, held_out, by_raw)
-    random_curves = [pruning_curve(model, held_out, order) for order in random_orders]
     scores = pattern_scores(layer_probs(model, held_out[0][0]), opts.offsets)
     scores["induction"] = induction_scores(model, vocab, n, opts.batch_size, opts.seed)
     scores = {"importance": importance, **scores}
@@ -391,19 +424,7 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         "importance_raw": raw.tolist(),
         "scores": {k: v.tolist() for k, v in scores.items()},
         "induction_chance": induction_chance(n),
-        "pruning": {
-            "fractions": [k / (L * H) for k in range(L * H + 1)],
-            "by_importance": curve,
-            "by_raw_importance": raw_curve,
-            "random": random_curves,
-            "importance_order": by_importance,
-            "raw_importance_order": by_raw,
-            "random_orders": random_orders,
-            "prunable_by_importance": prunable_fraction(curve),
-            "prunable_by_raw_importance": prunable_fraction(raw_curve),
-            "prunable_random": [prunable_fraction(c) for c in random_curves],
-            "tolerance": MAX_LOSS_INCREASE,
-        },
+        "pruning": pruning_curves(model, held_out, raw, importance, opts.random_orders, opts.seed),
         "logit_lens": logit_lens(model, *held_out[0]),
     }
     plot_head_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
