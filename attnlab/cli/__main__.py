@@ -19,11 +19,11 @@ COMMANDS = {
     "inspect": "Count a model's parameters, FLOPs per token and KV-cache bytes (no memory used).",
     "viz": "Draw attention maps (PNG and an HTML viewer), positions, masks and loss curves.",
     "analyze": "Measured analyses: numerical rank of attention matrices (attnlab analyze rank).",
-    "lab": "Experiments that test the seeds' claims (attnlab lab heads: what heads do).",
     "quantize": "Quantize a checkpoint's Linear weights to int8 or int4 (weight-only).",
     "convert": "Convert a checkpoint between the HF (safetensors) and attnlab formats.",
     "check": "Compare two models layer by layer and name the likely cause of a divergence.",
     "data": "Download a named dataset (attnlab data get shakespeare) once into the user's cache.",
+    "lab": "Experiments that test the seeds' claims: attnlab lab heads (what heads do).",
 }
 
 
