@@ -295,6 +295,19 @@ def logit_lens(model: nn.Module, x: Tensor, y: Tensor) -> list[dict]:
     return rows
 
 
+def mean_logit_lens(model: nn.Module, batches: Sequence[Batch]) -> list[dict]:
+    """`logit_lens` averaged over batches (each row's loss and agreement)."""
+    per_batch = [logit_lens(model, x, y) for x, y in batches]
+    return [
+        {
+            "stream": rows[0]["stream"],
+            "loss": sum(r["loss"] for r in rows) / len(rows),
+            "agreement": sum(r["agreement"] for r in rows) / len(rows),
+        }
+        for rows in zip(*per_batch)
+    ]
+
+
 # --- the experiment ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HeadsLab:
@@ -425,7 +438,7 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         "scores": {k: v.tolist() for k, v in scores.items()},
         "induction_chance": induction_chance(n),
         "pruning": pruning_curves(model, held_out, raw, importance, opts.random_orders, opts.seed),
-        "logit_lens": logit_lens(model, *held_out[0]),
+        "logit_lens": mean_logit_lens(model, held_out),
     }
     plot_head_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
     plot_pruning(result["pruning"], out / "pruning.png")

@@ -23,6 +23,7 @@ from attnlab.lab.heads import (
     induction_scores,
     lm_loss,
     logit_lens,
+    mean_logit_lens,
     offset_score,
     pattern_scores,
     prunable_fraction,
@@ -237,6 +238,12 @@ def test_logit_lens_equals_a_model_cut_after_each_block():
         assert rows[depth]["loss"] == pytest.approx(loss, rel=1e-5)
         assert rows[depth]["agreement"] == pytest.approx(agreement)
     assert rows[-1]["agreement"] == 1.0
+    x2, y2 = torch.randint(256, (2, 2, 10)).unbind(1)
+    second = logit_lens(model, x2, y2)
+    averaged = mean_logit_lens(model, [(x, y), (x2, y2)])
+    for row, a, b in zip(averaged, rows, second):
+        assert row["loss"] == pytest.approx((a["loss"] + b["loss"]) / 2)
+        assert row["agreement"] == pytest.approx((a["agreement"] + b["agreement"]) / 2)
 
 
 @pytest.mark.slow
