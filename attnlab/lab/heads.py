@@ -3,20 +3,20 @@
     set_head_mask(model, mask)          a gate per head, (L, H), on every self-attention layer
     head_importance(model, batches)     Michel et al. 2019: |dL / d gate|, gates at 1
     pruning_curve(model, batches, order)  loss as heads are masked one by one in `order`
-    pattern_scores(maps)                previous token, same position, offset k, first token
+    pattern_scores(probs)               previous token, same position, offset k, first token
     induction_scores(model, ...)        Olsson et al. 2022: on [r, r], the second copy's attention
                                         to the token after the first occurrence
-    logit_lens(model, ids)              final norm + LM head on each layer's residual stream
+    logit_lens(model, x, y)             final norm + LM head on each layer's residual stream
     heads_lab(HeadsLab(ckpt=...), out)  all of it for one checkpoint: JSON, PNGs, the HTML viewer
 
-Head importance (Michel et al. 2019, "Are Sixteen Heads Really Better than One?", eq. 4): every
+Head importance (Michel et al. 2019, "Are Sixteen Heads Really Better than One?"): every
 head's output is multiplied by a gate xi_h before the output projection; with all gates at 1 the
 model is unchanged, and I_h = mean over batches of |dL/dxi_h| is a first-order estimate of how
-much the loss moves when the head is removed. As the paper recommends (section 4.1), the scores
-are then normalised per layer by their L2 norm, so layers compare on one scale. The pruning
-curve masks heads in the order of one importance pass (least important first; the paper's code
-recomputes the scores after each pruning step), beside the order of the scores not normalised and
-seeded random orders as the control, each measured on held-out batches.
+much the loss moves when the head is removed. As the paper recommends, the scores are then
+normalised per layer by their L2 norm, so layers compare on one scale. The pruning curve masks
+heads in the order of one importance pass, least important first (HF transformers' bertology
+example recomputes the scores between pruning steps; not done here), beside the order of the
+scores not normalised and seeded random orders as the control, all measured on held-out batches.
 
 The experiments run on causal language models (`DecoderLM`): the loss is next-token cross-entropy.
 
