@@ -15,7 +15,9 @@ from attnlab.viz.figures import finish
 
 
 def plot_head_scores(scores: dict, out: str | Path | None = None, title: str = "") -> Figure:
-    """One heatmap per score, side by side, rows = layers, columns = heads.
+    """One heatmap per score, side by side, rows = layers, columns = heads, all on one colour
+    scale from 0 to 1 (every score is a fraction of attention or a normalised importance), so a
+    score near 0 looks near 0 rather than being stretched over the colours.
 
     Args:
         scores: {name: (L, H) array or tensor}, every score of the same shape.
@@ -25,7 +27,7 @@ def plot_head_scores(scores: dict, out: str | Path | None = None, title: str = "
     L, H = next(iter(arrays.values())).shape
     fig = Figure(figsize=(2.2 + 0.35 * H * n, 1.2 + 0.35 * L))
     for ax, (name, s) in zip(fig.subplots(1, n, squeeze=False)[0], arrays.items()):
-        im = ax.imshow(s, cmap="viridis", vmin=0, aspect="auto")
+        im = ax.imshow(s, cmap="viridis", vmin=0, vmax=max(1.0, s.max()), aspect="auto")
         ax.set_title(name.replace("_", " "), fontsize=9)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")

@@ -14,6 +14,7 @@ def test_each_heatmap_is_its_score(tmp_path):
         np.testing.assert_array_equal(image_array(fig, i), s)  # rows layers, columns heads
     assert [ax.get_title() for ax in fig.axes[:2]] == ["importance", "previous token"]
     assert (tmp_path / "heads.png").stat().st_size > 1000
+    assert all(im.get_clim() == (0.0, 1.0) for ax in fig.axes[:2] for im in ax.images)
 
 
 def test_the_pruning_plot_draws_every_curve():
