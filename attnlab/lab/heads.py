@@ -442,7 +442,10 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     }
     plot_head_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
     plot_pruning(result["pruning"], out / "pruning.png")
-    best = int(scores["induction"].flatten().argmax())
+    # The viewer opens at the top induction head, or the top previous-token head where no head
+    # scores clearly above chance on [r, r].
+    found = scores["induction"].max() > 2 * induction_chance(n)
+    best = int(scores["induction" if found else "previous_token"].flatten().argmax())
     shown = min(n, VIEWER_TOKENS)
     text = loaded.tokenizer.decode(val[:shown].tolist()) if loaded.tokenizer else None
     if text:
