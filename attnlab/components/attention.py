@@ -134,7 +134,7 @@ class Attention(nn.Module):
         if self.capture_weights:
             self.weights = weights  # (B, H, T, S)
         if self.head_mask is not None:
-            out = out * self.head_mask.view(1, H, 1, 1)  # (B, H, T, D): 0 removes a head
+            out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)
 

@@ -136,7 +136,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.absorb:
             out = torch.einsum("bhtr,hdr->bhtd", out, self._up_weights()[1])  # (B, H, T, Dv)
         if self.head_mask is not None:
-            out = out * self.head_mask.view(1, H, 1, 1)  # (B, H, T, Dv): 0 removes a head
+            out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, Dv)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)  # (B, T, H*Dv)
         return self.o_proj(out)  # (B, T, C)
 

@@ -82,6 +82,12 @@ def test_mla_heads_are_masked_too(absorb):
     assert torch.equal(masked[:, :, 1:], plain[:, :, 1:])
 
 
+def test_a_float32_mask_keeps_a_bf16_layer_in_bf16():
+    attn = Attention(32, 4).to(torch.bfloat16).eval()
+    attn.head_mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert attn(torch.randn(2, 5, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_no_mask_and_all_ones_change_nothing():
     model = tiny_lm()
     ids = torch.randint(256, (2, 12))
