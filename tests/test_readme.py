@@ -45,6 +45,7 @@ OVERRIDES = [
     (("eval",), "", ["--batches", "1"]),
     (("generate",), "", ["--max-new-tokens", "8"]),
     (("analyze", "rank"), "", ["--n", "8", "16", "--d-k", "2", "4", "--heads", "1", "2"]),
+    (("lab", "heads"), "", ["--fast"]),
 ]
 
 _PUNCT = {";", "&&", "||", "|", "&"}

@@ -85,6 +85,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
         self.capture_weights = False  # set to keep the probabilities (B, H, T, S) in .weights
         self.weights: Tensor | None = None
+        # (H,) gate on each head's output before o_proj (Michel et al. 2019); None = no gate.
+        # A plain attribute, not a buffer: an experiment's setting, never saved with the weights.
+        self.head_mask: Tensor | None = None
 
     def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
         """Attend from `x` to itself (or to `ctx.memory` for cross attention).
@@ -100,6 +103,7 @@ class Attention(nn.Module):
 
         Returns:
             (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.
+            With `head_mask` set, head h's output is multiplied by head_mask[h] before o_proj.
         """
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
@@ -130,6 +134,8 @@ class Attention(nn.Module):
             weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
         if self.capture_weights:
             self.weights = weights  # (B, H, T, S)
+        if self.head_mask is not None:
+            out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)
 

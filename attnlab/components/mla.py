@@ -95,6 +95,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(r, H * (Dn + Dv), bias=False)  # W_UK and W_UV, per head
         self.o_proj = nn.Linear(H * Dv, d_model, bias=out_bias)
         self.capture_weights = False  # set to keep the probabilities (B, H, T, S) in .weights
+        self.head_mask: Tensor | None = None  # (H,) gate on each head's output, as in Attention
         self.weights: Tensor | None = None
 
     def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
@@ -134,6 +135,8 @@ class MultiHeadLatentAttention(nn.Module):
             self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
         if self.absorb:
             out = torch.einsum("bhtr,hdr->bhtd", out, self._up_weights()[1])  # (B, H, T, Dv)
+        if self.head_mask is not None:
+            out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, Dv)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)  # (B, T, H*Dv)
         return self.o_proj(out)  # (B, T, C)
 

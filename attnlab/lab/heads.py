@@ -1,0 +1,347 @@
+"""What attention heads do: importance, pruning, attention patterns and the logit lens.
+
+    set_head_mask(model, mask)          a gate per head, (L, H), on every self-attention layer
+    head_importance(model, batches)     Michel et al. 2019: |dL / d gate|, gates at 1
+    pruning_curve(model, batches, order)  loss as heads are masked one by one in `order`
+    heads_lab(HeadsLab(ckpt=...), out)  all of it for one checkpoint: importance, pruning, the
+                                        pattern and induction scores and the logit lens of
+                                        lab/head_scores.py; JSON, PNGs, the HTML viewer
+
+Head importance (Michel et al. 2019, "Are Sixteen Heads Really Better than One?"): every
+head's output is multiplied by a gate xi_h before the output projection; with all gates at 1 the
+model is unchanged, and I_h = mean over batches of |dL/dxi_h| is a first-order estimate of how
+much the loss moves when the head is removed. As the paper recommends, the scores are then
+normalised per layer by their L2 norm, so layers compare on one scale. The pruning curve masks
+heads in the order of one importance pass, least important first (HF transformers' bertology
+example recomputes the scores between pruning steps; not done here), beside the order of the
+scores not normalised and seeded random orders as the control, all measured on held-out batches.
+
+The experiments run on causal language models (`DecoderLM`): the loss is next-token cross-entropy.
+
+Shapes: L layers, H heads, B batch, T length, S keys, V vocab.
+"""
+
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from attnlab.checkpoint import open_checkpoint
+from attnlab.configs import from_dict
+from attnlab.lab.head_scores import (
+    Batch,
+    induction_chance,
+    induction_scores,
+    layer_probs,
+    mean_logit_lens,
+    pattern_scores,
+    token_loss,
+)
+from attnlab.models.decoder import DecoderLM
+from attnlab.training.config import DataConfig
+from attnlab.training.data import lm_batch, prepare_text_data
+from attnlab.viz.heads import plot_head_scores, plot_pruning
+from attnlab.viz.report import AttentionViz, attention_pictures
+
+MAX_LOSS_INCREASE = 0.01  # "heads that can be removed": at most 1% above the unpruned loss
+DEFAULT_CONTEXT = 128  # measuring context of a checkpoint that does not record its own
+VIEWER_TOKENS = 32  # the viewer shows a text of this many tokens, twice (induction stripes)
+
+
+# --- head masks ----------------------------------------------------------------------------------
+def head_layers(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a decoder LM, in layer order (each has `head_mask`)."""
+    if not isinstance(model, DecoderLM):
+        raise ValueError(
+            f"the heads experiments take a causal LM (DecoderLM), got {type(model).__name__}; "
+            "train one with `attnlab train` (task clm)"
+        )
+    return [block.self_attn for block in model.blocks]
+
+
+def head_shape(model: nn.Module) -> tuple[int, int]:
+    """(L, H): layers and query heads per layer."""
+    layers = head_layers(model)
+    return len(layers), layers[0].n_heads
+
+
+def set_head_mask(model: nn.Module, mask: Tensor | None) -> None:
+    """Gate every head's output before its layer's o_proj (Michel et al. 2019).
+
+    Args:
+        model: a DecoderLM.
+        mask: (L, H) gates (1 keeps a head, 0 removes it, anything between scales it; a tensor
+            that requires grad gives dL/d gate), or None to remove every gate.
+    """
+    layers = head_layers(model)
+    if mask is None:
+        for attn in layers:
+            attn.head_mask = None
+        return
+    shape = (len(layers), layers[0].n_heads)
+    if tuple(mask.shape) != shape:
+        raise ValueError(
+            f"head mask of shape {tuple(mask.shape)} for a model of {shape[0]} layers x "
+            f"{shape[1]} heads; give shape {shape}"
+        )
+    for attn, row in zip(layers, mask):
+        attn.head_mask = row  # (H,), a view: gradients flow back to `mask`
+
+
+# --- loss, importance, pruning -------------------------------------------------------------------
+def lm_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """Mean next-token cross-entropy of one batch (a scalar tensor)."""
+    x, y = batch
+    return token_loss(model(x), y)
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """The mean of the batches' losses."""
+    return sum(lm_loss(model, b).item() for b in batches) / len(batches)
+
+
+def head_importance(model: nn.Module, batches: Sequence[Batch]) -> tuple[Tensor, Tensor]:
+    """Per-head importance: I_h = mean over batches of |dL/dxi_h|, gates xi at 1.
+
+    Args:
+        model: a DecoderLM (its parameters' gradients are left untouched).
+        batches: the data the expectation is taken over.
+
+    Returns:
+        (raw, normalised): each (L, H); normalised divides each layer's row by its L2 norm.
+    """
+    L, H = head_shape(model)
+    gate = torch.ones(L, H, requires_grad=True)
+    total = torch.zeros(L, H)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)  # only the gates need gradients
+    try:
+        set_head_mask(model, gate)
+        for batch in batches:
+            (grad,) = torch.autograd.grad(lm_loss(model, batch), gate)
+            total += grad.abs()  # |dL/dxi| per batch, as in the paper's code
+    finally:
+        set_head_mask(model, None)
+        for p in params:
+            p.requires_grad_(True)
+    raw = total / len(batches)
+    return raw, raw / raw.norm(dim=1, keepdim=True).clamp_min(1e-20)
+
+
+@torch.no_grad()
+def pruning_curve(model: nn.Module, batches: Sequence[Batch], order: Sequence[int]) -> list[float]:
+    """The loss with the first k heads of `order` masked, for k = 0 .. L*H.
+
+    Args:
+        order: flat head indices (layer * H + head), the first to be removed first.
+
+    Returns:
+        L*H + 1 mean losses over `batches`.
+    """
+    L, H = head_shape(model)
+    mask = torch.ones(L * H)
+    losses = []
+    try:
+        for k in range(L * H + 1):
+            if k:
+                mask[order[k - 1]] = 0.0
+            set_head_mask(model, mask.view(L, H))
+            losses.append(mean_loss(model, batches))
+    finally:
+        set_head_mask(model, None)
+    return losses
+
+
+def prunable_fraction(losses: Sequence[float], tolerance: float = MAX_LOSS_INCREASE) -> float:
+    """The largest fraction of heads masked before the loss first rises above (1 + tolerance)
+    times the unpruned loss (losses[0]); losses[k] has k of len(losses) - 1 heads masked."""
+    limit = losses[0] * (1 + tolerance)
+    k = next((k for k, loss in enumerate(losses) if loss > limit), len(losses)) - 1
+    return k / (len(losses) - 1)
+
+
+# --- the experiment ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsLab:
+    """Options of `attnlab lab heads`; `fast` shrinks the data for tests.
+
+    ckpt: a causal LM checkpoint (or a run directory).  source: text to measure on (default:
+    the checkpoint's own data source, through its tokenizer).  batches / batch_size / context:
+    the importance batches (training split) and, as many again, the evaluation batches
+    (validation split); context None = the checkpoint's training context (measuring past it
+    would mix in how well the positions extrapolate).  random_orders: seeded random pruning
+    orders, the control.  repeat_len: n of the [r, r] induction sequences; None = context / 2.
+    """
+
+    ckpt: str
+    source: str | None = None
+    fast: bool = False
+    batches: int = 16
+    batch_size: int = 12
+    context: int | None = None
+    random_orders: int = 5
+    repeat_len: int | None = None
+    offsets: tuple[int, ...] = (2,)
+    seed: int = 0
+
+    def sized(self) -> "HeadsLab":
+        """These options, shrunk in fast mode."""
+        if not self.fast:
+            return self
+        return replace(self, batches=2, batch_size=4, context=32, random_orders=2, repeat_len=16)
+
+
+def max_len(model: nn.Module) -> int:
+    """The longest input the model's position tables allow (a large number when unbounded)."""
+    limits = [m.max_positions for m in model.modules() if getattr(m, "max_positions", None)]
+    return min(limits) if limits else 1 << 16
+
+
+def load_data(loaded, source: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """The (train, val) token streams of the checkpoint's data, or of `source` through the
+    checkpoint's tokenizer."""
+    data = from_dict(DataConfig, loaded.run["data"]) if "data" in loaded.run else DataConfig()
+    if source is not None or "data" not in loaded.run:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read text with")
+        tokenizer = str(loaded.path / "tokenizer.json")
+        data = replace(data, source=source or data.source, tokenizer=tokenizer)
+    tokens = prepare_text_data(data)
+    return tokens.train, tokens.val
+
+
+def sample_batches(tokens: np.ndarray, opts: HeadsLab, seed: int) -> list[Batch]:
+    """`opts.batches` seeded random windows of `opts.context` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return [lm_batch(tokens, opts.context, opts.batch_size, gen) for _ in range(opts.batches)]
+
+
+def pruning_curves(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    raw: Tensor,
+    importance: Tensor,
+    n_random: int,
+    seed: int,
+) -> dict:
+    """Pruning curves by normalised importance, by raw importance and in seeded random orders.
+
+    Args:
+        raw, importance: (L, H) from `head_importance`.  n_random: random orders drawn.
+
+    Returns:
+        {"fractions", "by_importance", "by_raw_importance", "random": [curves], the orders,
+        "prunable_*": the fractions removable within MAX_LOSS_INCREASE, "tolerance"}.
+    """
+    n = raw.numel()
+    by_importance = importance.flatten().argsort().tolist()  # least important first
+    by_raw = raw.flatten().argsort().tolist()
+    gen = torch.Generator().manual_seed(seed)
+    random_orders = [torch.randperm(n, generator=gen).tolist() for _ in range(n_random)]
+    curve, raw_curve = (
+        pruning_curve(model, batches, by_importance),
+        pruning_curve(model, batches, by_raw),
+    )
+    random_curves = [pruning_curve(model, batches, order) for order in random_orders]
+    return {
+        "fractions": [k / n for k in range(n + 1)],
+        "by_importance": curve,
+        "by_raw_importance": raw_curve,
+        "random": random_curves,
+        "importance_order": by_importance,
+        "raw_importance_order": by_raw,
+        "random_orders": random_orders,
+        "prunable_by_importance": prunable_fraction(curve),
+        "prunable_by_raw_importance": prunable_fraction(raw_curve),
+        "prunable_random": [prunable_fraction(c) for c in random_curves],
+        "tolerance": MAX_LOSS_INCREASE,
+    }
+
+
+def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
+    """Every measurement for one checkpoint, written to `out`: heads.json, heads.png (layer x
+    head heatmaps), pruning.png, and the attention viewer of a repeated text (attention.html).
+
+    Returns:
+        The dict saved as heads.json.
+    """
+    started, out, opts = time.perf_counter(), Path(out), opts.sized()
+    loaded = open_checkpoint(opts.ckpt)
+    model = loaded.model.eval()
+    L, H = head_shape(model)
+    limit = max_len(model)
+    vocab = model.embed.num_embeddings
+    trained = loaded.run.get("train", {}).get("context", DEFAULT_CONTEXT)
+    context = min(opts.context or trained, limit)
+    n = min(opts.repeat_len or context // 2, limit // 2, vocab)
+    opts = replace(opts, context=context, repeat_len=n)
+    train, val = load_data(loaded, opts.source)
+    fit, held_out = sample_batches(train, opts, opts.seed), sample_batches(val, opts, opts.seed + 1)
+    raw, importance = head_importance(model, fit)
+    scores = pattern_scores(layer_probs(model, held_out[0][0]), opts.offsets)
+    scores["induction"] = induction_scores(model, vocab, n, opts.batch_size, opts.seed)
+    scores = {"importance": importance, **scores}
+    result = {
+        "options": asdict(opts),
+        "checkpoint": str(loaded.path),
+        "layers": L,
+        "heads": H,
+        "importance_raw": raw.tolist(),
+        "scores": {k: v.tolist() for k, v in scores.items()},
+        "induction_chance": induction_chance(n),
+        "pruning": pruning_curves(model, held_out, raw, importance, opts.random_orders, opts.seed),
+        "logit_lens": mean_logit_lens(model, held_out),
+    }
+    plot_head_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
+    plot_pruning(result["pruning"], out / "pruning.png")
+    # The viewer opens at the top induction head, or the top previous-token head where no head
+    # scores clearly above chance on [r, r].
+    found = scores["induction"].max() > 2 * induction_chance(n)
+    best = int(scores["induction" if found else "previous_token"].flatten().argmax())
+    shown = min(n, VIEWER_TOKENS)
+    text = loaded.tokenizer.decode(val[:shown].tolist()) if loaded.tokenizer else None
+    if text:
+        viz = AttentionViz(ckpt=opts.ckpt, text=text + text, layer=best // H, head=best % H)
+        result["pictures"] = [str(p) for p in attention_pictures(viz, out)]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "heads.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+# --- the terminal report ------------------------------------------------------------------------
+def format_report(result: dict) -> str:
+    """The terminal summary: importance, the top heads per score, pruning, the logit lens."""
+    lines = []
+    for name, s in result["scores"].items():
+        flat = torch.tensor(s).flatten()
+        top = flat.argsort(descending=True)[:3].tolist()
+        H = result["heads"]
+        best = ", ".join(f"L{i // H}H{i % H} {flat[i]:.3f}" for i in top)
+        lines.append(f"{name:16s} top heads: {best}")
+    lines.append(f"induction chance level (uniform attention): {result['induction_chance']:.3f}")
+    p = result["pruning"]
+    random = p["prunable_random"]
+    lines.append(
+        f"prunable at <= {p['tolerance']:.0%} loss increase: {p['prunable_by_importance']:.1%} "
+        f"of heads by importance ({p['prunable_by_raw_importance']:.1%} by the scores not "
+        f"normalised per layer), {_mean(random):.1%} at random (orders: "
+        f"{', '.join(f'{f:.1%}' for f in random)})"
+    )
+    lines.append("logit lens (final norm + head on each layer's residual stream):")
+    lines.append(f"  {'stream':12s} {'loss':>8s} {'top-1 agrees':>13s}")
+    for row in result["logit_lens"]:
+        lines.append(f"  {row['stream']:12s} {row['loss']:8.4f} {row['agreement']:13.3f}")
+    return "\n".join(lines)
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
