@@ -31,6 +31,7 @@ LAYERS = {
     "attnlab.viz": 7,
     "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
     "attnlab.finetune": 7.5,  # fine-tuning runs through training's loop, so it sits above it
+    "attnlab.lab": 7.5,  # experiments train (training) and draw (viz), so they sit above both
     "attnlab.cli": 8,
     "attnlab": 9,  # the public API (__init__) and `python -m attnlab` re-export from all layers
 }

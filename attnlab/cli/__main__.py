@@ -23,6 +23,7 @@ COMMANDS = {
     "convert": "Convert a checkpoint between the HF (safetensors) and attnlab formats.",
     "check": "Compare two models layer by layer and name the likely cause of a divergence.",
     "data": "Download a named dataset (attnlab data get shakespeare) once into the user's cache.",
+    "lab": "Experiments that test the seeds' claims: attnlab lab extrapolate (position schemes).",
 }
 
 

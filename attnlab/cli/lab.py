@@ -1,0 +1,60 @@
+"""Experiments that test the seeds' claims: `attnlab lab extrapolate` (length extrapolation).
+
+A small dispatcher: each experiment is one subcommand with one `<name>_main(args)` function and
+its flags, derived from the experiment's options dataclass (attnlab/lab/).
+"""
+
+import argparse
+from pathlib import Path
+
+from attnlab.cli.options import add_config_flags, apply_config_flags
+from attnlab.cli.viz import add_dataclass_flags, options_from_args
+from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
+from attnlab.training.config import DataConfig
+
+EXTRAPOLATE_HELP = (
+    "train small models that differ only in the position scheme at context L, then measure "
+    "validation loss per position up to 8L, and RoPE scalings (PI, NTK, dynamic NTK, YaRN) "
+    "x2/x4/x8 with and without a short fine-tune; cached, so a rerun only plots"
+)
+
+
+def add_extrapolate_flags(p: argparse.ArgumentParser) -> None:
+    add_dataclass_flags(p, Extrapolation)
+    add_config_flags(p, {"data": DataConfig})  # --data.source FILE|DIR|stdlib, --data.max_chars
+
+
+def extrapolate_main(args: argparse.Namespace) -> int:
+    """`attnlab lab extrapolate`: run (or read back) the experiment; print the table."""
+    opts = options_from_args(Extrapolation, args)
+    data = apply_config_flags({"data": default_data(opts)}, args)[0]["data"]
+    result = run_extrapolation(opts, data)
+    print(Path(result["table"]).read_text(), end="")
+    cached = (
+        "everything cached"
+        if not (result["trained"] or result["measured"])
+        else (
+            f"trained {len(result['trained'])} models, measured {len(result['measured'])} variants"
+        )
+    )
+    print(f"\n{cached}; {result['wall_s']:.0f} s")
+    for key in ("json", "png"):
+        print(f"wrote {result[key]}")
+    return 0
+
+
+# name: (help, add its flags, run it). One line per experiment.
+EXPERIMENTS = {
+    "extrapolate": (EXTRAPOLATE_HELP, add_extrapolate_flags, extrapolate_main),
+}
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    metavar = "{" + ",".join(EXPERIMENTS) + "}"
+    sub = p.add_subparsers(dest="experiment", required=True, metavar=metavar)
+    for name, (summary, add_flags, _) in EXPERIMENTS.items():
+        add_flags(sub.add_parser(name, help=summary, description=summary))
+
+
+def run(args: argparse.Namespace) -> int:
+    return EXPERIMENTS[args.experiment][2](args)

@@ -1,0 +1,1 @@
+"""Experiments that test the seeds' claims: length extrapolation (extrapolate.py) and what heads do (heads.py)."""
