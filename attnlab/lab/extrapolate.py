@@ -66,6 +66,7 @@ FACTORS = (2, 4, 8)
 FINETUNED = ("linear", "yarn")
 SPAN = 8  # measure up to SPAN * L
 BUCKETS = ("L", "2L", "4L", "8L")
+SMOOTH = 0.125  # the picture averages position p's loss over p +- 12.5%
 LATER = ("finetune_steps", "eval_windows")  # sizes a trained base model does not depend on
 
 
@@ -405,14 +406,17 @@ def format_table(rows: list[dict], context: int) -> str:
     return "\n".join(lines)
 
 
-def smooth(values: np.ndarray, width: int) -> np.ndarray:
-    """Moving average over `width` positions (shorter at the ends; NaN stays NaN)."""
+def smooth(values: np.ndarray, spread: float = SMOOTH) -> np.ndarray:
+    """Average of position p's neighbours within p * spread on either side (a window that grows
+    with p, even on a log axis); positions without a loss (NaN) are skipped and stay NaN."""
     ok = np.isfinite(values)
-    kernel = np.ones(width)
-    total = np.convolve(np.where(ok, values, 0.0), kernel, mode="same")
-    count = np.convolve(ok.astype(float), kernel, mode="same")
+    total = np.concatenate(([0.0], np.cumsum(np.where(ok, values, 0.0))))
+    count = np.concatenate(([0], np.cumsum(ok)))
+    p = np.arange(1, len(values) + 1)
+    lo = np.maximum(p - np.floor(p * spread), 1).astype(int) - 1  # 0-based, inclusive
+    hi = np.minimum(p + np.floor(p * spread), len(values)).astype(int)  # exclusive
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(ok, total / count, np.nan)
+        return np.where(ok, (total[hi] - total[lo]) / (count[hi] - count[lo]), np.nan)
 
 
 def extrapolation_figure(records: list[dict], context: int) -> Figure:
@@ -430,7 +434,7 @@ def extrapolation_figure(records: list[dict], context: int) -> Figure:
     for ax, (title, keep) in zip(axes, panels):
         for i, r in enumerate(x for x in records if keep(x)):
             y = np.array([np.nan if v is None else v for v in r["per_position"]])
-            y = smooth(y, max(1, context // 8))
+            y = smooth(y)
             lows.append(np.nanmin(y))
             pos = np.arange(1, len(y) + 1)
             if r["scaling"] is None:
@@ -443,7 +447,7 @@ def extrapolation_figure(records: list[dict], context: int) -> Figure:
         ax.set_title(title)
         ax.set_xlabel("position (tokens read)")
         ax.legend(fontsize=7, ncol=2)
-    axes[0].set_ylabel(f"validation loss (nats/token), moving average over {max(1, context // 8)}")
+    axes[0].set_ylabel(f"validation loss (nats/token), averaged over position +-{SMOOTH:.1%}")
     lo = min(lows)
     axes[0].set_ylim(lo - 0.1, lo + 3.0)
     return fig
