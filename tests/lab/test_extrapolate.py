@@ -22,16 +22,15 @@ from attnlab.lab.extrapolate import (
     Extrapolation,
     Variant,
     bucket_means,
-    extrapolation_figure,
     model_config,
     per_position_loss,
     run_extrapolation,
     scaled,
-    smooth,
     variants,
 )
 from attnlab.models.build import build_model
 from attnlab.training.config import DataConfig
+from attnlab.viz.extrapolation import extrapolation_figure
 from tests.data import SHAKESPEARE
 
 L = FAST.context
@@ -239,12 +238,3 @@ def test_bad_steps_are_one_clear_error(capsys):
     assert main(["lab", "extrapolate", "--fast", "--steps", "0", "--out", "unused"]) == 2
     err = capsys.readouterr().err
     assert "--steps must be >= 1, got 0" in err and "Traceback" not in err
-
-
-def test_smooth_averages_a_window_that_grows_with_the_position():
-    ramp = np.arange(1.0, 65.0)  # a straight line is its own symmetric average
-    torch.testing.assert_close(smooth(ramp)[:56], ramp[:56])  # before the window hits the end
-    y = np.array([1.0, np.nan, 3.0] + [5.0] * 13)
-    got = smooth(y)
-    assert np.isnan(got[1]) and got[0] == 1.0 and got[-1] == 5.0
-    assert got[8] == 5.0 and got[2] == 3.0  # position 9 averages 8..10; position 3 only itself
