@@ -31,7 +31,7 @@ and only redraws the table and the picture:
     OUT/models/<name>-<key>/     a `train()` run: checkpoints/, metrics.jsonl
     OUT/measurements/<name>-<key>.json   one variant's per-position losses
     OUT/data/                    the tokenized corpus
-    OUT/extrapolation.json, OUT/extrapolation.png
+    OUT/extrapolation.txt, .json, .png   the table, the results, the picture (viz/extrapolation.py)
 
 A key is a hash of every setting its result depends on (sizes, steps, seed, data, what it was
 fine-tuned from), so changing one retrains only what it touches.
@@ -70,7 +70,10 @@ LATER = ("finetune_steps", "eval_windows")  # sizes a trained base model does no
 
 @dataclass(frozen=True)
 class Sizes:
-    """One mode's model, training and measurement sizes (context = L, the training length)."""
+    """One mode's sizes. context: L, the training length. d_model, n_layers, n_heads: the model.
+    batch_size, steps, lr: training (a fine-tune at f * L takes batch_size / f windows, the same
+    tokens per step, for finetune_steps at lr / 3). eval_windows: validation windows of 8L + 1
+    tokens measured. max_chars: of the corpus read."""
 
     context: int
     d_model: int
@@ -156,6 +159,9 @@ def model_config(scheme: str, sizes: Sizes, vocab_size: int, max_seq_len: int) -
     """A small Llama-style decoder; only `position` differs between the schemes.
 
     T5's buckets reach to distance L (`t5_max_distance`); farther keys share the last bucket.
+    Sinusoidal positions come with the 2017 paper's sqrt(d_model) scale on the token embeddings
+    (Vaswani et al. §3.4): without it the fixed table (entries of size 1) swamps the token
+    embeddings (std 0.02 at init), and the model trains far slower than the others.
     """
     return ModelConfig(
         arch="decoder",
@@ -166,6 +172,7 @@ def model_config(scheme: str, sizes: Sizes, vocab_size: int, max_seq_len: int) -
         attention=AttentionConfig(n_heads=sizes.n_heads),
         position=scheme,
         t5_max_distance=sizes.context,
+        scale_embeddings=scheme == "sinusoidal",
         dropout=0.0,
     )
 
