@@ -33,8 +33,8 @@ and only redraws the table and the picture:
     OUT/data/                    the tokenized corpus
     OUT/extrapolation.txt, .json, .png   the table, the results, the picture (viz/extrapolation.py)
 
-A key is a hash of every setting its result depends on (sizes, steps, seed, data, what it was
-fine-tuned from), so changing one retrains only what it touches.
+A key is a hash of every setting its result depends on (the model config, sizes, steps, seed,
+data, what it was fine-tuned from), so changing one retrains only what it touches.
 """
 
 import hashlib
@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from attnlab.checkpoint import copy_weights, latest_checkpoint, read_checkpoint
 from attnlab.components.positions.rope_scaling import RopeScaling
+from attnlab.configs import to_dict
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
@@ -300,7 +301,10 @@ class Experiment:
 
     def model_settings(self, v: Variant) -> dict:
         """What the weights `v` is measured with depend on (its cache key)."""
-        base = {**self.settings, "scheme": v.scheme}
+        # The whole model config (the vocabulary, set by the data, aside), so a change to
+        # `model_config` retrains what it changes.
+        model = to_dict(model_config(v.scheme, self.sizes, 1, self.sizes.context))
+        base = {**self.settings, "scheme": v.scheme, "model": model}
         if not v.finetuned:
             return base
         steps = self.sizes.finetune_steps

@@ -238,3 +238,22 @@ def test_bad_steps_are_one_clear_error(capsys):
     assert main(["lab", "extrapolate", "--fast", "--steps", "0", "--out", "unused"]) == 2
     err = capsys.readouterr().err
     assert "--steps must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_the_cache_key_follows_the_model_config(monkeypatch, tmp_path):
+    """A change to the models' config (here: the sinusoidal model's embedding scale) is a new
+    key, so a rerun retrains that model instead of reusing the old checkpoint."""
+    exp = Experiment(Extrapolation(fast=True, out=str(tmp_path)), _data(tmp_path))
+    before = [exp.model_settings(v) for v in variants()]
+    import attnlab.lab.extrapolate as module
+
+    original = module.model_config
+
+    def scaled_none(scheme, *args):
+        cfg = original(scheme, *args)
+        return replace(cfg, scale_embeddings=True) if scheme == "none" else cfg
+
+    monkeypatch.setattr(module, "model_config", scaled_none)
+    after = [exp.model_settings(v) for v in variants()]
+    changed = {v.name for v, b, a in zip(variants(), before, after) if a != b}
+    assert changed == {"none"}
