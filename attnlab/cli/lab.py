@@ -7,10 +7,9 @@ its flags, derived from the experiment's options dataclass (attnlab/lab/).
 import argparse
 from pathlib import Path
 
-from attnlab.cli.options import add_config_flags, apply_config_flags
+from attnlab.cli.options import apply_config_flags
 from attnlab.cli.viz import add_dataclass_flags, options_from_args
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
-from attnlab.training.config import DataConfig
 
 EXTRAPOLATE_HELP = (
     "train small models that differ only in the position scheme at context L, then measure "
@@ -19,9 +18,29 @@ EXTRAPOLATE_HELP = (
 )
 
 
+# The corpus flags that apply (the task is always causal LM on windows of a token stream).
+DATA_FLAGS = {
+    "source": "stdlib, shakespeare (after `attnlab data get shakespeare`), a file or a directory",
+    "tokenizer": "char, bpe, or a tokenizer.json",
+    "bpe_vocab_size": "with --data.tokenizer bpe",
+    "max_chars": "characters of the corpus read",
+    "val_fraction": "the held-out end of the corpus, where the losses are measured",
+    "cache_dir": "where the tokenized corpus is kept",
+}
+
+
 def add_extrapolate_flags(p: argparse.ArgumentParser) -> None:
     add_dataclass_flags(p, Extrapolation)
-    add_config_flags(p, {"data": DataConfig})  # --data.source FILE|DIR|stdlib, --data.max_chars
+    group = p.add_argument_group("data (DataConfig fields)")
+    full, fast = default_data(Extrapolation()), default_data(Extrapolation(fast=True))
+    for name, text in DATA_FLAGS.items():
+        default, small = getattr(full, name), getattr(fast, name)
+        if name == "cache_dir":
+            default, small = "OUT/data", "OUT/data"
+        text += f" (default: {default}" + ("" if small == default else f"; fast: {small}") + ")"
+        group.add_argument(
+            f"--data.{name}", dest=f"data.{name}", default=None, metavar="V", help=text
+        )
 
 
 def extrapolate_main(args: argparse.Namespace) -> int:

@@ -99,9 +99,16 @@ class Extrapolation:
 
     fast: bool = field(default=False, metadata={"help": "tiny models, few steps, L = 32"})
     out: str = field(default="runs/extrapolate", metadata={"help": "the run directory (cache)"})
-    steps: int | None = field(default=None, metadata={"help": "training steps of each model"})
+    steps: int | None = field(
+        default=None,
+        metadata={"help": f"training steps of each model ({FULL.steps}; fast: {FAST.steps})"},
+    )
     finetune_steps: int | None = field(
-        default=None, metadata={"help": "steps of each PI / YaRN fine-tune at the longer length"}
+        default=None,
+        metadata={
+            "help": "steps of each PI / YaRN fine-tune at the longer length "
+            f"({FULL.finetune_steps}; fast: {FAST.finetune_steps})"
+        },
     )
     seed: int = field(default=1337, metadata={"help": "seed of every model and batch"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or auto"})
