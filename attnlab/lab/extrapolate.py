@@ -39,6 +39,7 @@ data, what it was fine-tuned from), so changing one retrains only what it touche
 
 import hashlib
 import json
+import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -384,7 +385,14 @@ def run_extrapolation(opts: Extrapolation, data: DataConfig | None = None) -> di
     ]
     out = Path(opts.out)
     result = {
-        "settings": {**exp.settings, "context": L, "span": SPAN * L, "device": opts.device},
+        "settings": {
+            **exp.settings,
+            "sizes": asdict(exp.sizes),
+            "span": SPAN * L,
+            "device": opts.device,
+            "python": platform.python_version(),  # "stdlib" is this Python's library
+            "torch": torch.__version__,
+        },
         "buckets": {b: f"positions ({lo}, {hi}]" for b, lo, hi in _bucket_edges(L)},
         "rows": rows,
         "table": str(out / "extrapolation.txt"),
