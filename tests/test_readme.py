@@ -45,6 +45,11 @@ OVERRIDES = [
     (("eval",), "", ["--batches", "1"]),
     (("generate",), "", ["--max-new-tokens", "8"]),
     (("analyze", "rank"), "", ["--n", "8", "16", "--d-k", "2", "4", "--heads", "1", "2"]),
+    (
+        ("lab", "extrapolate"),
+        "",
+        ["--fast", "--steps=2", "--finetune-steps=1", "--data.source=fixture.txt"],
+    ),
 ]
 
 _PUNCT = {";", "&&", "||", "|", "&"}
