@@ -257,3 +257,16 @@ def test_the_cache_key_follows_the_model_config(monkeypatch, tmp_path):
     after = [exp.model_settings(v) for v in variants()]
     changed = {v.name for v, b, a in zip(variants(), before, after) if a != b}
     assert changed == {"none"}
+
+
+@pytest.mark.slow
+def test_a_fresh_run_reproduces_the_table(fast_run, tmp_path):
+    """Seeded: the same settings in a new directory train and measure the same numbers."""
+    out, _ = fast_run
+    again = run_extrapolation(Extrapolation(fast=True, out=str(tmp_path)), _data(tmp_path))
+    assert len(again["trained"]) == 12
+    first = json.loads((out / "extrapolation.json").read_text())
+    for a, b in zip(first["rows"], again["rows"]):
+        assert a["name"] == b["name"]
+        for bucket, value in a["loss"].items():
+            assert b["loss"][bucket] == (None if value is None else pytest.approx(value, abs=1e-6))
