@@ -165,7 +165,8 @@ def _key(settings: dict) -> str:
 
 
 def model_config(scheme: str, sizes: Sizes, vocab_size: int, max_seq_len: int) -> ModelConfig:
-    """A small Llama-style decoder; only `position` differs between the schemes.
+    """A small Llama-style decoder; only `position` (and with it, for sinusoidal, the embedding
+    scale) differs between the schemes.
 
     T5's buckets reach to distance L (`t5_max_distance`); farther keys share the last bucket.
     Sinusoidal positions come with the 2017 paper's sqrt(d_model) scale on the token embeddings
