@@ -46,6 +46,11 @@ OVERRIDES = [
     (("generate",), "", ["--max-new-tokens", "8"]),
     (("analyze", "rank"), "", ["--n", "8", "16", "--d-k", "2", "4", "--heads", "1", "2"]),
     (("lab", "heads"), "", ["--fast"]),
+    (
+        ("lab", "extrapolate"),
+        "",
+        ["--fast", "--steps=2", "--finetune-steps=1", "--data.source=fixture.txt"],
+    ),
 ]
 
 _PUNCT = {";", "&&", "||", "|", "&"}

@@ -25,7 +25,7 @@ COMMANDS = {
     "check": "Compare two models layer by layer and name the likely cause of a divergence.",
     "serve": "Serve a decoder checkpoint over an OpenAI-compatible HTTP API (127.0.0.1:8000).",
     "data": "Download a named dataset (attnlab data get shakespeare) once into the user's cache.",
-    "lab": "Experiments that test the seeds' claims: attnlab lab heads (what heads do).",
+    "lab": "Experiments that test the seeds' claims: attnlab lab extrapolate | heads.",
 }
 
 

@@ -1,12 +1,68 @@
-"""Experiments that test the seeds' claims: `attnlab lab heads` (what heads do).
+"""Experiments that test the seeds' claims: `attnlab lab extrapolate` (length extrapolation) and
+`attnlab lab heads` (what heads do).
 
 A small dispatcher: each experiment is one subcommand with one `<name>_main(args)` function and
 its flags (attnlab/lab/).
 """
 
 import argparse
+from pathlib import Path
 
+from attnlab.cli.options import apply_config_flags
+from attnlab.cli.viz import add_dataclass_flags, options_from_args
+from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
 from attnlab.lab.heads import HeadsLab, format_report, heads_lab
+
+EXTRAPOLATE_HELP = (
+    "train small models that differ only in the position scheme at context L, then measure "
+    "validation loss per position up to 8L, and RoPE scalings (PI, NTK, dynamic NTK, YaRN) "
+    "x2/x4/x8 with and without a short fine-tune; cached, so a rerun only plots"
+)
+
+
+# The corpus flags that apply (the task is always causal LM on windows of a token stream).
+DATA_FLAGS = {
+    "source": "stdlib, shakespeare (after `attnlab data get shakespeare`), a file or a directory",
+    "tokenizer": "char, bpe, or a tokenizer.json",
+    "bpe_vocab_size": "with --data.tokenizer bpe",
+    "max_chars": "characters of the corpus read",
+    "val_fraction": "the held-out end of the corpus, where the losses are measured",
+    "cache_dir": "where the tokenized corpus is kept",
+}
+
+
+def add_extrapolate_flags(p: argparse.ArgumentParser) -> None:
+    add_dataclass_flags(p, Extrapolation)
+    group = p.add_argument_group("data (DataConfig fields)")
+    full, fast = default_data(Extrapolation()), default_data(Extrapolation(fast=True))
+    for name, text in DATA_FLAGS.items():
+        default, small = getattr(full, name), getattr(fast, name)
+        if name == "cache_dir":
+            default, small = "OUT/data", "OUT/data"
+        text += f" (default: {default}" + ("" if small == default else f"; fast: {small}") + ")"
+        group.add_argument(
+            f"--data.{name}", dest=f"data.{name}", default=None, metavar="V", help=text
+        )
+
+
+def extrapolate_main(args: argparse.Namespace) -> int:
+    """`attnlab lab extrapolate`: run (or read back) the experiment; print the table."""
+    opts = options_from_args(Extrapolation, args)
+    data = apply_config_flags({"data": default_data(opts)}, args)[0]["data"]
+    result = run_extrapolation(opts, data)
+    print(Path(result["table"]).read_text(), end="")
+    cached = (
+        "everything cached"
+        if not (result["trained"] or result["measured"])
+        else (
+            f"trained {len(result['trained'])} models, measured {len(result['measured'])} variants"
+        )
+    )
+    print(f"\n{cached}; {result['wall_s']:.0f} s")
+    for key in ("json", "png"):
+        print(f"wrote {result[key]}")
+    return 0
+
 
 HEADS_HELP = (
     "what the heads of a causal LM checkpoint do: importance and pruning curves (Michel et al. "
@@ -42,6 +98,7 @@ def heads_main(args: argparse.Namespace) -> int:
 
 # name: (help, add its flags, run it). One line per experiment.
 EXPERIMENTS = {
+    "extrapolate": (EXTRAPOLATE_HELP, add_extrapolate_flags, extrapolate_main),
     "heads": (HEADS_HELP, add_heads_flags, heads_main),
 }
 

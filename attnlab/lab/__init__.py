@@ -1,1 +1,2 @@
-"""Experiments that test the seeds' claims: length extrapolation (extrapolate.py) and what heads do (heads.py)."""
+"""Experiments that test the seeds' claims: length extrapolation (extrapolate.py) and what heads
+do (heads.py)."""
