@@ -151,6 +151,9 @@ def test_attnlab_in_a_shell_is_the_main_run_here():
     assert 'attnlab = "attnlab.cli.__main__:main"' in (REPO / "pyproject.toml").read_text()
 
 
+SERVED_AT = "http://127.0.0.1:8000"  # the README's server address; the test serves on a free port
+
+
 def test_the_readme_python_example_runs(workspace, monkeypatch, capsys):
     """The README's Python block, as written, after the main job (tiny) made runs/default."""
     monkeypatch.chdir(workspace)
@@ -159,5 +162,16 @@ def test_the_readme_python_example_runs(workspace, monkeypatch, capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "README.md shows no Python example"
     for code in blocks:
+        if SERVED_AT in code:  # a client of `attnlab serve --ckpt runs/default --api-key s3cret`
+            pytest.importorskip("openai")
+            from tests.serve.server_helpers import Server
+
+            server = Server(workspace / "runs" / "default", api_key="s3cret", model_name="default")
+            try:
+                served = code.replace(SERVED_AT, server.url)
+                exec(compile(served, str(README), "exec"), {"__name__": "readme"})
+            finally:
+                server.close()
+            continue
         exec(compile(code, str(README), "exec"), {"__name__": "readme"})
     assert "torch.Size([2, 16, 256])" in capsys.readouterr().out

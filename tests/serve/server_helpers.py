@@ -39,14 +39,16 @@ def write_checkpoint(path: Path) -> Path:
 class Server:
     """The app on 127.0.0.1:<free port> in a thread (uvicorn), until `close()`."""
 
-    def __init__(self, ckpt: Path, engine_cls=SequentialEngine, api_key=None, **engine_kw):
+    def __init__(
+        self, ckpt: Path, engine_cls=SequentialEngine, api_key=None, model_name="tiny", **engine_kw
+    ):
         import uvicorn
 
         loaded = open_checkpoint(ckpt)
         self.model, self.tokenizer, self.config = loaded.model, loaded.tokenizer, loaded.config
         context = loaded.config.max_seq_len
         self.engine = engine_cls(self.model, self.tokenizer, max_context=context, **engine_kw)
-        settings = Settings("tiny", context, loaded.config.vocab_size, api_key, stop_timeout=5)
+        settings = Settings(model_name, context, loaded.config.vocab_size, api_key, stop_timeout=5)
         self.app = create_app(self.engine, self.tokenizer, settings)
         sock = bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
