@@ -27,9 +27,10 @@ from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.heads import copy_body
 from attnlab.tokenizer import Tokenizer
+from attnlab.training.checks import TASK_ARCH
+from attnlab.training.objectives import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # cross_entropy's default ignore_index, as in training/objectives.py
-TASK_ARCHES = {"classify": ("encoder", "decoder"), "tag": ("encoder",)}
+TASK_ARCHES = {kind: TASK_ARCH[kind] for kind in ("classify", "tag")}  # the families of each
 
 
 def check_examples(examples: list, fields: dict[str, type | tuple], split: str) -> None:

@@ -2,8 +2,7 @@
 
 import json
 import random
-import sys
-import types
+import string
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +13,9 @@ from safetensors.torch import load_file
 from attnlab.checkpoint import save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.eval import evaluate_checkpoint
+from attnlab.cli.finetune import load_examples, open_finetuned
+from attnlab.finetune import data
+from attnlab.finetune.config import FinetuneDataConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.tokenizer import train_char_tokenizer
@@ -164,10 +166,10 @@ def test_a_bad_jsonl_line_is_one_clear_error(base, tmp_path, capsys):
 
 def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "classify"])
+        main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "summarize"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--task: invalid choice: 'classify'" in err and len(err.strip().splitlines()) == 1
+    assert "--task: invalid choice: 'summarize'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys):
@@ -183,46 +185,15 @@ def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys)
     assert len(err.strip().splitlines()) == 1
 
 
-class FakeLoRALinear(torch.nn.Module):
-    """W0 x + (alpha / r) B A x, B zero at the start: a stand-in for attnlab.finetune.lora
-    (another branch) that checks the CLI's wiring, not LoRA itself."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base, self.scale = base, alpha / rank
-        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x):
-        return self.base(x) + self.scale * (x @ self.lora_A.T) @ self.lora_B.T
-
-
-def fake_lora_module(calls: list) -> types.ModuleType:
-    def add_lora(model, targets=("q_proj", "v_proj"), rank=8, alpha=16.0, dropout=0.0):
-        calls.append((tuple(targets), rank, alpha, dropout))
-        model.requires_grad_(False)
-        names = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            parent = model.get_submodule(owner)
-            setattr(parent, attr, FakeLoRALinear(getattr(parent, attr), rank, alpha))
-        return names
-
-    module = types.ModuleType("attnlab.finetune.lora")
-    module.add_lora = add_lora
-    return module
-
-
-def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, monkeypatch, capsys):
-    """--lora.* call attnlab.finetune.lora.add_lora; DPO's reference is then the frozen base
-    (the first loss is log 2: B = 0), and the base weights in the checkpoint do not move."""
-    calls = []
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.lora", fake_lora_module(calls))
+def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsys):
+    """--lora.* put attnlab.finetune.lora adapters on the targets; DPO's reference is then the
+    policy with its adapters off (the first loss is log 2: B = 0), and the base weights in the
+    checkpoint do not move."""
     out = tmp_path / "lora"
     extra = ("--train.steps=3", "--train.eval_every=3", "--lora.rank=4", "--lora.alpha=8")
     assert main(args(base, "dpo", out, *extra, "--lora.targets", "q_proj, v_proj")) == 0
-    assert calls == [(("q_proj", "v_proj"), 4, 8.0, 0.0)]
-    assert "trained: LoRA rank 4 on q_proj, v_proj" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "trained: LoRA rank 4 on q_proj, v_proj" in text
     assert records(out)[0]["train_loss"] == pytest.approx(0.6931, abs=1e-4)
     before = load_file(str(base["ckpt"] / "model.safetensors"))
     after = load_file(str(out / "checkpoints" / "step_000003" / "model.safetensors"))
@@ -230,44 +201,61 @@ def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, monke
                for k, v in after.items() if "lora_" not in k}  # fmt: skip
     assert renamed.keys() == before.keys()
     assert all(torch.equal(renamed[k], before[k]) for k in before)
-    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in after.items() if "lora_B" in k)
+    adapters = {k: v for k, v in after.items() if "lora_" in k}
+    assert len(adapters) == 4 and all(k.split(".")[-2] in ("q_proj", "v_proj") for k in adapters)
+    assert all(v.shape[0] == 4 for k, v in adapters.items() if k.endswith("lora_A"))
+    assert any(
+        not torch.equal(v, torch.zeros_like(v)) for k, v in adapters.items() if "lora_B" in k
+    )
 
 
-def test_lora_without_the_lora_module_is_one_clear_error(base, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.lora", None)  # import fails
-    assert main(args(base, "sft", tmp_path / "out", "--train.steps=1", "--lora.rank=4")) == 2
-    assert "--lora.rank needs attnlab.finetune.lora" in capsys.readouterr().err
+def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, capsys):
+    """attnlab eval and generate open a LoRA run's checkpoint with the adapters merged: a plain
+    model whose logits equal base + (alpha / r) B A computed here by hand."""
+    out = tmp_path / "lora_sft"
+    extra = ("--train.steps=4", "--train.eval_every=4", "--lora.rank=4", "--lora.alpha=8")
+    assert main(args(base, "sft", out, *extra, "--lora.targets=q_proj,v_proj")) == 0
+    last = [r for r in records(out) if "val_loss" in r][-1]
+    loaded = open_finetuned(out)
+    assert not any("lora" in k for k in loaded.model.state_dict())  # merged: a plain model
+    saved = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    by_hand = {}
+    for k, v in saved.items():
+        if k.endswith(".base.weight"):
+            m = k.removesuffix(".base.weight")
+            v = v + 2.0 * saved[m + ".lora_B"] @ saved[m + ".lora_A"]  # alpha / r = 8 / 4
+        if "lora_" not in k:
+            by_hand[k.replace(".base.", ".")] = v
+    plain = build_model(loaded.config)
+    plain.load_state_dict(by_hand, strict=False)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(loaded.model(ids), plain.eval()(ids), atol=1e-5, rtol=0)
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: v for k, v in last.items() if k.startswith("val_")}, abs=1e-5)
+    capsys.readouterr()
+    argv = ["generate", "--ckpt", str(out), "--prompt", "up ab:", "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("up ab:")
 
 
-def test_builtin_data_come_from_finetune_data(base, tmp_path, monkeypatch, capsys):
+def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
     """--data.source builtin: the train and val splits of finetune.data's instructions (sft)
-    and of the preference pairs made from them (dpo); here a stand-in module with that API."""
-    pairs = [json.loads(line) for line in base["dpo"].read_text().splitlines()]
-    sft = [{"prompt": p["prompt"], "response": p["chosen"]} for p in pairs]
-    fake = types.ModuleType("attnlab.finetune.data")
-    fake.build_instructions = lambda max_examples=2000: types.SimpleNamespace(
-        splits={"train": sft[:max_examples], "val": sft[-10:]}
-    )
-    fake.build_preferences = lambda built: types.SimpleNamespace(
-        splits={
-            s: [{**e, "chosen": e["response"], "rejected": "x"} for e in v]
-            for s, v in built.splits.items()
-        }  # fmt: skip
-    )
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.data", fake)
+    and of the preference pairs made from them (dpo), capped by data.max_examples."""
+    built = data.build_instructions(max_examples=12)
+    for task, splits in (("sft", built), ("dpo", data.build_preferences(built))):
+        d = FinetuneDataConfig(task=task, source="builtin", max_examples=12)
+        assert load_examples(d) == (splits.splits["train"], splits.splits["val"])
+    tok = train_char_tokenizer([string.printable])
+    cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=320)
+    ckpt = tmp_path / "wide"
+    save_checkpoint(ckpt, build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
     for task in ("sft", "dpo"):
-        argv = args(base, task, tmp_path / task, "--train.steps=1", "--data.max_examples=40")
+        argv = args(base, task, tmp_path / task, "--train.steps=1", "--data.max_examples=12")
         argv[argv.index("--data.source") + 1] = "builtin"
+        argv[argv.index("--ckpt") + 1] = str(ckpt)
+        argv += ["--train.context=320", "--data.eval_examples=4", "--train.batch_size=2"]
         assert main(argv) == 0
-        assert f"task: {task} on builtin: 40 training, 8 held-out" in capsys.readouterr().out
-
-
-def test_builtin_data_without_finetune_data_is_one_clear_error(base, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.data", None)
-    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
-    argv[argv.index("--data.source") + 1] = "builtin"
-    assert main(argv) == 2
-    assert "--data.source builtin needs attnlab.finetune.data" in capsys.readouterr().err
+        assert f"task: {task} on builtin: 12 training, 4 held-out" in capsys.readouterr().out
 
 
 @pytest.mark.hf
@@ -304,3 +292,82 @@ def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
     assert saved["train"]["steps"] == 2 and saved["dpo"]["beta"] == 0.25
     assert saved["train"]["lr"] == 0.001  # the flag wins over the file
     assert saved["data"]["task"] == "dpo" and saved["lora"]["rank"] == 0
+
+
+# --- task heads: classify and tag -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict:
+    """A 1-layer BERT-style encoder base (random weights), a character tokenizer, and data a
+    small model learns in a few dozen steps: the label of a text is the letter group of its
+    first word (classify); an all-capitals word is B-UP, any other O (tag)."""
+    root = tmp_path_factory.mktemp("heads")
+    rng = random.Random(1)
+
+    def word(letters: str) -> str:
+        return "".join(rng.choice(letters) for _ in range(rng.randint(2, 4)))
+
+    texts = [[word("abcdefxyz") for _ in range(rng.randint(2, 4))] for _ in range(160)]
+    groups = ["abc" if i % 2 else "xyz" for i in range(len(texts))]
+    classify = [{"text": " ".join([word(g), *w]), "label": g} for g, w in zip(groups, texts)]
+    tag = []
+    for w in texts:
+        caps = [rng.random() < 0.4 for _ in w]
+        tokens = [x.upper() if c else x for x, c in zip(w, caps)]
+        tag.append({"tokens": tokens, "tags": ["B-UP" if c else "O" for c in caps]})
+    tok = train_char_tokenizer([string.ascii_letters + " "])
+    cfg = replace(get_preset("bert-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=32)
+    torch.manual_seed(0)
+    save_checkpoint(root / "bert", build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
+    return {
+        "ckpt": root / "bert",
+        "classify": write_jsonl(root / "classify.jsonl", classify),
+        "tag": write_jsonl(root / "tag.jsonl", tag),
+    }
+
+
+def head_args(heads: dict, task: str, out: Path, *extra: str) -> list[str]:
+    argv = args(heads, task, out, "--train.steps=40", "--train.eval_every=40", *extra)
+    return argv + ["--data.eval_examples=16", "--train.lr=1e-2", "--train.warmup=0"]
+
+
+def test_classify_learns_above_the_majority_and_eval_reports_it(heads, tmp_path, capsys):
+    """--task classify: a fresh sequence head on the encoder base, trained in full; accuracy
+    on the held-out lines well above the majority class, and attnlab eval reports the same."""
+    out = tmp_path / "classify"
+    assert main(head_args(heads, "classify", out)) == 0
+    assert "task: classify on " in capsys.readouterr().out
+    last = records(out)[-1]
+    assert last["accuracy"] >= 0.9 and last["majority"] <= 0.7, last
+    saved = json.loads((out / "checkpoints" / "step_000040" / "config.json").read_text())
+    assert saved["model"]["head"]["labels"] == ["abc", "xyz"]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
+
+
+def test_tag_learns_entities_with_lora_and_the_head_trains(heads, tmp_path):
+    """--task tag with LoRA: the adapters and the new token head train (the head in full, as
+    peft's modules_to_save), the encoder's own weights stay the base's; entity F1 (seqeval)
+    is high on held-out lines."""
+    out = tmp_path / "tag"
+    extra = ("--lora.rank=4", "--lora.targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj")
+    assert main(head_args(heads, "tag", out, *extra)) == 0
+    last = records(out)[-1]
+    assert last["f1"] >= 0.9, last
+    after = load_file(str(out / "checkpoints" / "step_000040" / "model.safetensors"))
+    before = load_file(str(heads["ckpt"] / "model.safetensors"))
+    body = {k.replace(".base.", "."): v for k, v in after.items() if "lora_" not in k}
+    kept = [k for k in body if k in before]
+    assert kept and all(torch.equal(body[k], before[k]) for k in kept)
+    assert {k for k in body if k not in before} == {"classifier.weight", "classifier.bias"}
+    assert evaluate_checkpoint(str(out), device="cpu")["f1"] == pytest.approx(last["f1"])
+
+
+def test_tag_on_a_decoder_base_is_one_clear_error(base, heads, tmp_path, capsys):
+    argv = head_args(heads, "tag", tmp_path / "out")
+    argv[argv.index("--ckpt") + 1] = str(base["ckpt"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "task 'tag' needs a base model with arch in ['encoder']" in err
+    assert str(base["ckpt"]) in err and len(err.splitlines()) == 1
