@@ -10,15 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attnlab.checkpoint import save_checkpoint
+from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.eval import evaluate_checkpoint
 from attnlab.cli.finetune import load_examples, open_finetuned
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
+from attnlab.finetune.tasks import SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import CHAT_TOKENS, DEFAULT_CHAT_TEMPLATE, Tokenizer, train_char_tokenizer
 from attnlab.training.config import RunConfig
 
 
@@ -264,7 +265,6 @@ def test_sft_from_an_hf_directory(base, tmp_path, capsys):
     tokenizer.json beside it): converted on opening, then fine-tuned like any decoder."""
     T = pytest.importorskip("transformers")
     from attnlab.interop.hf.auto import save_tokenizer
-    from attnlab.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(base["ckpt"])
     torch.manual_seed(0)
@@ -371,3 +371,78 @@ def test_tag_on_a_decoder_base_is_one_clear_error(base, heads, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert "task 'tag' needs a base model with arch in ['encoder']" in err
     assert str(base["ckpt"]) in err and len(err.splitlines()) == 1
+
+
+# --- chat: the tokenizer's special tokens and template, generate --chat -------------------------
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_train_takes_special_tokens_for_the_chat_markers(tmp_path, kind):
+    """attnlab train --data.special_tokens: each marker is one id that the tokenizer never
+    splits, and "chat" brings the default chat template, saved with the checkpoint."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
+    argv = ["train", "--data.source", str(corpus), "--data.tokenizer", kind]
+    argv += ["--data.special_tokens", "<|endoftext|>, chat", "--data.bpe_vocab_size=300"]
+    argv += ["--data.cache_dir", str(tmp_path / "cache"), "--train.out_dir", str(tmp_path / "run")]
+    argv += ["--train.steps=1", "--train.batch_size=2", "--train.context=16"]
+    argv += ["--train.eval_every=1", "--train.eval_batches=1", "--train.sample_tokens=4"]
+    argv += ["--train.progress=false", "--train.device=cpu", "--model.n_layers=1"]
+    assert main(argv) == 0
+    tok = open_checkpoint(tmp_path / "run").tokenizer
+    markers = ["<|endoftext|>", *CHAT_TOKENS]
+    ids = [tok.token_id(m) for m in markers]
+    assert None not in ids and len(set(ids)) == 5
+    assert tok.encode("a<|user|>b<|end|>") == [*tok.encode("a"), ids[2], *tok.encode("b"), ids[4]]
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+def test_train_special_tokens_with_a_tokenizer_file_is_one_clear_error(tmp_path, capsys):
+    argv = ["train", "--data.tokenizer", str(tmp_path / "tok.json"), "--data.special_tokens=chat"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.special_tokens='chat' applies to a tokenizer trained here" in err
+    assert len(err.splitlines()) == 1
+
+
+CHAT_SFT = [
+    {"prompt": "up ab:", "response": "AB"},
+    {"prompt": "up cde:", "response": "CDE"},
+    {"prompt": "up f:", "response": "F"},
+    {"prompt": "up bad:", "response": "BAD"},
+]
+
+
+def test_generate_chat_uses_the_template_and_stops_at_its_end_of_turn(tmp_path, capsys):
+    """A model that learnt four chat examples by heart (SFT through the tokenizer's template):
+    generate --chat writes the prompt as the template's user turn, stops at <|end|> and prints
+    the reply alone; without --chat the same words are plain text to continue."""
+    tok = train_char_tokenizer(["up abcdef: ABCDEF\n"], special_tokens=CHAT_TOKENS)
+    cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=2, max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    task = SFTTask(CHAT_SFT, CHAT_SFT, tok, batch_size=4, context=48, max_new_tokens=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        batch = task.train_batch(gen)
+        loss = task.loss_sum(model, batch) / task.n_targets(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert task.evaluate(model.eval(), 1, "cpu")["val_exact_match"] == 1.0
+    ckpt = tmp_path / "chat"
+    save_checkpoint(ckpt, model, None, RunConfig(model=cfg), {}, tokenizer=tok)
+    common = ["generate", "--ckpt", str(ckpt), "--temperature", "0", "--device", "cpu"]
+    for ex in CHAT_SFT:
+        assert main([*common, "--chat", "--prompt", ex["prompt"], "--max-new-tokens", "12"]) == 0
+        assert capsys.readouterr().out == ex["response"] + "\n"
+    assert main([*common, "--prompt", "up cde:", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("up cde:")
+
+
+def test_generate_chat_without_a_template_is_one_clear_error(base, capsys):
+    argv = ["generate", "--ckpt", str(base["ckpt"]), "--chat", "--prompt", "hi", "--device=cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no chat template" in err and len(err.splitlines()) == 1
