@@ -1,16 +1,27 @@
-"""Fine-tune a decoder checkpoint: SFT or DPO, with LoRA adapters when --lora.rank is given.
+"""Fine-tune a checkpoint: a task head (classify, tag), SFT or DPO, with LoRA adapters when
+--lora.rank is given.
 
+    attnlab finetune --ckpt runs/bert --task classify              # built-in: stdlib packages
+    attnlab finetune --ckpt runs/bert --task tag --data.source ner.jsonl
     attnlab finetune --ckpt runs/base --task sft --data.source pairs.jsonl
     attnlab finetune --ckpt runs/base --task dpo --lora.rank 8 --dpo.beta 0.1
 
 The same machinery as `attnlab train`: YAML/JSON config files and --section.field overrides
 (sections train, data, lora, dpo), the training loop with its progress bar, metrics.jsonl,
-checkpoints and exact --resume (give the same flags again). DPO's reference is a frozen copy of
-the base model, or the policy with its adapters off when the LoRA model offers
-`disable_adapters()`; --dpo.precompute_reference computes its log-probs once, before training.
-A new run prints the base's metrics first, so a run reports them before and after.
-`attnlab eval --ckpt` on a fine-tuning checkpoint reports the same metrics
-(`evaluate_finetuned`).
+checkpoints and exact --resume (give the same flags again).
+
+- classify / tag put a fresh head on the base (`finetune.heads_tasks.build_head_task`: an
+  encoder or decoder for classify, an encoder for tag); with LoRA the head trains in full
+  beside the adapters (peft's modules_to_save), and the run is an attnlab checkpoint only
+  (`save_peft` refuses a trained head).
+- sft / dpo fine-tune a decoder LM through the tokenizer's chat template when it has one.
+  DPO's reference is a frozen copy of the base, or under LoRA the policy with its adapters off
+  (`lora.disable_adapters`); --dpo.precompute_reference computes its log-probs once.
+
+A new run prints the base's metrics first, so a run reports them before and after. A LoRA
+run's checkpoints hold the frozen base weights and the adapters (so --resume is exact);
+`open_finetuned` merges them on opening, which `attnlab eval` (the run's own task metrics,
+`evaluate_finetuned`) and `attnlab generate` do.
 """
 
 import argparse

@@ -16,6 +16,7 @@ from attnlab.cli.eval import evaluate_checkpoint
 from attnlab.cli.finetune import load_examples, open_finetuned
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
+from attnlab.finetune.lora import lora_modules
 from attnlab.finetune.tasks import SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
@@ -446,3 +447,27 @@ def test_generate_chat_without_a_template_is_one_clear_error(base, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "has no chat template" in err and len(err.splitlines()) == 1
+
+
+def test_qlora_on_an_int8_base_trains_and_reopens(base, tmp_path, capsys):
+    """QLoRA: LoRA on the int8 checkpoint `attnlab quantize` writes. Only the adapters train;
+    the checkpoint reopens with its adapters unmerged on the int8 Linears (read from the base
+    the run recorded), and attnlab eval reports the run's last metrics."""
+    int8 = tmp_path / "int8"
+    assert (
+        main(["quantize", "--ckpt", str(base["ckpt"]), "--scheme", "int8", "--out", str(int8)]) == 0
+    )
+    out = tmp_path / "qlora"
+    argv = args(base, "sft", out, "--train.steps=4", "--train.eval_every=4", "--lora.rank=4")
+    argv[argv.index("--ckpt") + 1] = str(int8)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    lora_params = 4 * (64 + 64) + 4 * (64 + 32)  # q: A (4, 64), B (64, 4); v: A, B (32, 4)
+    assert f"trained: LoRA rank 4 on q_proj,v_proj, {lora_params:,} parameters" in text
+    loaded = open_finetuned(out)
+    adapters = lora_modules(loaded.model)
+    assert sorted(adapters) == ["blocks.0.self_attn.q_proj", "blocks.0.self_attn.v_proj"]
+    assert all(type(m.base).__name__ == "Int8Linear" and not m.merged for m in adapters.values())
+    last = [r for r in records(out) if "val_loss" in r][-1]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: v for k, v in last.items() if k.startswith("val_")}, abs=1e-5)
