@@ -225,11 +225,16 @@ def lora_head_trains(model: torch.nn.Module) -> bool:
     return True
 
 
-def build_task(run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None):
+def build_task(
+    run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None, eval_only=False
+):
     """The SFTTask, DPOTask, ClassifyTask or TagTask of `run` (its examples read or built
-    here; a head task's labels are those of run.model.head)."""
+    here; a head task's labels are those of run.model.head). eval_only: for `evaluate` alone
+    (SFT and DPO then encode one training example, not all of them)."""
     t, d = run.train, run.data
     train_ex, val_ex = load_examples(d)
+    if eval_only and d.task in ("sft", "dpo"):
+        train_ex = train_ex[:1]
     if d.task in HEAD_TASKS:
         task_cls = ClassifyTask if d.task == "classify" else TagTask
         extra = {"word_sep": ""} if d.task == "tag" else {}
@@ -325,7 +330,7 @@ def evaluate_finetuned(loaded, device) -> dict:
     on the held-out examples of its own run config; DPO's reference is its base checkpoint."""
     run = from_dict(FinetuneRun, loaded.run)
     reference = open_checkpoint(run.base, device).model if run.data.task == "dpo" else None
-    task = build_task(run, loaded.tokenizer, reference)
+    task = build_task(run, loaded.tokenizer, reference, eval_only=True)
     return task.evaluate(loaded.model, run.train.eval_batches, device)
 
 
