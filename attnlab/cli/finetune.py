@@ -27,6 +27,7 @@ run's checkpoints hold the frozen base weights and the adapters (so --resume is 
 import argparse
 import copy
 import json
+import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -162,7 +163,8 @@ def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
 def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     """(train, validation) examples: built in, or a JSONL file (`data.load_jsonl`, which names
     the line and field of a bad one) split at 1 - val_fraction (or its own val_source file).
-    Tagging examples come as {"tokens", "tags"} words (`tagging.words_from_spans`)."""
+    Tagging examples come as {"tokens", "tags"} words (`tagging.words_from_spans`); held-out
+    classification examples in a seeded random order (built-in ones come grouped by label)."""
     if d.source == "builtin":
         train_ex, val_ex = builtin_examples(d)
     else:
@@ -181,6 +183,8 @@ def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
         train_ex = train_ex[: d.max_examples]
     if d.task == "tag":
         train_ex, val_ex = ([as_words(ex) for ex in split] for split in (train_ex, val_ex))
+    if d.task == "classify":  # a seeded order: the first eval_examples are not one class
+        val_ex = random.Random(0).sample(val_ex, len(val_ex))
     return train_ex, val_ex
 
 

@@ -471,3 +471,14 @@ def test_qlora_on_an_int8_base_trains_and_reopens(base, tmp_path, capsys):
     last = [r for r in records(out) if "val_loss" in r][-1]
     got = evaluate_checkpoint(str(out), device="cpu")
     assert got == pytest.approx({k: v for k, v in last.items() if k.startswith("val_")}, abs=1e-5)
+
+
+def test_builtin_classify_holds_out_every_package_among_the_first_examples():
+    """The built-in classification examples come grouped by package; the held-out ones are
+    put in a seeded order, so the first eval_examples are not all one class (they were)."""
+    train, val = load_examples(
+        FinetuneDataConfig(task="classify", source="builtin", max_examples=80)
+    )
+    built = data.build_classification(max_per_class=10).splits
+    assert train == built["train"] and sorted(map(str, val)) == sorted(map(str, built["val"]))
+    assert len({ex["label"] for ex in val[:24]}) >= 6
