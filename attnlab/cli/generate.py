@@ -123,10 +123,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
     loaded = open_finetuned(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
-    if "n_labels" in saved:
+    head = loaded.config.head  # a task head (attnlab finetune --task classify|tag, HF)
+    if head is not None or "n_labels" in saved:
+        token = head is not None and head.task == "token"
+        kind = "a token classifier" if token else "a sequence classifier"
+        n = head.num_labels if head is not None else saved["n_labels"]
         raise ValueError(
-            f"checkpoint {args.ckpt!r} is a sequence classifier ({saved['n_labels']} labels) "
-            "with no LM head to generate from; use `attnlab viz attention --ckpt` to look at it"
+            f"checkpoint {args.ckpt!r} is {kind} ({n} labels) with no LM head to generate "
+            "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
         )
     task = saved.get("data", {}).get("task")
     if task in ("vqa", "vla"):

@@ -482,3 +482,12 @@ def test_builtin_classify_holds_out_every_package_among_the_first_examples():
     built = data.build_classification(max_per_class=10).splits
     assert train == built["train"] and sorted(map(str, val)) == sorted(map(str, built["val"]))
     assert len({ex["label"] for ex in val[:24]}) >= 6
+
+
+def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsys):
+    out = tmp_path / "tag"
+    assert main(head_args(heads, "tag", out, "--train.steps=1", "--data.eval_before=false")) == 0
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(out), "--prompt", "ab", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a token classifier (2 labels) with no LM head" in err and len(err.splitlines()) == 1
