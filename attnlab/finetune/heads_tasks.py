@@ -318,6 +318,13 @@ def build_head_task(
         )
     if base.tokenizer is None:
         raise ValueError(f"the base checkpoint {str(base.path)!r} has no tokenizer.json")
+    quantized = [k for k, t in base.model.state_dict().items() if not t.is_floating_point()]
+    if quantized:  # copy_body would copy int8/int4 codes into float weights, without scales
+        raise ValueError(
+            f"the base checkpoint {str(base.path)!r} is quantized ({quantized[0]} is "
+            f"{base.model.state_dict()[quantized[0]].dtype}); a task head needs the float "
+            "checkpoint (QLoRA on a quantized base is for sft and dpo)"
+        )
     fields = (
         {"text": str, "label": (str, int)} if kind == "classify" else {"tokens": list, "tags": list}
     )

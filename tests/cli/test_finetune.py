@@ -491,3 +491,20 @@ def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsy
     assert main(["generate", "--ckpt", str(out), "--prompt", "ab", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a token classifier (2 labels) with no LM head" in err and len(err.splitlines()) == 1
+
+
+def test_a_head_on_a_quantized_base_is_one_clear_error(heads, tmp_path, capsys):
+    """The body of a head model is copied from the base: int8 codes without their scales would
+    have been copied into float weights without a word (they were)."""
+    int8 = tmp_path / "int8"
+    assert (
+        main(["quantize", "--ckpt", str(heads["ckpt"]), "--scheme", "int8", "--out", str(int8)])
+        == 0
+    )
+    capsys.readouterr()
+    argv = head_args(heads, "classify", tmp_path / "out", "--lora.rank=2")
+    argv[argv.index("--ckpt") + 1] = str(int8)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"the base checkpoint {str(int8)!r} is quantized" in err and "torch.int8" in err
+    assert len(err.splitlines()) == 1
