@@ -214,13 +214,13 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     names = add_lora(
         model, targets=lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
     )
-    if lora_head_trains(model):
+    if has_task_head(model):
         for name in head_modules(model):
             model.get_submodule(name).requires_grad_(True)
     return names
 
 
-def lora_head_trains(model: torch.nn.Module) -> bool:
+def has_task_head(model: torch.nn.Module) -> bool:
     """Whether `model` has a task head (which trains beside the adapters)."""
     try:
         head_modules(model)

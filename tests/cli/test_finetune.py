@@ -508,3 +508,18 @@ def test_a_head_on_a_quantized_base_is_one_clear_error(heads, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert f"the base checkpoint {str(int8)!r} is quantized" in err and "torch.int8" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_head_run_with_lora_resumes_exactly(heads, tmp_path):
+    """classify with LoRA: 3 steps, then --resume to 6, equals 6 steps in one go (the same
+    losses and weights: the head and adapters are built the same way before loading)."""
+    common = ("--train.schedule=constant", "--train.eval_every=3", "--train.ckpt_every=3")
+    common += ("--lora.rank=2", "--data.eval_before=false")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(head_args(heads, "classify", whole, *common, "--train.steps=6")) == 0
+    assert main(head_args(heads, "classify", split, *common, "--train.steps=3")) == 0
+    assert main(head_args(heads, "classify", split, *common, "--train.steps=6", "--resume")) == 0
+    assert [r["train_loss"] for r in records(split)] == [r["train_loss"] for r in records(whole)]
+    a = load_file(str(whole / "checkpoints" / "step_000006" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000006" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
