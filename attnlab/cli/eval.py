@@ -1,10 +1,10 @@
 """Evaluate a checkpoint: loss and perplexity (LM), masked-token accuracy (MLM), exact match
-(seq2seq)."""
+(seq2seq); a fine-tuning checkpoint reports its task's metrics (accuracy, entity F1, exact
+match, reward margin and preference accuracy), a LoRA one with its adapters merged."""
 
 import argparse
 
-from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.finetune import evaluate_finetuned, is_finetune_run
+from attnlab.cli.finetune import evaluate_finetuned, is_finetune_run, open_finetuned
 from attnlab.configs import from_dict
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
@@ -29,15 +29,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "auto") -> dict:
     """Load a checkpoint, rebuild its task from the saved run config and evaluate on validation."""
     device = resolve_device(device)
-    loaded = open_checkpoint(path, str(device))
+    loaded = open_finetuned(path, str(device))  # a LoRA run's adapters merged
+    if is_finetune_run(loaded.run):  # its own metrics (accuracy, F1, exact match, preferences)
+        return evaluate_finetuned(loaded, device)
     if "n_labels" in loaded.run:
         raise ValueError(
             f"checkpoint {str(path)!r} is a sequence classifier ({loaded.run['n_labels']} labels); "
             "attnlab eval scores the LM, MLM and seq2seq tasks of a training run and has no "
             "labelled data for it"
         )
-    if is_finetune_run(loaded.run):  # SFT or DPO: its own metrics (exact match, preferences)
-        return evaluate_finetuned(loaded, device)
     model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = build_task(run)
     return task.evaluate(model, batches or run.train.eval_batches, device)

@@ -1,27 +1,48 @@
-"""Fine-tune a decoder checkpoint: SFT or DPO, with LoRA adapters when --lora.rank is given.
+"""Fine-tune a checkpoint: a task head (classify, tag), SFT or DPO, with LoRA adapters when
+--lora.rank is given.
 
+    attnlab finetune --ckpt runs/bert --task classify              # built-in: stdlib packages
+    attnlab finetune --ckpt runs/bert --task tag --data.source ner.jsonl
     attnlab finetune --ckpt runs/base --task sft --data.source pairs.jsonl
     attnlab finetune --ckpt runs/base --task dpo --lora.rank 8 --dpo.beta 0.1
 
 The same machinery as `attnlab train`: YAML/JSON config files and --section.field overrides
 (sections train, data, lora, dpo), the training loop with its progress bar, metrics.jsonl,
-checkpoints and exact --resume (give the same flags again). DPO's reference is a frozen copy of
-the base model, or the policy with its adapters off when the LoRA model offers
-`disable_adapters()`; --dpo.precompute_reference computes its log-probs once, before training.
-A new run prints the base's metrics first, so a run reports them before and after.
-`attnlab eval --ckpt` on a fine-tuning checkpoint reports the same metrics
-(`evaluate_finetuned`).
+checkpoints and exact --resume (give the same flags again).
+
+- classify / tag put a fresh head on the base (`finetune.heads_tasks.build_head_task`: an
+  encoder or decoder for classify, an encoder for tag); with LoRA the head trains in full
+  beside the adapters (peft's modules_to_save), and the run is an attnlab checkpoint only
+  (`save_peft` refuses a trained head).
+- sft / dpo fine-tune a decoder LM through the tokenizer's chat template when it has one.
+  DPO's reference is a frozen copy of the base, or under LoRA the policy with its adapters off
+  (`lora.disable_adapters`); --dpo.precompute_reference computes its log-probs once.
+
+A new run prints the base's metrics first, so a run reports them before and after. A LoRA
+run's checkpoints hold the frozen base weights and the adapters (so --resume is exact);
+`open_finetuned` merges them on opening, which `attnlab eval` (the run's own task metrics,
+`evaluate_finetuned`) and `attnlab generate` do.
 """
 
 import argparse
 import copy
 import json
+import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import (
+    CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    Loaded,
+    copy_weights,
+    open_checkpoint,
+    resolve_checkpoint,
+)
 from attnlab.cli.options import (
     add_config_flags,
     apply_config_flags,
@@ -31,10 +52,16 @@ from attnlab.cli.options import (
 )
 from attnlab.cli.train import accelerators_line, final_report
 from attnlab.configs import from_dict
+from attnlab.finetune import data
 from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, LoraConfig
-from attnlab.finetune.sequences import DPO_FIELDS, SFT_FIELDS, check_example
+from attnlab.finetune.heads_tasks import ClassifyTask, TagTask, build_head_task
+from attnlab.finetune.lora import add_lora, remove_lora
+from attnlab.finetune.tagging import words_from_spans
 from attnlab.finetune.tasks import DPOTask, SFTTask
+from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
+from attnlab.models.heads import head_modules
+from attnlab.tokenizer import Tokenizer
 from attnlab.training.config import TrainConfig
 from attnlab.training.distributed import resolve_device
 from attnlab.training.loop import train
@@ -54,6 +81,9 @@ FINETUNE_TRAIN = replace(
     sample_tokens=48,
     out_dir="runs/finetune",
 )
+HEAD_TASKS = ("classify", "tag")  # a task head on the base (finetune/heads_tasks.py)
+FINETUNE_TASKS = ("sft", "dpo", *HEAD_TASKS)
+SPLITS = ("train", "val")
 SECTIONS = {"train": TrainConfig, "data": FinetuneDataConfig, "lora": LoraConfig, "dpo": DPOConfig}
 
 
@@ -71,10 +101,13 @@ class FinetuneRun:
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.usage = "%(prog)s --ckpt BASE --task sft|dpo [--config FILE] [--resume] [--SECTION.FIELD=V]"
+    p.usage = (
+        "%(prog)s --ckpt BASE --task classify|tag|sft|dpo [--config FILE] [--resume] "
+        "[--SECTION.FIELD=V]"
+    )
     p.add_argument("--ckpt", required=True, help="the base checkpoint (attnlab or HF directory)")
     p.add_argument(
-        "--task", choices=("sft", "dpo"), default=None, help="sets data.task (default sft)"
+        "--task", choices=FINETUNE_TASKS, default=None, help="sets data.task (default sft)"
     )
     p.add_argument("--config", default=None, help="YAML/JSON file of section overrides")
     p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
@@ -108,65 +141,36 @@ def configs_from_args(args: argparse.Namespace) -> dict:
     return configs
 
 
-def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
-    """The examples of a JSONL file, one object per line (blank lines skipped); a line that is
-    not JSON or lacks a field is a ValueError naming the file, the line and the field. (The
-    reader where attnlab.finetune.data is not installed; see `read_examples`.)"""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"no such data file {str(path)!r} (--data.source)")
-    examples = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            example = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); fix that line") from None
-        check_example(example, fields, f"{path}:{i}")
-        examples.append(example)
-    if not examples:
-        raise ValueError(f"{str(path)!r} holds no examples")
-    return examples
-
-
-def read_examples(path: str, task: str) -> list[dict]:
-    """A user's JSONL file of `task` examples, through attnlab.finetune.data.load_jsonl (which
-    names the line and field of a bad one); `read_jsonl` where that module is not installed."""
-    try:
-        from attnlab.finetune.data import load_jsonl
-    except ImportError:
-        return read_jsonl(path, SFT_FIELDS if task == "sft" else DPO_FIELDS)
-    return load_jsonl(path, task)
-
-
-def builtin_examples(task: str, max_examples: int = 0) -> tuple[list[dict], list[dict]]:
-    """The built-in (train, validation) examples made from the standard library by
-    attnlab.finetune.data: "write the signature of the function documented as: ..." ->
-    `def name(args):` (sft), and the right signature preferred to a corrupted one (dpo)."""
-    try:
-        from attnlab.finetune import data
-    except ImportError:
-        raise ValueError(
-            "--data.source builtin needs attnlab.finetune.data, which this installation lacks; "
-            "give a JSONL file (--data.source FILE.jsonl)"
-        ) from None
-    sizes = {"max_examples": max_examples} if max_examples else {}
-    built = data.build_instructions(**sizes)
-    if task == "dpo":
-        built = data.build_preferences(built)
+def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
+    """The built-in (train, validation) examples, made from the standard library by
+    attnlab.finetune.data: a function's package (classify), `tokenize` spans of source
+    windows (tag), "write the signature of the function documented as: ..." -> `def
+    name(args):` (sft), and the right signature preferred to a corrupted one (dpo).
+    data.max_examples caps the training examples (classify: divided among the packages)."""
+    n = d.max_examples
+    if d.task == "classify":
+        per_class = max(1, n // len(data.CLASSIFY_PACKAGES)) if n else None
+        built = data.build_classification(**({"max_per_class": per_class} if n else {}))
+    elif d.task == "tag":
+        built = data.build_tagging(**({"max_examples": n} if n else {}))
+    else:
+        built = data.build_instructions(**({"max_examples": n} if n else {}))
+        if d.task == "dpo":
+            built = data.build_preferences(built)
     return built.splits["train"], built.splits["val"]
 
 
 def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
-    """(train, validation) examples: built in, or a JSONL file split at 1 - val_fraction (or
-    its own val_source file)."""
+    """(train, validation) examples: built in, or a JSONL file (`data.load_jsonl`, which names
+    the line and field of a bad one) split at 1 - val_fraction (or its own val_source file).
+    Tagging examples come as {"tokens", "tags"} words (`tagging.words_from_spans`); held-out
+    classification examples in a seeded random order (built-in ones come grouped by label)."""
     if d.source == "builtin":
-        train_ex, val_ex = builtin_examples(d.task, d.max_examples)
+        train_ex, val_ex = builtin_examples(d)
     else:
-        train_ex = read_examples(d.source, d.task)
+        train_ex = data.load_jsonl(d.source, d.task)
         if d.val_source:
-            val_ex = read_examples(d.val_source, d.task)
+            val_ex = data.load_jsonl(d.val_source, d.task)
         else:
             if len(train_ex) < 2:
                 raise ValueError(
@@ -177,13 +181,23 @@ def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
             train_ex, val_ex = train_ex[:-n_val], train_ex[-n_val:]
     if d.max_examples:
         train_ex = train_ex[: d.max_examples]
+    if d.task == "tag":
+        train_ex, val_ex = ([as_words(ex) for ex in split] for split in (train_ex, val_ex))
+    if d.task == "classify":  # a seeded order: the first eval_examples are not one class
+        val_ex = random.Random(0).sample(val_ex, len(val_ex))
     return train_ex, val_ex
 
 
+def as_words(example: dict) -> dict:
+    """A {"text", "spans"} tagging example as the {"tokens", "tags"} words TagTask reads."""
+    tokens, tags = words_from_spans(example["text"], example["spans"])
+    return {"tokens": tokens, "tags": tags}
+
+
 def open_base(path: str, task: str):
-    """The base checkpoint, checked: a decoder with a tokenizer."""
+    """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer."""
     loaded = open_checkpoint(path)
-    if loaded.config.arch != "decoder" or "n_labels" in loaded.run:
+    if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or "n_labels" in loaded.run):
         kind = "a classifier" if "n_labels" in loaded.run else f"an {loaded.config.arch} model"
         raise ValueError(
             f"--ckpt {path!r} is {kind}; --task {task} fine-tunes a decoder LM (a GPT-2 or "
@@ -195,24 +209,41 @@ def open_base(path: str, task: str):
 
 
 def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
-    """LoRA adapters on lora.targets (attnlab.finetune.lora); the rest of the model frozen."""
-    try:
-        from attnlab.finetune.lora import add_lora
-    except ImportError:
-        raise ValueError(
-            "--lora.rank needs attnlab.finetune.lora, which this installation lacks; "
-            "fine-tune all weights (--lora.rank 0)"
-        ) from None
-
-    return add_lora(
+    """LoRA adapters on lora.targets; the rest of the model frozen but a task head, which
+    trains in full (as peft's `modules_to_save`)."""
+    names = add_lora(
         model, targets=lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
     )
+    if has_task_head(model):
+        for name in head_modules(model):
+            model.get_submodule(name).requires_grad_(True)
+    return names
 
 
-def build_task(run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None):
-    """The SFTTask or DPOTask of `run` (its examples read or built here)."""
+def has_task_head(model: torch.nn.Module) -> bool:
+    """Whether `model` has a task head (which trains beside the adapters)."""
+    try:
+        head_modules(model)
+    except ValueError:
+        return False
+    return True
+
+
+def build_task(
+    run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None, eval_only=False
+):
+    """The SFTTask, DPOTask, ClassifyTask or TagTask of `run` (its examples read or built
+    here; a head task's labels are those of run.model.head). eval_only: for `evaluate` alone
+    (SFT and DPO then encode one training example, not all of them)."""
     t, d = run.train, run.data
     train_ex, val_ex = load_examples(d)
+    if eval_only and d.task in ("sft", "dpo"):
+        train_ex = train_ex[:1]
+    if d.task in HEAD_TASKS:
+        task_cls = ClassifyTask if d.task == "classify" else TagTask
+        extra = {"word_sep": ""} if d.task == "tag" else {}
+        val_ex = val_ex[: d.eval_examples]
+        return task_cls(tokenizer, run.model, train_ex, val_ex, t.batch_size, t.context, **extra)
     common = dict(
         tokenizer=tokenizer,
         batch_size=t.batch_size,
@@ -236,15 +267,22 @@ def build_finetune(args: argparse.Namespace):
         raise ValueError("--train.compile is not supported with --task dpo; leave it off")
     loaded = open_base(args.ckpt, d.task)
     run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
+    torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
+    if d.task in HEAD_TASKS:  # a fresh head on the base's body; run.model gains the head
+        train_ex, val_ex = load_examples(d)
+        extra = {"word_sep": ""} if d.task == "tag" else {}
+        model, task, run = build_head_task(
+            d.task, loaded, train_ex, val_ex[: d.eval_examples], run, **extra
+        )
+        if lora.rank:
+            add_adapters(model, lora)
+        return model, task, run
     model = loaded.model
-    torch.manual_seed(t.seed)  # the same adapter initialisation on every run (and on --resume)
-    reference = None
-    if d.task == "dpo":  # the model before DPO: a frozen copy, unless the adapters can go off
-        reference = copy.deepcopy(model)
+    # DPO's reference, the model before DPO: the policy with its adapters off under LoRA
+    # (objectives.reference_model), else a frozen copy
+    reference = copy.deepcopy(model) if d.task == "dpo" and not lora.rank else None
     if lora.rank:
         add_adapters(model, lora)
-        if reference is not None and hasattr(model, "disable_adapters"):
-            reference = None
     task = build_task(run, loaded.tokenizer, reference)
     if d.task == "dpo" and run.dpo.precompute_reference:
         task.precompute_reference(model, resolve_device(t.device))
@@ -253,15 +291,50 @@ def build_finetune(args: argparse.Namespace):
 
 def is_finetune_run(run: dict) -> bool:
     """Whether a checkpoint's run config is one `attnlab finetune` wrote."""
-    return isinstance(run.get("data"), dict) and run["data"].get("task") in ("sft", "dpo")
+    return isinstance(run.get("data"), dict) and run["data"].get("task") in FINETUNE_TASKS
+
+
+def open_finetuned(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
+    """Open a checkpoint as `open_checkpoint` does, and a LoRA fine-tuning checkpoint too.
+
+    A LoRA run saves its adapters beside the frozen base weights (so that --resume is exact):
+    here they are put back on a model of the run's config and merged into a float base, which
+    gives a plain model of that config (the same logits). A quantized (QLoRA) base keeps its
+    adapters unmerged (merging would be lost to re-quantization); its structure comes from the
+    base checkpoint the run recorded (`run.base`).
+    """
+    where = resolve_checkpoint(path)
+    config = json.loads((where / CONFIG).read_text()) if (where / CONFIG).is_file() else {}
+    if not (is_finetune_run(config) and config.get("lora", {}).get("rank")):
+        return open_checkpoint(path, device)
+    run = from_dict(FinetuneRun, config)
+    weights = load_file(str(where / WEIGHTS))
+    quantized = any(not t.is_floating_point() for t in weights.values())
+    if quantized:
+        try:
+            model = open_checkpoint(run.base).model
+        except ValueError as e:
+            raise ValueError(
+                f"{str(where)!r} holds LoRA adapters on a quantized base, whose layout is read "
+                f"from the base checkpoint the run started from: {e}"
+            ) from None
+    else:
+        model = build_model(run.model)
+    lora = run.lora
+    add_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+    copy_weights(model, weights, f"checkpoint {str(where)!r}")
+    if not quantized:
+        remove_lora(model, merge=True)
+    tokenizer = Tokenizer.from_file(where) if (where / TOKENIZER).is_file() else None
+    return Loaded(model.to(device).eval(), run.model, tokenizer, config, where)
 
 
 def evaluate_finetuned(loaded, device) -> dict:
-    """The task metrics of a checkpoint `attnlab finetune` wrote (opened by open_checkpoint),
+    """The task metrics of a checkpoint `attnlab finetune` wrote (opened by `open_finetuned`),
     on the held-out examples of its own run config; DPO's reference is its base checkpoint."""
     run = from_dict(FinetuneRun, loaded.run)
     reference = open_checkpoint(run.base, device).model if run.data.task == "dpo" else None
-    task = build_task(run, loaded.tokenizer, reference)
+    task = build_task(run, loaded.tokenizer, reference, eval_only=True)
     return task.evaluate(loaded.model, run.train.eval_batches, device)
 
 
@@ -293,11 +366,13 @@ def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     d, t, lora = run_cfg.data, run_cfg.train, run_cfg.lora
     how = f"LoRA rank {lora.rank} on {lora.targets}" if lora.rank else "all weights"
-    left_out = f", {task.skipped} longer than the context left out" if task.skipped else ""
+    skipped = getattr(task, "skipped", 0)  # SFT/DPO leave out what is too long (heads cut it)
+    left_out = f", {skipped} longer than the context left out" if skipped else ""
+    n_train, n_val = (len(getattr(task, f"{s}_rows", None) or getattr(task, s)) for s in SPLITS)
     return "\n".join(
         [
             f"base: {run_cfg.base} ({run_cfg.model.arch}, {total / 1e6:.2f}M parameters)",
-            f"task: {d.task} on {d.source}: {len(task.train)} training, {len(task.val)} "
+            f"task: {d.task} on {d.source}: {n_train} training, {n_val} "
             f"held-out examples{left_out}",
             f"trained: {how}, {trained:,} parameters ({100 * trained / total:.2f}%)",
             f"train: {t.steps} steps of {t.batch_size} on {t.device}, out_dir {t.out_dir}",

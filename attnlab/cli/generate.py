@@ -1,6 +1,12 @@
 """Generate text from a checkpoint: sampling, beam search, stop strings, streaming.
 
     attnlab generate --ckpt runs/default --prompt "ROMEO:" --temperature 0.8 --top-k 50 --stream
+    attnlab generate --ckpt runs/finetune --chat --prompt "Write the signature of ..."
+
+--chat reads the prompt as one user message: the checkpoint's chat template (stored with its
+tokenizer) writes it as the model was fine-tuned on, with the assistant's generation prompt,
+and generation stops at the template's end of turn; only the reply is printed. A LoRA
+fine-tuning checkpoint opens with its adapters merged (`cli.finetune.open_finetuned`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
 `--top-k`); their defaults live in the dataclass, the others in `generate_text`'s signature.
@@ -16,9 +22,10 @@ import sys
 
 import torch
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.finetune import open_finetuned
 from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
+from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
 
@@ -80,6 +87,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         metavar="A",
         help="beam search: score / length**A (default %(default)s)",
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="--prompt is a user message, formatted by the tokenizer's chat template; stop at "
+        "its end of turn and print the reply only",
+    )
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
@@ -108,12 +121,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.prompt is None:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
-    loaded = open_checkpoint(args.ckpt, device)
+    loaded = open_finetuned(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
-    if "n_labels" in saved:
+    head = loaded.config.head  # a task head (attnlab finetune --task classify|tag, HF)
+    if head is not None or "n_labels" in saved:
+        token = head is not None and head.task == "token"
+        kind = "a token classifier" if token else "a sequence classifier"
+        n = head.num_labels if head is not None else saved["n_labels"]
         raise ValueError(
-            f"checkpoint {args.ckpt!r} is a sequence classifier ({saved['n_labels']} labels) "
-            "with no LM head to generate from; use `attnlab viz attention --ckpt` to look at it"
+            f"checkpoint {args.ckpt!r} is {kind} ({n} labels) with no LM head to generate "
+            "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
         )
     task = saved.get("data", {}).get("task")
     if task in ("vqa", "vla"):
@@ -124,8 +141,12 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer.json to read the prompt with")
     decoder_only = not hasattr(model, "encode")
+    prompt, stop_tokens, stop = args.prompt, [], list(args.stop)
+    if args.chat:
+        prompt, stop_tokens, stop = chat_prompt(tokenizer, args.prompt, args.ckpt, decoder_only)
+        stop += args.stop
     trained = saved.get("train", {}).get("context")
-    total = len(tokenizer.encode(args.prompt)) + args.max_new_tokens
+    total = len(tokenizer.encode(prompt)) + args.max_new_tokens
     if decoder_only and trained and total > trained:
         print(
             f"note: this model was trained on windows of {trained} tokens; prompt + "
@@ -137,22 +158,39 @@ def run(args: argparse.Namespace) -> int:
     def show(text: str) -> None:
         print(text, end="", flush=True)
 
-    if args.stream and decoder_only:
+    echo = decoder_only and not args.chat  # a continuation shows the prompt it continues
+    if args.stream and echo:
         show(args.prompt)
     text = generate_text(
         model,
         tokenizer,
-        args.prompt,
+        prompt,
         args.max_new_tokens,
         configs[SECTION],
         args.seed,
-        args.stop,
+        stop,
         args.num_beams,
         args.length_penalty,
         on_text=show if args.stream else None,
         on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
+        stop_tokens=stop_tokens,
     )
     if not args.stream:
-        show(args.prompt + text if decoder_only else text)
+        show(args.prompt + text if echo else text)
     print()
     return 0
+
+
+def chat_prompt(tokenizer, message: str, ckpt: str, decoder_only: bool):
+    """(prompt text, stop token ids, stop strings) of one user `message` through the
+    tokenizer's chat template (finetune.sequences.ChatFormat, as SFT formats prompts)."""
+    if not decoder_only:
+        raise ValueError(f"--chat needs a decoder LM; checkpoint {ckpt!r} is an encoder-decoder")
+    fmt = ChatFormat(tokenizer)
+    if not fmt.templated:
+        raise ValueError(
+            f"checkpoint {ckpt!r} has no chat template: its tokenizer was trained without the "
+            "chat markers (attnlab train --data.special_tokens chat); leave out --chat"
+        )
+    # the end of turn as a token when it is one (decoded text leaves special tokens out)
+    return fmt.prompt_text(message), fmt.stop_tokens, [] if fmt.stop_tokens else [fmt.end]

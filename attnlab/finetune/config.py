@@ -9,23 +9,26 @@ from typing import Literal
 
 from attnlab.configs import check_literals
 
-FinetuneTaskName = Literal["sft", "dpo"]
+FinetuneTaskName = Literal["sft", "dpo", "classify", "tag"]
 
 
 @dataclass(frozen=True)
 class FinetuneDataConfig:
     """What a fine-tuning run learns from.
 
-    task: "sft" (prompt -> response, loss on the response) or "dpo" (preference pairs).
-    source: "builtin" (pairs built from the running Python's standard library, see
-        finetune/data.py) or a JSONL file of {"prompt", "response"} (sft) or {"prompt",
-        "chosen", "rejected"} (dpo) lines.
+    task: "sft" (prompt -> response, loss on the response), "dpo" (preference pairs),
+        "classify" (a label per text: a sequence head) or "tag" (BIO tags: a token head).
+    source: "builtin" (examples built from the running Python's standard library, see
+        finetune/data.py) or a JSONL file of {"prompt", "response"} (sft), {"prompt",
+        "chosen", "rejected"} (dpo), {"text", "label"} (classify) or {"tokens", "tags"} (tag)
+        lines.
     val_source: a JSONL file of held-out examples; "" takes the last val_fraction of `source`.
     max_examples: use at most this many training examples (0: all of them).
     packing (sft): several examples in one row of `train.context` tokens, each attending only
         to itself and with its own positions from 0, so no padding is trained on or computed.
     chat_template: format prompts with the tokenizer's chat template when it has one.
-    eval_examples: held-out examples scored at each evaluation (loss and metrics).
+    eval_examples: held-out examples scored at each evaluation (loss and metrics; classify
+        and tag score at most train.eval_batches batches of them).
     max_new_tokens (sft): the longest response generated for exact match.
     eval_before: evaluate the base before the first step of a new run (the "before" figures).
     """

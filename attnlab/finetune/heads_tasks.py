@@ -27,9 +27,10 @@ from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.heads import copy_body
 from attnlab.tokenizer import Tokenizer
+from attnlab.training.checks import TASK_ARCH
+from attnlab.training.objectives import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # cross_entropy's default ignore_index, as in training/objectives.py
-TASK_ARCHES = {"classify": ("encoder", "decoder"), "tag": ("encoder",)}
+TASK_ARCHES = {kind: TASK_ARCH[kind] for kind in ("classify", "tag")}  # the families of each
 
 
 def check_examples(examples: list, fields: dict[str, type | tuple], split: str) -> None:
@@ -317,6 +318,13 @@ def build_head_task(
         )
     if base.tokenizer is None:
         raise ValueError(f"the base checkpoint {str(base.path)!r} has no tokenizer.json")
+    quantized = [k for k, t in base.model.state_dict().items() if not t.is_floating_point()]
+    if quantized:  # copy_body would copy int8/int4 codes into float weights, without scales
+        raise ValueError(
+            f"the base checkpoint {str(base.path)!r} is quantized ({quantized[0]} is "
+            f"{base.model.state_dict()[quantized[0]].dtype}); a task head needs the float "
+            "checkpoint (QLoRA on a quantized base is for sft and dpo)"
+        )
     fields = (
         {"text": str, "label": (str, int)} if kind == "classify" else {"tokens": list, "tags": list}
     )

@@ -25,6 +25,8 @@ Shapes: N out_features, K in_features, r rank; activations (..., K) in, (..., N)
 """
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -82,6 +84,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device))
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+        self.enabled = True  # False inside `disable_adapters`: the base alone
         self.reset_parameters()
 
     @torch.no_grad()
@@ -97,7 +100,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N)."""
         y = self.base(x)  # (..., N)
-        if self.merged:
+        if self.merged or not self.enabled:
             return y
         a = self.drop(x).to(self.lora_A.dtype) @ self.lora_A.T  # (..., r)
         return y + ((a @ self.lora_B.T) * self.scale).to(y.dtype)  # (..., N)
@@ -221,6 +224,32 @@ def unmerge_lora(model: nn.Module) -> None:
     """Take every merged adapter out of its base weight again."""
     for module in lora_modules(model).values():
         module.unmerge()
+
+
+@contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
+    """The base model alone, for the length of a `with` block: every adapter of `model` is
+    switched off (its Linear computes W0 x), then back on after the block, as peft's
+    `disable_adapter()`. DPO uses it as the reference model: the policy before its update.
+
+    Raises:
+        ValueError when `model` has no adapters, or a merged one (the base weight holds it:
+        unmerge first).
+    """
+    adapters = lora_modules(model)
+    if not adapters:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters to disable (add_lora)")
+    merged = [n for n, m in adapters.items() if m.merged]
+    if merged:
+        raise ValueError(f"cannot disable merged adapters {merged[:3]}; unmerge_lora first")
+    before = {n: m.enabled for n, m in adapters.items()}
+    for m in adapters.values():
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for n, m in adapters.items():
+            m.enabled = before[n]
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# The label of a position that is not trained on (prompt, padding): the value `transformers`
-# and `torch.nn.functional.cross_entropy` use, and attnlab.training.objectives.IGNORE_INDEX.
-IGNORE_INDEX = -100
+# IGNORE_INDEX: the label of a position that is not trained on (prompt, padding), -100 as in
+# `transformers` and `torch.nn.functional.cross_entropy`.
+from attnlab.finetune.lora import disable_adapters, lora_modules
+from attnlab.training.objectives import IGNORE_INDEX
 
 Reduction = Literal["mean", "sum"]
 
@@ -137,7 +138,7 @@ def reference_model(policy: nn.Module, frozen: nn.Module | None = None) -> Itera
     Args:
         policy: the model being trained (or its DDP wrapper).
         frozen: a frozen copy of the model before DPO; None to use the policy itself with its
-            LoRA adapters switched off, through its `disable_adapters()` context manager.
+            LoRA adapters switched off (`lora.disable_adapters`).
 
     Yields:
         `frozen`, or `policy` while its adapters are off (they are back on after the block).
@@ -146,11 +147,10 @@ def reference_model(policy: nn.Module, frozen: nn.Module | None = None) -> Itera
         yield frozen
         return
     net = getattr(policy, "module", policy)  # DDP keeps the model as .module
-    switch_off = getattr(net, "disable_adapters", None)
-    if switch_off is None:
+    if not lora_modules(net):
         raise ValueError(
             "DPO needs a reference model: pass a frozen copy of the base model, or train LoRA "
             "adapters (--lora.rank 8) so that the base with its adapters off is the reference"
         )
-    with switch_off():
+    with disable_adapters(net):
         yield policy

@@ -30,6 +30,10 @@ converter knows:
 - a RoPE layout permutation of q/k rows (Llama loaded as "interleaved"): B's rows follow.
 
 Only plain LoRA is read: DoRA, rsLoRA, trained biases and `modules_to_save` raise a ValueError.
+Nor is `modules_to_save` written: LoRA with a fresh task head (`attnlab finetune --task
+classify|tag --lora.rank 8`) trains the head in full, and such a run is kept as an attnlab
+checkpoint only (head and adapters; `attnlab eval` and `cli.finetune.open_finetuned` read it);
+`save_peft` refuses a model whose head is trainable rather than write an adapter without it.
 Nothing here imports peft.
 """
 
@@ -47,6 +51,7 @@ from attnlab.interop.hf import converter_for
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
 from attnlab.models.encoder import EncoderForClassification
+from attnlab.models.heads import head_modules
 from attnlab.models.weights import load_weights, without_tied_names
 
 CONFIG = "adapter_config.json"
@@ -176,6 +181,17 @@ def hf_weight_modules(cfg: ModelConfig) -> list[str]:
     return sorted(k.removesuffix(".weight") for k, t in hf_state.items() if t.dim() == 2)
 
 
+def _head_names(model: nn.Module) -> tuple[str, ...]:
+    """The task head's Linear modules (models.heads.head_modules), none for an LM."""
+    try:
+        names = head_modules(model)
+    except ValueError:
+        return ()
+    return tuple(
+        n for n in names if isinstance(getattr(model.get_submodule(n), "weight", None), Tensor)
+    )
+
+
 def _task_type(model: nn.Module, cfg: ModelConfig) -> str | None:
     if isinstance(model, EncoderForClassification):
         return "SEQ_CLS"
@@ -213,6 +229,13 @@ def save_peft(
     adapters = lora_modules(model)
     if not adapters:
         raise ValueError("the model has no LoRA adapters to save (add_lora first)")
+    trained_head = [n for n in _head_names(model) if model.get_submodule(n).weight.requires_grad]
+    if trained_head:
+        raise ValueError(
+            f"the task head {trained_head} trains beside the adapters; peft would need it in "
+            "modules_to_save, which save_peft does not write: keep the run's attnlab checkpoint "
+            "(head and adapters), or freeze the head to save the adapters alone"
+        )
     if any(m.merged for m in adapters.values()):
         raise ValueError("unmerge the adapters before saving them (merged: the base holds them)")
     places = hf_placements(cfg, list(adapters))

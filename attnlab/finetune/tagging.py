@@ -15,6 +15,7 @@ both kinds of data meet in one format.
 import bisect
 import io
 import keyword
+import re
 import tokenize
 from typing import Literal
 
@@ -139,3 +140,36 @@ def spans_from_words(tokens: list[str], tags: list[str]) -> tuple[str, list]:
                 spans.append((start, end, kind))
         pos = end + 1
     return text, spans
+
+
+def words_from_spans(text: str, spans) -> tuple[list[str], list[str]]:
+    """Words and word-level BIO tags of a tagged text (the inverse of `spans_from_words`, for
+    TagTask's {"tokens", "tags"} with word_sep=""): each span is one word tagged B-X, and the
+    text between spans is cut into O words at whitespace. Whitespace goes at the end of the
+    word before it, so every word starts with its first visible character (where its first
+    subword carries the tag) and the words joined give `text` back.
+
+    Args:
+        text: the text.  spans: sorted (start, end, type) character spans that do not overlap.
+
+    Returns:
+        (tokens, tags), of equal length.
+    """
+    words: list[list[str]] = []  # [word, tag]
+
+    def gap(part: str) -> None:
+        lead = part[: len(part) - len(part.lstrip())]
+        if lead:
+            if words:
+                words[-1][0] += lead
+            else:
+                words.append([lead, "O"])
+        words.extend([w, "O"] for w in re.findall(r"\S+\s*", part[len(lead) :]))
+
+    pos = 0
+    for start, end, kind in spans:
+        gap(text[pos:start])
+        words.append([text[start:end], f"B-{kind}"])
+        pos = end
+    gap(text[pos:])
+    return [w for w, _ in words], [t for _, t in words]

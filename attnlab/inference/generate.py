@@ -257,6 +257,7 @@ def generate_text(
     length_penalty: float = 1.0,
     on_text: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    stop_tokens: Sequence[int] = (),
 ) -> str:
     """Text in, text out: encode `prompt`, generate, and return only the new text.
 
@@ -272,12 +273,14 @@ def generate_text(
         on_text: called with each new piece of text as it comes (streaming; num_beams == 1).
         on_notice: called with a one-line notice if the context is cropped (see
             `stream_tokens`; default a ContextCropWarning).
+        stop_tokens: more token ids that end generation besides <eos> (a chat template's end
+            of turn).
 
     Returns:
         the generated text, special tokens left out.
     """
     eos, bos = tokenizer.token_id("<eos>"), tokenizer.token_id("<bos>")
-    stop_tokens = [] if eos is None else [eos]
+    stop_tokens = ([] if eos is None else [eos]) + list(stop_tokens)
     ids = tokenizer.encode(prompt)
     source = source_mask = None
     if hasattr(model, "encode"):  # encoder-decoder: the prompt is the source

@@ -15,18 +15,20 @@ TASK_ARCH = {
     "seq2seq": "encoder_decoder",
     "vqa": "vlm",
     "vla": "vlm",
-    "sft": "decoder",  # attnlab finetune (finetune/tasks.py)
+    "sft": "decoder",  # attnlab finetune (finetune/tasks.py, finetune/heads_tasks.py)
     "dpo": "decoder",
+    "classify": ("encoder", "decoder"),  # a task head: any of these families
+    "tag": ("encoder",),
 }
 
 
 def check_run(run: RunConfig, task) -> None:
     """ValueError for the first thing in `run` (with `task`'s data) that cannot work."""
     m, t, d = run.model, run.train, run.data
-    if TASK_ARCH[d.task] != m.arch:
-        raise ValueError(
-            f"task {d.task!r} needs model.arch={TASK_ARCH[d.task]!r}, but model.arch is {m.arch!r}"
-        )
+    arches = TASK_ARCH[d.task]
+    if m.arch not in ((arches,) if isinstance(arches, str) else arches):
+        need = repr(arches) if isinstance(arches, str) else f"one of {list(arches)}"
+        raise ValueError(f"task {d.task!r} needs model.arch={need}, but model.arch is {m.arch!r}")
     if d.task != "seq2seq" and t.context > m.max_seq_len:
         raise ValueError(
             f"train.context={t.context} is longer than the model's positions "

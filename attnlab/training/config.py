@@ -6,6 +6,7 @@ from typing import Literal
 
 from attnlab.configs import check_literals
 from attnlab.models.config import ModelConfig
+from attnlab.tokenizer import CHAT_TOKENS
 
 Task = Literal["clm", "mlm", "seq2seq", "vqa", "vla", "prefix_lm", "permutation_lm"]
 
@@ -21,6 +22,10 @@ class DataConfig:
         text file or a directory of text files, or "synthetic:copy" / "synthetic:reverse" /
         "synthetic:sort".
     tokenizer: "char", "bpe" (trained on the training text), or a path to a tokenizer.json.
+    special_tokens: the trained tokenizer's own special tokens besides the fixed seven, comma-
+        separated (e.g. "<|endoftext|>"), each one id that BPE never splits; "chat" adds the
+        chat markers <|system|>, <|user|>, <|assistant|>, <|end|>, which bring the default chat
+        template, so that a base pre-trained with them can be instruction-tuned (SFT) later.
     max_chars: cap on the text read from a directory ("stdlib"), files taken in sorted order.
     val_fraction: the last fraction of the token stream is the validation split.
     synthetic_*: size and shape of the seq2seq tasks (symbols 0..n_symbols-1, lengths in range).
@@ -44,6 +49,7 @@ class DataConfig:
     task: Task = "clm"
     source: str = "stdlib"
     tokenizer: str = "char"
+    special_tokens: str = ""
     bpe_vocab_size: int = 2048
     max_chars: int = 4_000_000
     val_fraction: float = 0.1
@@ -69,6 +75,17 @@ class DataConfig:
                 f"data.val_fraction must be in (0, 1), got {self.val_fraction}; e.g. 0.1 keeps "
                 "the last tenth of the text for validation"
             )
+        if self.special_tokens and self.tokenizer not in ("char", "bpe"):
+            raise ValueError(
+                f"data.special_tokens={self.special_tokens!r} applies to a tokenizer trained here "
+                f"('char' or 'bpe'); the tokenizer file {self.tokenizer!r} keeps its own"
+            )
+
+    @property
+    def special_token_list(self) -> list[str]:
+        """The special_tokens option as a list ("chat": the chat markers)."""
+        names = [t.strip() for t in self.special_tokens.split(",") if t.strip()]
+        return [t for name in names for t in (CHAT_TOKENS if name == "chat" else [name])]
 
 
 @dataclass(frozen=True)

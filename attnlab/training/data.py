@@ -122,6 +122,8 @@ def _fingerprint(cfg: DataConfig, files: list[Path]) -> str:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     h.update(f"{cfg.tokenizer}|{cfg.bpe_vocab_size}|{cfg.max_chars}|v{CACHE_VERSION}".encode())
+    if cfg.special_tokens:  # (not hashed when unset: the caches of earlier runs stay valid)
+        h.update(f"|special:{cfg.special_token_list}".encode())
     if Path(cfg.tokenizer).is_file():
         h.update(Path(cfg.tokenizer).read_bytes())
     return h.hexdigest()[:16]
@@ -129,9 +131,9 @@ def _fingerprint(cfg: DataConfig, files: list[Path]) -> str:
 
 def build_tokenizer(cfg: DataConfig, texts: list[str]) -> Tokenizer:
     if cfg.tokenizer == "char":
-        return train_char_tokenizer(texts)
+        return train_char_tokenizer(texts, special_tokens=cfg.special_token_list)
     if cfg.tokenizer == "bpe":
-        return train_bpe_tokenizer(texts, cfg.bpe_vocab_size)
+        return train_bpe_tokenizer(texts, cfg.bpe_vocab_size, special_tokens=cfg.special_token_list)
     return Tokenizer.from_file(cfg.tokenizer)
 
 

@@ -2,8 +2,7 @@
 
 import json
 import random
-import sys
-import types
+import string
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,12 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attnlab.checkpoint import save_checkpoint
+from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.eval import evaluate_checkpoint
+from attnlab.cli.finetune import load_examples, open_finetuned
+from attnlab.finetune import data
+from attnlab.finetune.config import FinetuneDataConfig
+from attnlab.finetune.lora import lora_modules
+from attnlab.finetune.tasks import SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.tokenizer import train_char_tokenizer
+from attnlab.tokenizer import CHAT_TOKENS, DEFAULT_CHAT_TEMPLATE, Tokenizer, train_char_tokenizer
 from attnlab.training.config import RunConfig
 
 
@@ -164,10 +168,10 @@ def test_a_bad_jsonl_line_is_one_clear_error(base, tmp_path, capsys):
 
 def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "classify"])
+        main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "summarize"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--task: invalid choice: 'classify'" in err and len(err.strip().splitlines()) == 1
+    assert "--task: invalid choice: 'summarize'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys):
@@ -183,46 +187,15 @@ def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys)
     assert len(err.strip().splitlines()) == 1
 
 
-class FakeLoRALinear(torch.nn.Module):
-    """W0 x + (alpha / r) B A x, B zero at the start: a stand-in for attnlab.finetune.lora
-    (another branch) that checks the CLI's wiring, not LoRA itself."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base, self.scale = base, alpha / rank
-        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x):
-        return self.base(x) + self.scale * (x @ self.lora_A.T) @ self.lora_B.T
-
-
-def fake_lora_module(calls: list) -> types.ModuleType:
-    def add_lora(model, targets=("q_proj", "v_proj"), rank=8, alpha=16.0, dropout=0.0):
-        calls.append((tuple(targets), rank, alpha, dropout))
-        model.requires_grad_(False)
-        names = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            parent = model.get_submodule(owner)
-            setattr(parent, attr, FakeLoRALinear(getattr(parent, attr), rank, alpha))
-        return names
-
-    module = types.ModuleType("attnlab.finetune.lora")
-    module.add_lora = add_lora
-    return module
-
-
-def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, monkeypatch, capsys):
-    """--lora.* call attnlab.finetune.lora.add_lora; DPO's reference is then the frozen base
-    (the first loss is log 2: B = 0), and the base weights in the checkpoint do not move."""
-    calls = []
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.lora", fake_lora_module(calls))
+def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsys):
+    """--lora.* put attnlab.finetune.lora adapters on the targets; DPO's reference is then the
+    policy with its adapters off (the first loss is log 2: B = 0), and the base weights in the
+    checkpoint do not move."""
     out = tmp_path / "lora"
     extra = ("--train.steps=3", "--train.eval_every=3", "--lora.rank=4", "--lora.alpha=8")
     assert main(args(base, "dpo", out, *extra, "--lora.targets", "q_proj, v_proj")) == 0
-    assert calls == [(("q_proj", "v_proj"), 4, 8.0, 0.0)]
-    assert "trained: LoRA rank 4 on q_proj, v_proj" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "trained: LoRA rank 4 on q_proj, v_proj" in text
     assert records(out)[0]["train_loss"] == pytest.approx(0.6931, abs=1e-4)
     before = load_file(str(base["ckpt"] / "model.safetensors"))
     after = load_file(str(out / "checkpoints" / "step_000003" / "model.safetensors"))
@@ -230,44 +203,61 @@ def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, monke
                for k, v in after.items() if "lora_" not in k}  # fmt: skip
     assert renamed.keys() == before.keys()
     assert all(torch.equal(renamed[k], before[k]) for k in before)
-    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in after.items() if "lora_B" in k)
+    adapters = {k: v for k, v in after.items() if "lora_" in k}
+    assert len(adapters) == 4 and all(k.split(".")[-2] in ("q_proj", "v_proj") for k in adapters)
+    assert all(v.shape[0] == 4 for k, v in adapters.items() if k.endswith("lora_A"))
+    assert any(
+        not torch.equal(v, torch.zeros_like(v)) for k, v in adapters.items() if "lora_B" in k
+    )
 
 
-def test_lora_without_the_lora_module_is_one_clear_error(base, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.lora", None)  # import fails
-    assert main(args(base, "sft", tmp_path / "out", "--train.steps=1", "--lora.rank=4")) == 2
-    assert "--lora.rank needs attnlab.finetune.lora" in capsys.readouterr().err
+def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, capsys):
+    """attnlab eval and generate open a LoRA run's checkpoint with the adapters merged: a plain
+    model whose logits equal base + (alpha / r) B A computed here by hand."""
+    out = tmp_path / "lora_sft"
+    extra = ("--train.steps=4", "--train.eval_every=4", "--lora.rank=4", "--lora.alpha=8")
+    assert main(args(base, "sft", out, *extra, "--lora.targets=q_proj,v_proj")) == 0
+    last = [r for r in records(out) if "val_loss" in r][-1]
+    loaded = open_finetuned(out)
+    assert not any("lora" in k for k in loaded.model.state_dict())  # merged: a plain model
+    saved = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    by_hand = {}
+    for k, v in saved.items():
+        if k.endswith(".base.weight"):
+            m = k.removesuffix(".base.weight")
+            v = v + 2.0 * saved[m + ".lora_B"] @ saved[m + ".lora_A"]  # alpha / r = 8 / 4
+        if "lora_" not in k:
+            by_hand[k.replace(".base.", ".")] = v
+    plain = build_model(loaded.config)
+    plain.load_state_dict(by_hand, strict=False)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(loaded.model(ids), plain.eval()(ids), atol=1e-5, rtol=0)
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: v for k, v in last.items() if k.startswith("val_")}, abs=1e-5)
+    capsys.readouterr()
+    argv = ["generate", "--ckpt", str(out), "--prompt", "up ab:", "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("up ab:")
 
 
-def test_builtin_data_come_from_finetune_data(base, tmp_path, monkeypatch, capsys):
+def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
     """--data.source builtin: the train and val splits of finetune.data's instructions (sft)
-    and of the preference pairs made from them (dpo); here a stand-in module with that API."""
-    pairs = [json.loads(line) for line in base["dpo"].read_text().splitlines()]
-    sft = [{"prompt": p["prompt"], "response": p["chosen"]} for p in pairs]
-    fake = types.ModuleType("attnlab.finetune.data")
-    fake.build_instructions = lambda max_examples=2000: types.SimpleNamespace(
-        splits={"train": sft[:max_examples], "val": sft[-10:]}
-    )
-    fake.build_preferences = lambda built: types.SimpleNamespace(
-        splits={
-            s: [{**e, "chosen": e["response"], "rejected": "x"} for e in v]
-            for s, v in built.splits.items()
-        }  # fmt: skip
-    )
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.data", fake)
+    and of the preference pairs made from them (dpo), capped by data.max_examples."""
+    built = data.build_instructions(max_examples=12)
+    for task, splits in (("sft", built), ("dpo", data.build_preferences(built))):
+        d = FinetuneDataConfig(task=task, source="builtin", max_examples=12)
+        assert load_examples(d) == (splits.splits["train"], splits.splits["val"])
+    tok = train_char_tokenizer([string.printable])
+    cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=320)
+    ckpt = tmp_path / "wide"
+    save_checkpoint(ckpt, build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
     for task in ("sft", "dpo"):
-        argv = args(base, task, tmp_path / task, "--train.steps=1", "--data.max_examples=40")
+        argv = args(base, task, tmp_path / task, "--train.steps=1", "--data.max_examples=12")
         argv[argv.index("--data.source") + 1] = "builtin"
+        argv[argv.index("--ckpt") + 1] = str(ckpt)
+        argv += ["--train.context=320", "--data.eval_examples=4", "--train.batch_size=2"]
         assert main(argv) == 0
-        assert f"task: {task} on builtin: 40 training, 8 held-out" in capsys.readouterr().out
-
-
-def test_builtin_data_without_finetune_data_is_one_clear_error(base, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "attnlab.finetune.data", None)
-    argv = args(base, "sft", tmp_path / "out", "--train.steps=1")
-    argv[argv.index("--data.source") + 1] = "builtin"
-    assert main(argv) == 2
-    assert "--data.source builtin needs attnlab.finetune.data" in capsys.readouterr().err
+        assert f"task: {task} on builtin: 12 training, 4 held-out" in capsys.readouterr().out
 
 
 @pytest.mark.hf
@@ -276,7 +266,6 @@ def test_sft_from_an_hf_directory(base, tmp_path, capsys):
     tokenizer.json beside it): converted on opening, then fine-tuned like any decoder."""
     T = pytest.importorskip("transformers")
     from attnlab.interop.hf.auto import save_tokenizer
-    from attnlab.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(base["ckpt"])
     torch.manual_seed(0)
@@ -304,3 +293,233 @@ def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
     assert saved["train"]["steps"] == 2 and saved["dpo"]["beta"] == 0.25
     assert saved["train"]["lr"] == 0.001  # the flag wins over the file
     assert saved["data"]["task"] == "dpo" and saved["lora"]["rank"] == 0
+
+
+# --- task heads: classify and tag -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict:
+    """A 1-layer BERT-style encoder base (random weights), a character tokenizer, and data a
+    small model learns in a few dozen steps: the label of a text is the letter group of its
+    first word (classify); an all-capitals word is B-UP, any other O (tag)."""
+    root = tmp_path_factory.mktemp("heads")
+    rng = random.Random(1)
+
+    def word(letters: str) -> str:
+        return "".join(rng.choice(letters) for _ in range(rng.randint(2, 4)))
+
+    texts = [[word("abcdefxyz") for _ in range(rng.randint(2, 4))] for _ in range(160)]
+    groups = ["abc" if i % 2 else "xyz" for i in range(len(texts))]
+    classify = [{"text": " ".join([word(g), *w]), "label": g} for g, w in zip(groups, texts)]
+    tag = []
+    for w in texts:
+        caps = [rng.random() < 0.4 for _ in w]
+        tokens = [x.upper() if c else x for x, c in zip(w, caps)]
+        tag.append({"tokens": tokens, "tags": ["B-UP" if c else "O" for c in caps]})
+    tok = train_char_tokenizer([string.ascii_letters + " "])
+    cfg = replace(get_preset("bert-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=32)
+    torch.manual_seed(0)
+    save_checkpoint(root / "bert", build_model(cfg), None, RunConfig(model=cfg), {}, tokenizer=tok)
+    return {
+        "ckpt": root / "bert",
+        "classify": write_jsonl(root / "classify.jsonl", classify),
+        "tag": write_jsonl(root / "tag.jsonl", tag),
+    }
+
+
+def head_args(heads: dict, task: str, out: Path, *extra: str) -> list[str]:
+    argv = args(heads, task, out, "--train.steps=40", "--train.eval_every=40", *extra)
+    return argv + ["--data.eval_examples=16", "--train.lr=1e-2", "--train.warmup=0"]
+
+
+def test_classify_learns_above_the_majority_and_eval_reports_it(heads, tmp_path, capsys):
+    """--task classify: a fresh sequence head on the encoder base, trained in full; accuracy
+    on the held-out lines well above the majority class, and attnlab eval reports the same."""
+    out = tmp_path / "classify"
+    assert main(head_args(heads, "classify", out)) == 0
+    assert "task: classify on " in capsys.readouterr().out
+    last = records(out)[-1]
+    assert last["accuracy"] >= 0.9 and last["majority"] <= 0.7, last
+    saved = json.loads((out / "checkpoints" / "step_000040" / "config.json").read_text())
+    assert saved["model"]["head"]["labels"] == ["abc", "xyz"]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
+
+
+def test_tag_learns_entities_with_lora_and_the_head_trains(heads, tmp_path):
+    """--task tag with LoRA: the adapters and the new token head train (the head in full, as
+    peft's modules_to_save), the encoder's own weights stay the base's; entity F1 (seqeval)
+    is high on held-out lines."""
+    out = tmp_path / "tag"
+    extra = ("--lora.rank=4", "--lora.targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj")
+    assert main(head_args(heads, "tag", out, *extra)) == 0
+    last = records(out)[-1]
+    assert last["f1"] >= 0.9, last
+    after = load_file(str(out / "checkpoints" / "step_000040" / "model.safetensors"))
+    before = load_file(str(heads["ckpt"] / "model.safetensors"))
+    body = {k.replace(".base.", "."): v for k, v in after.items() if "lora_" not in k}
+    kept = [k for k in body if k in before]
+    assert kept and all(torch.equal(body[k], before[k]) for k in kept)
+    assert {k for k in body if k not in before} == {"classifier.weight", "classifier.bias"}
+    assert evaluate_checkpoint(str(out), device="cpu")["f1"] == pytest.approx(last["f1"])
+
+
+def test_tag_on_a_decoder_base_is_one_clear_error(base, heads, tmp_path, capsys):
+    argv = head_args(heads, "tag", tmp_path / "out")
+    argv[argv.index("--ckpt") + 1] = str(base["ckpt"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "task 'tag' needs a base model with arch in ['encoder']" in err
+    assert str(base["ckpt"]) in err and len(err.splitlines()) == 1
+
+
+# --- chat: the tokenizer's special tokens and template, generate --chat -------------------------
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_train_takes_special_tokens_for_the_chat_markers(tmp_path, kind):
+    """attnlab train --data.special_tokens: each marker is one id that the tokenizer never
+    splits, and "chat" brings the default chat template, saved with the checkpoint."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
+    argv = ["train", "--data.source", str(corpus), "--data.tokenizer", kind]
+    argv += ["--data.special_tokens", "<|endoftext|>, chat", "--data.bpe_vocab_size=300"]
+    argv += ["--data.cache_dir", str(tmp_path / "cache"), "--train.out_dir", str(tmp_path / "run")]
+    argv += ["--train.steps=1", "--train.batch_size=2", "--train.context=16"]
+    argv += ["--train.eval_every=1", "--train.eval_batches=1", "--train.sample_tokens=4"]
+    argv += ["--train.progress=false", "--train.device=cpu", "--model.n_layers=1"]
+    assert main(argv) == 0
+    tok = open_checkpoint(tmp_path / "run").tokenizer
+    markers = ["<|endoftext|>", *CHAT_TOKENS]
+    ids = [tok.token_id(m) for m in markers]
+    assert None not in ids and len(set(ids)) == 5
+    assert tok.encode("a<|user|>b<|end|>") == [*tok.encode("a"), ids[2], *tok.encode("b"), ids[4]]
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+def test_train_special_tokens_with_a_tokenizer_file_is_one_clear_error(tmp_path, capsys):
+    argv = ["train", "--data.tokenizer", str(tmp_path / "tok.json"), "--data.special_tokens=chat"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.special_tokens='chat' applies to a tokenizer trained here" in err
+    assert len(err.splitlines()) == 1
+
+
+CHAT_SFT = [
+    {"prompt": "up ab:", "response": "AB"},
+    {"prompt": "up cde:", "response": "CDE"},
+    {"prompt": "up f:", "response": "F"},
+    {"prompt": "up bad:", "response": "BAD"},
+]
+
+
+def test_generate_chat_uses_the_template_and_stops_at_its_end_of_turn(tmp_path, capsys):
+    """A model that learnt four chat examples by heart (SFT through the tokenizer's template):
+    generate --chat writes the prompt as the template's user turn, stops at <|end|> and prints
+    the reply alone; without --chat the same words are plain text to continue."""
+    tok = train_char_tokenizer(["up abcdef: ABCDEF\n"], special_tokens=CHAT_TOKENS)
+    cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=2, max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    task = SFTTask(CHAT_SFT, CHAT_SFT, tok, batch_size=4, context=48, max_new_tokens=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        batch = task.train_batch(gen)
+        loss = task.loss_sum(model, batch) / task.n_targets(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert task.evaluate(model.eval(), 1, "cpu")["val_exact_match"] == 1.0
+    ckpt = tmp_path / "chat"
+    save_checkpoint(ckpt, model, None, RunConfig(model=cfg), {}, tokenizer=tok)
+    common = ["generate", "--ckpt", str(ckpt), "--temperature", "0", "--device", "cpu"]
+    for ex in CHAT_SFT:
+        assert main([*common, "--chat", "--prompt", ex["prompt"], "--max-new-tokens", "12"]) == 0
+        assert capsys.readouterr().out == ex["response"] + "\n"
+    assert main([*common, "--prompt", "up cde:", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("up cde:")
+
+
+def test_generate_chat_without_a_template_is_one_clear_error(base, capsys):
+    argv = ["generate", "--ckpt", str(base["ckpt"]), "--chat", "--prompt", "hi", "--device=cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no chat template" in err and len(err.splitlines()) == 1
+
+
+def test_qlora_on_an_int8_base_trains_and_reopens(base, tmp_path, capsys):
+    """QLoRA: LoRA on the int8 checkpoint `attnlab quantize` writes. Only the adapters train;
+    the checkpoint reopens with its adapters unmerged on the int8 Linears (read from the base
+    the run recorded), and attnlab eval reports the run's last metrics."""
+    int8 = tmp_path / "int8"
+    assert (
+        main(["quantize", "--ckpt", str(base["ckpt"]), "--scheme", "int8", "--out", str(int8)]) == 0
+    )
+    out = tmp_path / "qlora"
+    argv = args(base, "sft", out, "--train.steps=4", "--train.eval_every=4", "--lora.rank=4")
+    argv[argv.index("--ckpt") + 1] = str(int8)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    lora_params = 4 * (64 + 64) + 4 * (64 + 32)  # q: A (4, 64), B (64, 4); v: A, B (32, 4)
+    assert f"trained: LoRA rank 4 on q_proj,v_proj, {lora_params:,} parameters" in text
+    loaded = open_finetuned(out)
+    adapters = lora_modules(loaded.model)
+    assert sorted(adapters) == ["blocks.0.self_attn.q_proj", "blocks.0.self_attn.v_proj"]
+    assert all(type(m.base).__name__ == "Int8Linear" and not m.merged for m in adapters.values())
+    last = [r for r in records(out) if "val_loss" in r][-1]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: v for k, v in last.items() if k.startswith("val_")}, abs=1e-5)
+
+
+def test_builtin_classify_holds_out_every_package_among_the_first_examples():
+    """The built-in classification examples come grouped by package; the held-out ones are
+    put in a seeded order, so the first eval_examples are not all one class (they were)."""
+    train, val = load_examples(
+        FinetuneDataConfig(task="classify", source="builtin", max_examples=80)
+    )
+    built = data.build_classification(max_per_class=10).splits
+    assert train == built["train"] and sorted(map(str, val)) == sorted(map(str, built["val"]))
+    assert len({ex["label"] for ex in val[:24]}) >= 6
+
+
+def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsys):
+    out = tmp_path / "tag"
+    assert main(head_args(heads, "tag", out, "--train.steps=1", "--data.eval_before=false")) == 0
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(out), "--prompt", "ab", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a token classifier (2 labels) with no LM head" in err and len(err.splitlines()) == 1
+
+
+def test_a_head_on_a_quantized_base_is_one_clear_error(heads, tmp_path, capsys):
+    """The body of a head model is copied from the base: int8 codes without their scales would
+    have been copied into float weights without a word (they were)."""
+    int8 = tmp_path / "int8"
+    assert (
+        main(["quantize", "--ckpt", str(heads["ckpt"]), "--scheme", "int8", "--out", str(int8)])
+        == 0
+    )
+    capsys.readouterr()
+    argv = head_args(heads, "classify", tmp_path / "out", "--lora.rank=2")
+    argv[argv.index("--ckpt") + 1] = str(int8)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"the base checkpoint {str(int8)!r} is quantized" in err and "torch.int8" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_head_run_with_lora_resumes_exactly(heads, tmp_path):
+    """classify with LoRA: 3 steps, then --resume to 6, equals 6 steps in one go (the same
+    losses and weights: the head and adapters are built the same way before loading)."""
+    common = ("--train.schedule=constant", "--train.eval_every=3", "--train.ckpt_every=3")
+    common += ("--lora.rank=2", "--data.eval_before=false")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(head_args(heads, "classify", whole, *common, "--train.steps=6")) == 0
+    assert main(head_args(heads, "classify", split, *common, "--train.steps=3")) == 0
+    assert main(head_args(heads, "classify", split, *common, "--train.steps=6", "--resume")) == 0
+    assert [r["train_loss"] for r in records(split)] == [r["train_loss"] for r in records(whole)]
+    a = load_file(str(whole / "checkpoints" / "step_000006" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000006" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -24,7 +24,13 @@ from attnlab.finetune.data import (
     user_task,
 )
 from attnlab.finetune.signatures import corrupt_signature, functions
-from attnlab.finetune.tagging import char_tags, spans_from_words, tag_spans, token_tags
+from attnlab.finetune.tagging import (
+    char_tags,
+    spans_from_words,
+    tag_spans,
+    token_tags,
+    words_from_spans,
+)
 from attnlab.tokenizer import train_char_tokenizer
 
 SNIPPET = 'def f(x, y=10):  # add\n    return x + y * 2.5\ns = "hi"\n'
@@ -376,3 +382,20 @@ def test_splits_do_not_depend_on_where_the_files_live(tmp_path):
         splits.append({s: [ex["text"] for ex in v] for s, v in task.splits.items()})
     assert splits[0] == splits[1] and all(splits[0].values())
     assert "email/utils.py" in file_keys(stdlib_files())
+
+
+def test_words_from_spans_by_hand_and_back():
+    """TagTask's words: each span one B- word, the rest O words cut at whitespace, whitespace
+    kept at the end of the word before it; joined they are the text; spans_from_words of a
+    user's words comes back to the same entities."""
+    text = "def f(x):\n    return x  # done\n"
+    tokens, tags = words_from_spans(text, tag_spans(text))
+    assert "".join(tokens) == text
+    assert list(zip(tokens, tags)) == [
+        ("def ", "B-KEYWORD"), ("f", "B-NAME"), ("(", "B-OP"), ("x", "B-NAME"), (")", "B-OP"),
+        (":\n    ", "B-OP"), ("return ", "B-KEYWORD"), ("x  ", "B-NAME"), ("# done\n", "B-COMMENT"),
+    ]  # fmt: skip
+    words, word_tags = ["New", "York", "is", "big"], ["B-LOC", "I-LOC", "O", "O"]
+    tokens, tags = words_from_spans(*spans_from_words(words, word_tags))
+    assert tokens == ["New York ", "is ", "big"] and tags == ["B-LOC", "O", "O"]
+    assert words_from_spans("  a", []) == (["  ", "a"], ["O", "O"])

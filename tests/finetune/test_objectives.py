@@ -4,13 +4,13 @@
 import copy
 import math
 from collections import defaultdict
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab.finetune.lora import add_lora, disable_adapters, merge_lora
 from attnlab.finetune.objectives import (
     IGNORE_INDEX,
     dpo_loss,
@@ -186,26 +186,16 @@ def test_dpo_loss_at_the_reference_is_log_2():
 # --- the reference model --------------------------------------------------------------------------
 
 
-class WithAdapters(torch.nn.Module):
-    """A stand-in for a LoRA-wrapped model: a base Linear plus an adapter that can be switched
-    off through `disable_adapters()`, the protocol objectives.reference_model relies on."""
-
-    def __init__(self):
-        super().__init__()
-        self.base = torch.nn.Linear(4, 4)
-        self.adapter = torch.nn.Linear(4, 4)
-        self.enabled = True
-
-    def forward(self, x):
-        return self.base(x) + (self.adapter(x) if self.enabled else 0)
-
-    @contextmanager
-    def disable_adapters(self):
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
+def with_adapters() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(policy, base): a small model with LoRA on its first Linear, B moved off zero (a trained
+    adapter), and a copy of the model before LoRA."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    policy = copy.deepcopy(base)
+    add_lora(policy, targets=["0"], rank=2, alpha=4.0)
+    with torch.no_grad():
+        policy[0].lora_B.normal_()
+    return policy, base
 
 
 def test_reference_is_the_frozen_copy_when_given():
@@ -220,13 +210,28 @@ def test_reference_is_the_frozen_copy_when_given():
 
 
 def test_reference_is_the_policy_with_adapters_off():
-    policy = WithAdapters()
-    base = copy.deepcopy(policy.base)
-    x = torch.randn(2, 4)
+    """With LoRA, the reference is the policy with its adapters switched off: the same outputs
+    as the model before LoRA (computed apart, by plain torch), and the adapters back on after."""
+    policy, base = with_adapters()
+    x = torch.randn(5, 4)
     with reference_model(policy) as ref:
-        torch.testing.assert_close(ref(x), base(x))  # the base alone
-    assert policy.enabled  # back on after the block
+        assert ref is policy
+        torch.testing.assert_close(ref(x), base(x), atol=0, rtol=0)  # W0 x exactly
+    assert policy[0].enabled  # back on after the block
     assert not torch.allclose(policy(x), base(x))
+
+
+def test_adapters_come_back_on_after_an_error_and_merged_ones_refuse():
+    policy, base = with_adapters()
+    x = torch.randn(5, 4)
+    with pytest.raises(RuntimeError, match="inside"):
+        with disable_adapters(policy):
+            raise RuntimeError("inside")
+    assert policy[0].enabled and not torch.allclose(policy(x), base(x))
+    merge_lora(policy)
+    with pytest.raises(ValueError, match="cannot disable merged adapters"):
+        with disable_adapters(policy):
+            pass
 
 
 def test_reference_needs_a_copy_or_adapters():

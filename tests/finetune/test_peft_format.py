@@ -2,6 +2,7 @@
 the errors for adapters that do not fit (test_lora_peft.py checks the files against peft)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from attnlab.finetune.lora import add_lora, lora_modules, lora_state_dict, merge_lora
 from attnlab.finetune.peft_format import hf_placements, load_peft, save_peft
 from attnlab.models.build import build_model
+from attnlab.models.config import HeadConfig
 from attnlab.models.presets import get_preset
 from attnlab.quantize import quantize_model
 
@@ -151,3 +153,17 @@ def test_saving_needs_unmerged_adapters(tmp_path):
     merge_lora(model)
     with pytest.raises(ValueError, match="unmerge the adapters before saving"):
         save_peft(model, cfg, tmp_path)
+
+
+def test_a_trained_task_head_is_refused_not_left_out(tmp_path):
+    """LoRA with a fresh head trains the head in full (peft's modules_to_save, not written
+    here): save_peft says so instead of writing adapters that would lose the head; with the
+    head frozen it writes the adapters as for any model."""
+    cfg = replace(get_preset("bert-tiny"), head=HeadConfig("sequence", 3))
+    model = build_model(cfg)
+    add_lora(model, ("q", "v"), rank=4)
+    model.classifier.requires_grad_(True)  # as attnlab finetune --task classify --lora.rank
+    with pytest.raises(ValueError, match=r"the task head \['classifier'\] trains beside"):
+        save_peft(model, cfg, tmp_path / "a")
+    model.classifier.requires_grad_(False)
+    assert (save_peft(model, cfg, tmp_path / "b") / "adapter_config.json").is_file()

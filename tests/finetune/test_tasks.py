@@ -3,18 +3,23 @@ template, and DPO's loss against per-sequence forwards of the policy and the ref
 
 import copy
 import math
-from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 import torch
 
+from attnlab.finetune.lora import add_lora, lora_modules
 from attnlab.finetune.objectives import IGNORE_INDEX, dpo_loss, sequence_logps, sft_loss
 from attnlab.finetune.sequences import check_examples, pack_rows, pad_rows
 from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
-from attnlab.tokenizer import Tokenizer, train_char_tokenizer
+from attnlab.tokenizer import (
+    CHAT_TOKENS,
+    DEFAULT_CHAT_TEMPLATE,
+    Tokenizer,
+    train_char_tokenizer,
+)
 
 SFT = [
     {"prompt": "up ab:", "response": "AB"},
@@ -86,33 +91,21 @@ def test_packed_training_batches_fill_rows_of_the_context(tok):
     assert (batch["pos"] == 0).sum(1).min() >= 3  # several examples per row
 
 
-class TemplateTokenizer(Tokenizer):
-    """A character tokenizer with chat markers as added special tokens and a simple template
-    (the Tokenizer.apply_chat_template protocol of attnlab/tokenizer.py)."""
-
-    chat_template = "<|user|>{user}<|end|><|assistant|>{assistant}<|end|>"
-
-    def __init__(self, base: Tokenizer):
-        backend = copy.deepcopy(base.backend)
-        backend.add_special_tokens(["<|user|>", "<|assistant|>", "<|end|>"])
-        super().__init__(backend)
-
-    def apply_chat_template(self, messages, add_generation_prompt=False):
-        text = ""
-        for m in messages:
-            text += f"<|{m['role']}|>{m['content']}<|end|>"
-        return text + ("<|assistant|>" if add_generation_prompt else "")
-
-
-def test_sft_uses_the_chat_template_and_its_end_of_turn(tok):
-    chat = TemplateTokenizer(tok)
+def test_sft_uses_the_chat_template_and_its_end_of_turn():
+    """The tokenizer's own template (DEFAULT_CHAT_TEMPLATE, brought by CHAT_TOKENS): the prompt
+    is the user turn and the generation prompt, the response is trained up to <|end|>."""
+    chat = train_char_tokenizer(["up abcdef: ABCDEF x\n"], special_tokens=CHAT_TOKENS)
+    assert chat.chat_template == DEFAULT_CHAT_TEMPLATE
     task = SFTTask(SFT, SFT[:1], chat, batch_size=2, context=32)
-    end = chat.backend.token_to_id("<|end|>")
+    end = chat.token_id("<|end|>")
     assert task.format.templated and task.format.stop_tokens == [end]
     x, labels = task.train[0]
-    assert chat.decode(x, skip_special=False) == "<|user|>up ab:<|end|><|assistant|>AB"
+    prompt = "<|user|>\nup ab:<|end|>\n<|assistant|>\n"
+    assert chat.decode(x, skip_special=False) == prompt + "AB<|end|>"
     trained = [t for t in labels if t != IGNORE_INDEX]
-    assert chat.decode(trained, skip_special=False) == "AB<|end|>"  # no <eos>: the turn's end
+    # the rest of the template's text after the prompt; no <eos>: the turn's end stops it
+    assert chat.decode(trained, skip_special=False) == "AB<|end|>\n"
+    assert chat.token_id("<eos>") not in trained
     assert task.format.response_of(chat.encode("AB") + [end] + chat.encode("junk")) == "AB"
     no_template = SFTTask(SFT, SFT[:1], chat, batch_size=2, context=32, chat_template=False)
     assert not no_template.format.templated
@@ -187,39 +180,28 @@ def test_dpo_starts_at_log_2_when_the_policy_is_its_reference(tok):
     assert got["val_reward_margin"] == 0 and got["val_preference_accuracy"] == 0
 
 
-class BiasAdapter(torch.nn.Module):
-    """A decoder plus a trainable bias on its logits (a stand-in adapter), switched off by
-    disable_adapters() as a LoRA model's adapters are."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.on = model, True
-        self.bias = torch.nn.Parameter(torch.randn(model.head.out_features))
-
-    def forward(self, ids, **kw):
-        logits = self.model(ids, **kw)
-        return logits + self.bias if self.on else logits
-
-    @contextmanager
-    def disable_adapters(self):
-        self.on = False
-        try:
-            yield
-        finally:
-            self.on = True
-
-
 def test_dpo_reference_is_the_policy_with_its_adapters_off(tok):
+    """A LoRA policy (trained adapters: B off zero) and no frozen copy: the reference log-probs
+    are the base model's, each sequence computed alone through the model before LoRA."""
     base = tiny_model(tok.vocab_size)
-    policy = BiasAdapter(copy.deepcopy(base))
-    task = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, beta=0.5, reference=None)
+    policy = copy.deepcopy(base)
+    add_lora(policy, targets=("q_proj", "v_proj", "o_proj"), rank=4)
     with torch.no_grad():
-        _, rc, _ = task.pair_losses(policy, task._batch(task.train))
-        want = 0.5 * (
-            alone_logps(policy, task, task.train, 0) - alone_logps(base, task, task.train, 0)
-        )
-    torch.testing.assert_close(rc, want, atol=1e-5, rtol=0)
-    assert policy.on
+        for m in lora_modules(policy).values():
+            m.lora_B.normal_(std=0.5)
+    task = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, beta=0.5, reference=None)
+    batch = task._batch(task.train)
+    with torch.no_grad():
+        _, rc, rr = task.pair_losses(policy, batch)
+        with_copy = DPOTask(DPO, DPO[:2], tok, batch_size=4, context=32, reference=base)
+        want = with_copy._reference_logps(policy, batch)  # the frozen model before LoRA
+        assert torch.equal(task._reference_logps(policy, batch), want)
+        want_c = alone_logps(policy, task, task.train, 0) - alone_logps(base, task, task.train, 0)
+        want_r = alone_logps(policy, task, task.train, 1) - alone_logps(base, task, task.train, 1)
+    torch.testing.assert_close(rc, 0.5 * want_c, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rr, 0.5 * want_r, atol=1e-5, rtol=0)
+    assert rc.abs().max() > 1e-3  # the adapters do move the policy from the reference
+    assert all(m.enabled for m in lora_modules(policy).values())  # back on
 
 
 def test_dpo_without_a_reference_or_adapters_is_an_error(tok):
