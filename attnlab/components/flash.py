@@ -74,7 +74,10 @@ ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """(b, h, i, j) -> True where query i of row b, head h may attend to key j."""
 
-BLOCK_Q, BLOCK_K = 128, 128  # default block sizes (rows of Q and of K/V per tile)
+# Default block sizes (rows of Q and of K/V per tile). Each tile costs a few Python-level tensor
+# calls, so on a CPU larger tiles than a GPU kernel's SRAM would hold pay off; the memory stays
+# O(T): a few (Br, Bc) tiles at a time.
+BLOCK_Q, BLOCK_K = 256, 256
 
 
 def flash_attention(
@@ -138,7 +141,9 @@ def score_mod_tensors(score_mod: ScoreMod | None) -> tuple[Tensor, ...]:
     """The tensors a score_mod reads that may need a gradient: its `tensors` attribute, or ().
 
     The position schemes set it (T5's gathered bias table, ALiBi's slopes), e.g.
-    `t5_bias.tensors = (by_distance,)`, so that `FlashAttention` can take them as inputs.
+    `t5_bias.tensors = (by_distance,)`, so that `FlashAttention` can take them as inputs. They
+    also set `additive = True`: the score_mod returns score + a bias that does not depend on the
+    score, so its derivative by the score is 1 and the backward hands dS through unchanged.
     """
     return tuple(getattr(score_mod, "tensors", ()))
 
@@ -255,8 +260,12 @@ class FlashAttention(torch.autograd.Function):
         want_dbias = isinstance(bias, Tensor) and ctx.needs_input_grad[4]
         dbias = torch.zeros(B, Kh, G, T, S, **new) if want_dbias else None
         # A score_mod goes through autograd per tile: dS back to Q K^T, and to its learned tensors.
+        # An additive one (score + a bias of the indices) passes dS back unchanged, so autograd
+        # is needed only for its learned tensors (T5's table), and not at all for ALiBi's slopes.
         learned = [t for t, need in zip(ctx.learned, ctx.needs_input_grad[9:]) if need]
-        through_mod = bias is not None and not isinstance(bias, Tensor)
+        additive = getattr(bias, "additive", False)
+        through_mod = bias is not None and not isinstance(bias, Tensor) and not additive
+        graph = through_mod or bool(learned)
         d_learned = [torch.zeros_like(t) for t in learned]
         live = _live_blocks(mask)
         for j0 in range(0, S, block_k):
@@ -271,17 +280,20 @@ class FlashAttention(torch.autograd.Function):
                 qi, doi = qg[..., i0:i1, :], d_out[..., i0:i1, :]  # (B, K, G, Br, D or Dv)
                 tile = (mask, bias, is_causal, (i0, i1), (j0, j1), T, S)
                 s_raw = (qi @ kj.transpose(-2, -1)) * scale  # (B, K, G, Br, Bc)
-                with torch.enable_grad() if through_mod else nullcontext():  # for dS, below
+                with torch.enable_grad() if graph else nullcontext():  # for dS, below
                     s_raw = s_raw.detach().requires_grad_() if through_mod else s_raw
                     s = _modify_scores(s_raw, *tile)  # (B, K, G, Br, Bc)
                 p = torch.exp(s.detach() - lse[..., i0:i1, None])  # (B, K, G, Br, Bc), recomputed
                 dv[..., j0:j1, :] += (p.transpose(-2, -1) @ doi).sum(dim=2)  # sum the G heads
                 dp = doi @ vj.transpose(-2, -1)  # (B, K, G, Br, Bc)
                 ds = p * (dp - delta[..., i0:i1, None])  # (B, K, G, Br, Bc), d modified scores
-                if through_mod:  # ds becomes d raw scores; the learned tensors get theirs
-                    ds, *grads = torch.autograd.grad(
-                        s, [s_raw, *learned], ds, allow_unused=True, materialize_grads=True
+                if graph:  # ds becomes d raw scores (unless additive); learned tensors get theirs
+                    wrt = [s_raw, *learned] if through_mod else learned
+                    grads = torch.autograd.grad(
+                        s, wrt, ds, allow_unused=True, materialize_grads=True
                     )
+                    if through_mod:
+                        ds, *grads = grads
                     for acc_grad, g in zip(d_learned, grads):
                         acc_grad += g
                 dq[..., i0:i1, :] += (ds @ kj) * scale

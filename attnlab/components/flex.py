@@ -94,6 +94,7 @@ def _dense_score_mod(bias: Tensor) -> ScoreMod:
     def add_bias(score, b, h, i, j):
         return score + bias[b if batched else 0, h, i, j]
 
+    add_bias.additive = True  # dS passes back unchanged (components/flash.py)
     return add_bias
 
 

@@ -98,4 +98,5 @@ class ALiBi(PositionScheme):
             return score - (slopes[h] * distance).to(score.dtype)
 
         alibi.tensors = (slopes,)  # what it reads (fixed here; see base.py)
+        alibi.additive = True  # score + a bias: dS passes back unchanged (components/flash.py)
         return alibi

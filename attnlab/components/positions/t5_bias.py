@@ -141,4 +141,5 @@ class T5Bias(PositionScheme):
             return score + by_distance[row, h].to(score.dtype)
 
         t5_bias.tensors = (by_distance,)  # what it reads that learns (see base.py)
+        t5_bias.additive = True  # score + a bias: dS passes back unchanged (components/flash.py)
         return t5_bias
