@@ -148,25 +148,20 @@ class PagedLayer(nn.Module):
         k_slots[slots] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, K, D) at (B, T) slots
         v_slots[slots] = v.transpose(1, 2).to(self.v.dtype)
 
-    def gather(
-        self, key_slots: Tensor, out: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def gather(self, key_slots: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's keys and values in position order.
 
         Args:
             key_slots: (B, S) the pool slot of each row's position j (`PagedStep.key_slots`).
-            out: two (B * S, K, D) buffers to gather into (reused across layers), or None for
-                new tensors.
 
         Returns:
-            keys and values, each (B, K, S, D) (a transposed view of a (B, S, K, D) copy).
+            keys and values, each (B, K, S, D) (a transposed view of one (B, S, K, D) copy).
         """
         B, S = key_slots.shape
         k_slots, v_slots = self.slots_view()
         index = key_slots.reshape(B * S)
-        k_out, v_out = (None, None) if out is None else out
-        k = torch.index_select(k_slots, 0, index, out=k_out).view(B, S, *k_slots.shape[1:])
-        v = torch.index_select(v_slots, 0, index, out=v_out).view(B, S, *v_slots.shape[1:])
+        k = k_slots.index_select(0, index).view(B, S, *k_slots.shape[1:])  # (B, S, K, D)
+        v = v_slots.index_select(0, index).view(B, S, *v_slots.shape[1:])
         return k.transpose(1, 2), v.transpose(1, 2)  # (B, K, S, D)
 
     def clear(self, blocks: Sequence[int]) -> None:
@@ -186,12 +181,9 @@ class PagedLayerView:
 
     def update(self, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Write the new keys/values (B, K, T, D) at `slots` (B, T) and return every row's keys
-        and values (B, K, S, D) through its block table.
-
-        The returned tensors live in the step's gather buffers: valid until the next layer's
-        update (the layer uses them at once)."""
+        and values (B, K, S, D) through its block table."""
         self.layer.write(k, v, slots)
-        return self.layer.gather(self.step.key_slots, out=self.step.buffers(self.layer))
+        return self.layer.gather(self.step.key_slots)
 
 
 class PagedStep:
@@ -206,9 +198,6 @@ class PagedStep:
         key_slots: (B, S) pool slot of each gathered key, through the row's block table
             (computed once per step, shared by every layer).
         bound: S, above every position of the step.
-
-    Every layer gathers its keys and values into the same two buffers, allocated once per step:
-    a fresh (B, S, K, D) pair per layer would be new memory (page faults) at every layer.
     """
 
     def __init__(self, layers: list[PagedLayer], tables: Tensor, slots: Tensor, pos: Tensor):
@@ -217,21 +206,10 @@ class PagedStep:
         offsets = torch.arange(block_size, device=tables.device)
         self.key_slots = (tables[:, :, None] * block_size + offsets).reshape(B, N * block_size)
         self.layers = [PagedLayerView(layer, self) for layer in layers]
-        self._buffers: dict[tuple, tuple[Tensor, Tensor]] = {}  # (K, D, dtype) -> k, v buffers
         self.cross = None
         self.slots, self.pos = slots, pos
         self.bound = N * block_size
         self.key_pos = torch.arange(self.bound, device=pos.device).expand(B, self.bound)
-
-    def buffers(self, layer: PagedLayer) -> tuple[Tensor, Tensor]:
-        """The step's two (B * S, K, D) gather buffers for `layer`'s pool shape and dtype."""
-        _, _, K, D = layer.k.shape
-        key = (K, D, layer.k.dtype)
-        if key not in self._buffers:
-            shape = (self.key_slots.numel(), K, D)
-            make = lambda: torch.empty(shape, dtype=layer.k.dtype, device=layer.k.device)  # noqa: E731
-            self._buffers[key] = (make(), make())
-        return self._buffers[key]
 
     def attention_mask(self, window: int | None = None) -> Tensor:
         """Query at position p sees keys j <= p (within `window`): bool (B, 1, T, S).
