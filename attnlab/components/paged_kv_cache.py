@@ -5,7 +5,7 @@ with many requests of different lengths would reserve the longest one's room for
 Here keys and values live in a pool of fixed-size blocks; a sequence owns a list of blocks (its
 block table) that grows one block at a time, and returns them when it finishes.
 
-    pool, one per layer: (n_blocks, K, block_size, D) keys and the same for values
+    pool, one per layer: (n_blocks, block_size, K, D) keys and the same for values
     (block_size 4; letters are tokens, . is a free slot)
 
         block:     0         1         2         3         4         5
@@ -23,9 +23,11 @@ block table) that grows one block at a time, and returns them when it finishes.
         B, position 6 -> block B[6 // 4] = 3, offset 6 % 4 = 2 -> pool slot 3 * 4 + 2 = 14
 
         written with one index_put per layer at slots (B, T) = [[11], [14]]; then each row's keys
-        are gathered through its table, pool[tables] -> (B, K, 2 blocks * 4, D): key j of row b
-        is the token at position j of sequence b. The mask lets query position p see keys j <= p,
-        which also hides the slots a shorter row has not written (B's slot 7, any padding block).
+        are gathered through its table: the slots of its positions 0 .. 7, computed once per step
+        (A: [0 1 2 3 8 9 10 11], B: [4 5 6 7 12 13 14 15]), one index_select of the flat pool
+        per layer -> (B, 2 blocks * 4, K, D): key j of row b is the token at position j of
+        sequence b. The mask lets query position p see keys j <= p, which also hides the slots a
+        shorter row has not written (B's slot 7, any padding block).
 
 Prefix caching: keys and values at a position depend only on the tokens up to it, so a full
 block of one prompt serves every later prompt that starts with the same tokens. Such blocks are
@@ -114,7 +116,11 @@ class BlockAllocator:
 
 
 class PagedLayer(nn.Module):
-    """One layer's pool: (n_blocks, K, block_size, D) keys and values.
+    """One layer's pool: (n_blocks, block_size, K, D) keys and values.
+
+    Token-major: the block_size tokens of a block follow each other, each with its K heads, so
+    the pool is also a flat (n_blocks * block_size, K, D) array of slots, and one index_select
+    of whole slots gathers a row's keys already in position order.
 
     Args:
         n_blocks, K, block_size, D: pool shape.  dtype, device: of the buffers.
@@ -122,10 +128,15 @@ class PagedLayer(nn.Module):
 
     def __init__(self, n_blocks: int, K: int, block_size: int, D: int, dtype, device=None):
         super().__init__()
-        shape = (n_blocks, K, block_size, D)
+        shape = (n_blocks, block_size, K, D)
         # Non-persistent: a cache is scratch space, never part of a checkpoint.
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def slots_view(self) -> tuple[Tensor, Tensor]:
+        """The pools as flat (n_blocks * block_size, K, D) arrays of slots (views, no copy)."""
+        n_blocks, block_size, K, D = self.k.shape
+        return self.k.view(n_blocks * block_size, K, D), self.v.view(n_blocks * block_size, K, D)
 
     def write(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
         """Store the new tokens' keys and values.
@@ -133,26 +144,25 @@ class PagedLayer(nn.Module):
         Args:
             k, v: (B, K, T, D).  slots: (B, T) pool slots, block * block_size + offset.
         """
-        block_size = self.k.shape[2]
-        block, offset = slots // block_size, slots % block_size  # (B, T) each
-        # Advanced indices on dims 0 and 2 around a slice: the indexed view is (B, T, K, D).
-        self.k[block, :, offset] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[block, :, offset] = v.transpose(1, 2).to(self.v.dtype)
+        k_slots, v_slots = self.slots_view()
+        k_slots[slots] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, K, D) at (B, T) slots
+        v_slots[slots] = v.transpose(1, 2).to(self.v.dtype)
 
-    def gather(self, tables: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(self, key_slots: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's keys and values in position order.
 
         Args:
-            tables: (B, N) block ids per row (N blocks; shorter rows padded with any block).
+            key_slots: (B, S) the pool slot of each row's position j (`PagedStep.key_slots`).
 
         Returns:
-            keys and values, each (B, K, N * block_size, D).
+            keys and values, each (B, K, S, D) (a transposed view of one (B, S, K, D) copy).
         """
-        B, N = tables.shape
-        _, K, block_size, D = self.k.shape
-        k = self.k[tables].transpose(1, 2).reshape(B, K, N * block_size, D)
-        v = self.v[tables].transpose(1, 2).reshape(B, K, N * block_size, D)
-        return k, v
+        B, S = key_slots.shape
+        k_slots, v_slots = self.slots_view()
+        index = key_slots.reshape(B * S)
+        k = k_slots.index_select(0, index).view(B, S, *k_slots.shape[1:])  # (B, S, K, D)
+        v = v_slots.index_select(0, index).view(B, S, *v_slots.shape[1:])
+        return k.transpose(1, 2), v.transpose(1, 2)  # (B, K, S, D)
 
     def clear(self, blocks: Sequence[int]) -> None:
         """Zero `blocks` (so a non-finite value left by a failed request cannot reach a row
@@ -166,14 +176,14 @@ class PagedLayerView:
     """What one attention layer sees as its cache for one step: `update` as KVCache's, with
     per-row slots."""
 
-    def __init__(self, layer: PagedLayer, tables: Tensor):
-        self.layer, self.tables = layer, tables
+    def __init__(self, layer: PagedLayer, step: "PagedStep"):
+        self.layer, self.step = layer, step
 
     def update(self, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Write the new keys/values (B, K, T, D) at `slots` (B, T) and return every row's keys
         and values (B, K, S, D) through its block table."""
         self.layer.write(k, v, slots)
-        return self.layer.gather(self.tables)
+        return self.layer.gather(self.step.key_slots)
 
 
 class PagedStep:
@@ -185,15 +195,20 @@ class PagedStep:
         slots: (B, T) pool slots of the new tokens (pass as `slots=`).
         pos: (B, T) positions of the new tokens in their sequences.
         key_pos: (B, S) positions of the gathered keys: 0 .. S-1 in every row.
+        key_slots: (B, S) pool slot of each gathered key, through the row's block table
+            (computed once per step, shared by every layer).
         bound: S, above every position of the step.
     """
 
     def __init__(self, layers: list[PagedLayer], tables: Tensor, slots: Tensor, pos: Tensor):
-        self.layers = [PagedLayerView(layer, tables) for layer in layers]
+        B, N = tables.shape
+        block_size = layers[0].k.shape[1]
+        offsets = torch.arange(block_size, device=tables.device)
+        self.key_slots = (tables[:, :, None] * block_size + offsets).reshape(B, N * block_size)
+        self.layers = [PagedLayerView(layer, self) for layer in layers]
         self.cross = None
         self.slots, self.pos = slots, pos
-        B, N = tables.shape
-        self.bound = N * layers[0].k.shape[2]
+        self.bound = N * block_size
         self.key_pos = torch.arange(self.bound, device=pos.device).expand(B, self.bound)
 
     def attention_mask(self, window: int | None = None) -> Tensor:

@@ -274,11 +274,15 @@ class Engine:
         if not bool(torch.isfinite(logits).all()):
             raise FloatingPointError("the model's logits are not finite (NaN or inf)")
         token = int(sample(logits[None], seq.sampling, None, seq.generator))
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        # log p(v) = logit(v) - logsumexp(logits): the whole (V,) log-softmax only for top-k.
+        logits = logits.float()
+        log_z = torch.logsumexp(logits, dim=-1)
         top = None
         if p.logprobs is not None:
-            values, ids = logp.topk(min(p.logprobs, logp.shape[0]))
-            top = dict(zip(ids.tolist(), values.tolist()))
+            top = {}
+            if p.logprobs > 0:
+                values, ids = (logits - log_z).topk(min(p.logprobs, logits.shape[0]))
+                top = dict(zip(ids.tolist(), values.tolist()))
         seq.tokens.append(token)
         seq.logits = None
         reason = self._finish_reason(seq)
@@ -287,7 +291,7 @@ class Engine:
             self._counters["time_to_first_token_seconds_sum"] += seq.first_token - seq.submitted
             self._counters["time_to_first_token_seconds_count"] += 1
         self._counters["generation_tokens_total"] += 1
-        event = TokenEvent(seq.id, token, float(logp[token]), top, reason, prompt_lp)
+        event = TokenEvent(seq.id, token, float(logits[token] - log_z), top, reason, prompt_lp)
         if reason is not None:
             with self._cond:
                 self._finish(seq, reason, event=event)
