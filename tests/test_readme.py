@@ -122,7 +122,22 @@ def test_the_readme_shows_commands():
     assert ["train"] in COMMANDS
 
 
-@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a)[:60] for a in COMMANDS])
+# The fine-tuning block's lines (and what reads their runs) and the experiments take seconds
+# each: the full suite runs them, the fast tier does not.
+SLOW_RUNS = {"runs/chat", "runs/sft", "runs/dpo", "runs/bert", "runs/classify", "runs/tag"}
+
+
+def _is_slow(argv: list[str]) -> bool:
+    return argv[0] in ("finetune", "lab") or bool(SLOW_RUNS & set(argv))
+
+
+README_PARAMS = [
+    pytest.param(a, id=" ".join(a)[:60], marks=[pytest.mark.slow] if _is_slow(a) else [])
+    for a in COMMANDS
+]
+
+
+@pytest.mark.parametrize("argv", README_PARAMS)
 def test_readme_command_runs(argv, workspace, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
     monkeypatch.setenv("ATTNLAB_DATA", str(workspace / "no_downloads"))

@@ -262,6 +262,7 @@ def _sleepy_check(model: nn.Module, slow: type):
     return check
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow, expected", [(FastLinear, 0), (nn.Linear, 13)])
 def test_the_whole_step_check_decides(slow, expected):
     """Shapes that pass the screen (any speed-up passes min_speedup=1e-9) are kept only if the
@@ -295,6 +296,7 @@ def test_rows_must_be_positive():
         choose_fast_linear(nn.Linear(2, 2), rows=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow, expected", [(FastLinear, 0), (nn.Linear, 13)])
 def test_for_inference_no_shape_is_screened_and_the_check_decides(slow, expected, monkeypatch):
     def no_screening(*args, **kwargs):

@@ -68,6 +68,7 @@ def test_checkpoint_init_and_trained_rows_and_plot(ckpt, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_errors(ckpt, capsys):
     assert main(["analyze", "rank", "--n", "0"]) == 2
     assert ">= 1" in capsys.readouterr().err

@@ -15,6 +15,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_train_then_answer_a_scene(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # `generate --scene` draws into ./embodied_demo
     out = tmp_path / "run"

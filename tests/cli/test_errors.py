@@ -317,6 +317,7 @@ def test_debug_shows_the_exception(tmp_path, monkeypatch):
         main(["--debug", *tiny_train(tmp_path, "--model.n_layers=abc")])
 
 
+@pytest.mark.slow
 def test_debug_prints_a_traceback_from_the_command_line(tmp_path):
     argv = [sys.executable, "-m", "attnlab", *tiny_train(tmp_path, "--model.n_layers=abc")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -1,11 +1,13 @@
 """`attnlab eval` on a freshly trained tiny seq2seq checkpoint reports exact match."""
 
+import pytest
 import torch
 
 from attnlab.cli.__main__ import main
 from tests.viz.checkpoints import make_checkpoint
 
 
+@pytest.mark.slow
 def test_eval_reports_exact_match(tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "run"

@@ -117,6 +117,7 @@ def test_sft_with_packing_runs(base, tmp_path):
     assert "val_exact_match" in records(out)[-1]
 
 
+@pytest.mark.slow
 def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
     out = tmp_path / "dpo"
     extra = ("--train.steps=30", "--train.eval_every=15", "--dpo.beta=0.5")
@@ -138,6 +139,7 @@ def test_dpo_runs_end_to_end_and_learns_the_preference(base, tmp_path, capsys):
     assert float(printed["val_preference_accuracy"]) == evals[-1]["val_preference_accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precompute", [False, True])
 def test_resume_continues_exactly(base, tmp_path, precompute):
     """3 steps, then --resume to 6, equals 6 steps in one go: the same losses and weights
@@ -240,6 +242,7 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     assert capsys.readouterr().out.startswith("up ab:")
 
 
+@pytest.mark.slow
 def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
     """--data.source builtin: the train and val splits of finetune.data's instructions (sft)
     and of the preference pairs made from them (dpo), capped by data.max_examples."""
@@ -347,6 +350,7 @@ def test_classify_learns_above_the_majority_and_eval_reports_it(heads, tmp_path,
     assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_tag_learns_entities_with_lora_and_the_head_trains(heads, tmp_path):
     """--task tag with LoRA: the adapters and the new token head train (the head in full, as
     peft's modules_to_save), the encoder's own weights stay the base's; entity F1 (seqeval)
@@ -414,6 +418,7 @@ CHAT_SFT = [
 ]
 
 
+@pytest.mark.slow
 def test_generate_chat_uses_the_template_and_stops_at_its_end_of_turn(tmp_path, capsys):
     """A model that learnt four chat examples by heart (SFT through the tokenizer's template):
     generate --chat writes the prompt as the template's user turn, stops at <|end|> and prints
@@ -473,6 +478,7 @@ def test_qlora_on_an_int8_base_trains_and_reopens(base, tmp_path, capsys):
     assert got == pytest.approx({k: v for k, v in last.items() if k.startswith("val_")}, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_builtin_classify_holds_out_every_package_among_the_first_examples():
     """The built-in classification examples come grouped by package; the held-out ones are
     put in a seeded order, so the first eval_examples are not all one class (they were)."""
@@ -510,6 +516,7 @@ def test_a_head_on_a_quantized_base_is_one_clear_error(heads, tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_head_run_with_lora_resumes_exactly(heads, tmp_path):
     """classify with LoRA: 3 steps, then --resume to 6, equals 6 steps in one go (the same
     losses and weights: the head and adapters are built the same way before loading)."""

@@ -21,6 +21,7 @@ def written(capsys) -> list[str]:
     return [line.rsplit("/", 1)[-1] for line in capsys.readouterr().out.split()]
 
 
+@pytest.mark.slow
 def test_attention_default_is_a_tiny_random_encoder_decoder(tmp_path, capsys):
     assert (
         main(
@@ -109,6 +110,7 @@ def test_bad_head_is_an_error(tmp_path, capsys):
     assert "--head 9" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_positions_and_masks(tmp_path, capsys):
     assert (
         main(

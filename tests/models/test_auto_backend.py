@@ -61,6 +61,7 @@ def test_the_form_follows_the_shapes():
     assert isinstance(step, torch.Tensor) and step.shape == (1, H, 1, 130)
 
 
+@pytest.mark.slow
 def test_auto_dispatches_on_the_form_of_the_terms(ran):
     """Tensors go to sdpa, a score_mod or a BlockMask to flex; all give eager's numbers."""
     torch.manual_seed(0)

@@ -132,6 +132,7 @@ def kill_at(n: int):
     return fault
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_write_of_any_save_leaves_a_run_that_resumes_exactly(make_run, monkeypatch):
     # Two steps with a checkpoint and an evaluation each: a new step checkpoint, `latest`
     # written and replaced, keep_last pruning, `best/` created and then replaced.
@@ -455,6 +456,7 @@ def test_ctrl_c_during_the_update_waits_until_it_is_applied():
 # --- the command line ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_a_second_run_unless_overwrite_or_resume(tmp_path, tiny_text, capsys):
     def train_args(steps: int) -> list[str]:
         return [

@@ -105,6 +105,7 @@ def test_a_failing_request_is_a_500_and_the_server_keeps_serving(ckpt):
         s.close()
 
 
+@pytest.mark.slow
 def test_overload_is_429_for_some_and_answers_for_the_rest(ckpt):
     s = Server(ckpt, SlowEngine, max_queue=2)  # one running + two waiting; the rest are refused
     try:
