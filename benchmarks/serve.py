@@ -54,6 +54,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from _timing import cpu_name, use_all_cores  # noqa: E402
 
+from attnlab.accel.host_memory import keep_freed_memory  # noqa: E402
 from attnlab.checkpoint import open_checkpoint, save_pretrained  # noqa: E402
 from attnlab.inference.generate import generate  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
@@ -110,6 +111,7 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
     cmd += ["serve", "--ckpt", str(ckpt), "--port", "0"]
     cmd += ["--engine", args.engine, "--max-batch", str(args.concurrency)]
     cmd += ["--max-queue", str(max(64, args.requests)), "--model-name", "bench"]
+    cmd += ["--keep-freed-memory"] if args.keep_freed_memory else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if " on http://" not in line:
@@ -255,8 +257,16 @@ def main() -> None:
     parser.add_argument(
         "--rss-slack", type=float, default=32, metavar="MiB", help="allowed RSS growth"
     )
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc keeps freed memory, in the server (its flag) and in this process for the "
+        "one-at-a-time baseline: both sides run with the same allocator setting",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
     args.requests = args.requests or (8 if args.quick else 64)
     args.prompt_len = (4, 24) if args.quick else (16, 256)
     args.output_len = (4, 16) if args.quick else (32, 256)
@@ -272,7 +282,8 @@ def main() -> None:
         f"model: random {cfg.n_layers} layers x d_model {cfg.d_model}, vocab {cfg.vocab_size}; "
         f"engine {args.engine}; {args.requests} requests, {args.concurrency} at once, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-"
-        f"{args.output_len[1]}, greedy; disconnect {args.disconnect:.0%}"
+        f"{args.output_len[1]}, greedy; disconnect {args.disconnect:.0%}; keep freed memory "
+        f"{'on' if args.keep_freed_memory else 'off'} (server and generate)"
     )
     requests = make_requests(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.checkpoint import open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.serve.app import bind, create_app, run_server
@@ -80,6 +81,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds running requests get to finish (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="on CPU, have glibc keep freed memory in the process: a batched decode step's "
+        "large temporaries then reuse memory instead of page-faulting fresh pages every step "
+        "(the process keeps its peak memory; accel/host_memory.py)",
+    )
 
 
 def engine_class(name: str):
@@ -101,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.keep_freed_memory and torch.device(device).type == "cpu":
+        keep_freed_memory()  # for the whole process, from here on
     loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
     if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
