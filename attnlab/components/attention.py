@@ -118,6 +118,15 @@ class Attention(nn.Module):
             mask, bias, is_causal = ctx.mask, ctx.positions.bias, ctx.is_causal
             k, v = self.project_kv(x)  # (B, K, T, D)
             q, k = ctx.positions.rotate_qk(q, k)  # the new keys sit at the queries' positions
+            if getattr(cache, "attend_rows", None) and not self.capture_weights:
+                # A paged cache's rows have their own lengths: it writes the new keys, then has
+                # each group of rows of similar length attend to keys gathered only as far as
+                # its longest row (components/paged_kv_cache.py).
+                def attend_rows(q, k, v, mask, bias):  # one group's (b, H, T, D)
+                    return self.attend(q, k, v, mask=mask, bias=bias, scale=self.scale)[0]
+
+                out = cache.attend_rows(q, k, v, ctx.slots, mask, bias, attend_rows)
+                return self.output(out)
             if cache is not None:
                 k, v = cache.update(k, v, ctx.slots)  # (B, K, S_max, D)
         if mask is not None:
@@ -134,6 +143,12 @@ class Attention(nn.Module):
             weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
         if self.capture_weights:
             self.weights = weights  # (B, H, T, S)
+        return self.output(out)
+
+    def output(self, out: Tensor) -> Tensor:
+        """The heads' outputs (B, H, T, D) -> (B, T, C): gated by `head_mask`, concatenated,
+        projected by o_proj."""
+        B, H, T, D = out.shape
         if self.head_mask is not None:
             out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)

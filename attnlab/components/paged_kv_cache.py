@@ -39,6 +39,15 @@ reference counted) and computes only the rest. A prompt C that starts like A (a 
 A shared block is never written again (it is full, and new tokens go to later blocks). A block
 that no sequence owns but that holds a prefix stays cached until the pool needs it back.
 
+Rows of one step have their own lengths, and gathering every row as far as the longest would
+spend most of a step's copying and attention on padding when one long request decodes beside
+many short ones. So a step sorts its rows by length and splits them into a few groups of similar
+length (`row_groups`); each group gathers its keys only as far as its own longest row and
+attends on its own (`PagedLayerView.attend_rows`, which the Attention layer calls):
+
+    rows' blocks 2 2 3 9 10 -> groups [2 2 3] gathering 3 blocks and [9 10] gathering 10:
+    3*3 + 2*10 = 29 blocks' worth of keys per layer instead of 5*10 = 50
+
 A step is described by a `PagedStep` (the `cache` a DecoderLM forward takes, with
 `slots=step.slots`): its per-layer views write and gather, and it hands the model each row's
 positions and mask. Every row of one step feeds the same number T of new tokens (a batched decode
@@ -49,7 +58,7 @@ D head_dim, L layers.
 """
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -115,6 +124,38 @@ class BlockAllocator:
                 self.free.append(block)
 
 
+GROUP_COST_BLOCKS = 16  # one more row group costs about as much as this many padded blocks
+#                        (four more kernel calls per layer against a block's copy and attention)
+
+
+def row_groups(n_blocks: Sequence[int], group_cost: int = GROUP_COST_BLOCKS) -> list[list[int]]:
+    """Split a step's rows into groups of similar length, each gathering as far as its longest.
+
+    Rows sorted by length split into consecutive runs; a run of rows i .. j-1 (sorted) costs
+    (j - i) * its longest row's blocks, plus `group_cost` per group. The cheapest split comes from
+    dynamic programming over where runs end: best[j] = min over i of best[i] + cost(i, j).
+
+    Args:
+        n_blocks: (B,) blocks each row reads.  group_cost: the price of one more group, in blocks.
+
+    Returns:
+        groups of row indices, shortest rows first.
+    """
+    order = sorted(range(len(n_blocks)), key=lambda r: n_blocks[r])
+    length = [n_blocks[r] for r in order]  # ascending
+    best, start = [0] + [None] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * length[j - 1] + group_cost
+            if best[j] is None or cost < best[j]:
+                best[j], start[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[start[j] : j])
+        j = start[j]
+    return groups[::-1]
+
+
 class PagedLayer(nn.Module):
     """One layer's pool: (n_blocks, block_size, K, D) keys and values.
 
@@ -174,7 +215,7 @@ class PagedLayer(nn.Module):
 
 class PagedLayerView:
     """What one attention layer sees as its cache for one step: `update` as KVCache's, with
-    per-row slots."""
+    per-row slots, and `attend_rows`, which attends each group of rows on its own."""
 
     def __init__(self, layer: PagedLayer, step: "PagedStep"):
         self.layer, self.step = layer, step
@@ -184,6 +225,38 @@ class PagedLayerView:
         and values (B, K, S, D) through its block table."""
         self.layer.write(k, v, slots)
         return self.layer.gather(self.step.key_slots)
+
+    def attend_rows(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        bias: Tensor | None,
+        attend: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor],
+    ) -> Tensor:
+        """Write the new keys/values, then attend each of the step's row groups to its own keys,
+        gathered as far as the group's longest row.
+
+        Args:
+            q: (B, H, T, D) queries.  k, v: (B, K, T, D) the new keys and values.
+            slots: (B, T) their pool slots.  mask: bool (B, 1, T, S) (`PagedStep.attention_mask`).
+            bias: a score bias broadcastable to (B, H, T, S), or None.
+            attend: (q, k, v, mask, bias) of one group -> its (b, H, T, D) output.
+
+        Returns:
+            (B, H, T, D), row b as if all rows had attended together.
+        """
+        self.layer.write(k, v, slots)
+        out = q.new_empty(q.shape)  # (B, H, T, D)
+        for rows, S in self.step.groups:
+            k_g, v_g = self.layer.gather(self.step.key_slots[rows, :S])  # (b, K, S, D)
+            bias_g = None
+            if bias is not None:
+                bias_g = (bias if bias.shape[0] == 1 else bias[rows])[..., :S]
+            out[rows] = attend(q[rows], k_g, v_g, mask[rows, ..., :S], bias_g)
+        return out
 
 
 class PagedStep:
@@ -197,14 +270,28 @@ class PagedStep:
         key_pos: (B, S) positions of the gathered keys: 0 .. S-1 in every row.
         key_slots: (B, S) pool slot of each gathered key, through the row's block table
             (computed once per step, shared by every layer).
+        groups: (rows, S_g) per group of rows of similar length (`row_groups`): the rows'
+            indices and how many keys the group gathers.
         bound: S, above every position of the step.
     """
 
-    def __init__(self, layers: list[PagedLayer], tables: Tensor, slots: Tensor, pos: Tensor):
+    def __init__(
+        self,
+        layers: list[PagedLayer],
+        tables: Tensor,
+        slots: Tensor,
+        pos: Tensor,
+        group_cost: int = GROUP_COST_BLOCKS,
+    ):
         B, N = tables.shape
         block_size = layers[0].k.shape[1]
         offsets = torch.arange(block_size, device=tables.device)
         self.key_slots = (tables[:, :, None] * block_size + offsets).reshape(B, N * block_size)
+        n_blocks = (pos[:, -1] // block_size + 1).tolist()  # blocks each row reads
+        self.groups = [
+            (torch.tensor(rows, device=tables.device), max(n_blocks[r] for r in rows) * block_size)
+            for rows in row_groups(n_blocks, group_cost)
+        ]
         self.layers = [PagedLayerView(layer, self) for layer in layers]
         self.cross = None
         self.slots, self.pos = slots, pos
@@ -234,9 +321,17 @@ class PagedKVCache(nn.Module):
         n_blocks: blocks in each layer's pool.
         block_size: tokens per block.
         dtype: of the pools (default: the embedding's).
+        group_cost: the price of one more row group in a step, in blocks (`row_groups`).
     """
 
-    def __init__(self, decoder: nn.Module, n_blocks: int, block_size: int = 16, dtype=None):
+    def __init__(
+        self,
+        decoder: nn.Module,
+        n_blocks: int,
+        block_size: int = 16,
+        dtype=None,
+        group_cost: int = GROUP_COST_BLOCKS,
+    ):
         super().__init__()
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -255,7 +350,7 @@ class PagedKVCache(nn.Module):
         if getattr(decoder.blocks[0], "cross_attn", None) is not None:
             raise ValueError("a paged cache is for decoder-only models (this one cross-attends)")
         self.layers = nn.ModuleList(layers)
-        self.block_size, self.n_blocks = block_size, n_blocks
+        self.block_size, self.n_blocks, self.group_cost = block_size, n_blocks, group_cost
         self.allocator = BlockAllocator(n_blocks)
         self.tables: dict[Hashable, list[int]] = {}
         # Prefix caching: the prompt tokens up to the end of a full block -> the block holding
@@ -357,4 +452,4 @@ class PagedKVCache(nn.Module):
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         block = torch.gather(tables, 1, pos // self.block_size)  # (B, T)
         slots = block * self.block_size + pos % self.block_size  # (B, T)
-        return PagedStep(list(self.layers), tables, slots, pos)
+        return PagedStep(list(self.layers), tables, slots, pos, self.group_cost)

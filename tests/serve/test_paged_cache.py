@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from attnlab.components.attention import Attention
 from attnlab.components.context import AttentionContext
 from attnlab.components.kv_cache import KVCache
-from attnlab.components.paged_kv_cache import BlockAllocator, NoFreeBlocks, PagedKVCache
+from attnlab.components.paged_kv_cache import (
+    BlockAllocator,
+    NoFreeBlocks,
+    PagedKVCache,
+    row_groups,
+)
 from attnlab.inference.steps import decode_step, fill_cache, left_pad
 from attnlab.models.build import build_model
 from attnlab.models.decoder import cached_attention_mask
@@ -39,10 +44,12 @@ def fragment(cache: PagedKVCache, rng: random.Random) -> None:
     lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
     steps=st.integers(0, 4),
     seed=st.integers(0, 1000),
+    group_cost=st.sampled_from([0, 16]),
 )
-def test_paged_attention_equals_static(n_kv, block_size, lengths, steps, seed):
+def test_paged_attention_equals_static(n_kv, block_size, lengths, steps, seed, group_cost):
     """Prefill rows of different lengths and decode a few tokens: every output of an Attention
-    layer (MHA, GQA, MQA) over the paged cache equals the one over a left-padded static cache."""
+    layer (MHA, GQA, MQA) over the paged cache equals the one over a left-padded static cache,
+    with rows attending in one group or (group_cost 0) in one group per distinct length."""
     torch.manual_seed(seed)
     attn = Attention(C, n_heads=4, n_kv_heads=n_kv).eval()
     B, T0 = len(lengths), max(lengths)
@@ -64,7 +71,7 @@ def test_paged_attention_equals_static(n_kv, block_size, lengths, steps, seed):
     decoder = SimpleNamespace(
         embed=torch.nn.Embedding(1, C), blocks=[SimpleNamespace(self_attn=attn)]
     )
-    cache = PagedKVCache(decoder, n_blocks=64, block_size=block_size)
+    cache = PagedKVCache(decoder, n_blocks=64, block_size=block_size, group_cost=group_cost)
     fragment(cache, random.Random(seed))
     with torch.no_grad():
         for b, n in enumerate(lengths):
@@ -80,15 +87,20 @@ def test_paged_attention_equals_static(n_kv, block_size, lengths, steps, seed):
             torch.testing.assert_close(got, want[1 + i], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_paged_model_logits_equal_static(preset, block_size):
-    """A whole decoder (RoPE + GQA, or learned positions) gives the same logits over both caches:
-    prefill of each prompt alone, then batched decode steps at each row's own position."""
-    model = build_model(get_preset(preset)).eval()
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny", "alibi"])
+@pytest.mark.parametrize("block_size,group_cost", [(1, 16), (3, 16), (16, 16), (1, 0), (3, 0)])
+def test_paged_model_logits_equal_static(preset, block_size, group_cost):
+    """A whole decoder (RoPE + GQA, learned positions, or ALiBi's per-row bias) gives the same
+    logits over both caches: prefill of each prompt alone, then batched decode steps at each
+    row's own position, the rows in one group or (group_cost 0) split by length."""
+    if preset == "alibi":
+        cfg = replace(get_preset("gpt2-tiny"), position="alibi")
+    else:
+        cfg = get_preset(preset)
+    model = build_model(cfg).eval()
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
     ids, mask = left_pad(prompts)
-    cache = PagedKVCache(model, n_blocks=40, block_size=block_size)
+    cache = PagedKVCache(model, n_blocks=40, block_size=block_size, group_cost=group_cost)
     fragment(cache, random.Random(block_size))
     with torch.no_grad():
         want, static, slot = fill_cache(model, ids, mask, room=5)
@@ -102,9 +114,43 @@ def test_paged_model_logits_equal_static(preset, block_size):
         for i in range(5):
             want = decode_step(model, token, torch.tensor([slot + i]), static)  # (B, V)
             step = cache.step([0, 1, 2], [n + i for n in lengths], 1)
+            if group_cost == 0 and block_size == 1:
+                assert len(step.groups) == 3  # every row attends on its own
             got = model(token, cache=step, slots=step.slots)[:, -1]
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             token = want.argmax(-1, keepdim=True)
+
+
+def all_splits(n: int):
+    """Every way to cut 0 .. n-1 into consecutive runs (as lists of run ends)."""
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in all_splits(n - first):
+            yield [first] + [first + r for r in rest]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_blocks=st.lists(st.integers(1, 40), min_size=1, max_size=7),
+    group_cost=st.integers(0, 40),
+)
+def test_row_groups_is_the_cheapest_split(n_blocks, group_cost):
+    """row_groups covers every row once, and its cost equals the minimum over every split of
+    the length-sorted rows into consecutive runs (brute force)."""
+    groups = row_groups(n_blocks, group_cost)
+    assert sorted(r for g in groups for r in g) == list(range(len(n_blocks)))
+
+    def cost(runs):
+        return sum(len(g) * max(n_blocks[r] for r in g) + group_cost for g in runs)
+
+    length = sorted(n_blocks)
+    best = min(
+        sum((end - start) * length[end - 1] + group_cost for start, end in zip([0] + ends, ends))
+        for ends in all_splits(len(length))
+    )
+    assert cost(groups) == best
 
 
 def test_paged_sliding_window_equals_static():
