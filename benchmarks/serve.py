@@ -112,6 +112,7 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
     cmd += ["--engine", args.engine, "--max-batch", str(args.concurrency)]
     cmd += ["--max-queue", str(max(64, args.requests)), "--model-name", "bench"]
     cmd += ["--keep-freed-memory"] if args.keep_freed_memory else []
+    cmd += ["--compile-attention"] if args.compile_attention else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if " on http://" not in line:
@@ -258,6 +259,11 @@ def main() -> None:
         "--rss-slack", type=float, default=32, metavar="MiB", help="allowed RSS growth"
     )
     parser.add_argument(
+        "--compile-attention",
+        action="store_true",
+        help="the server's decode steps attend through the compiled paged kernel",
+    )
+    parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
         help="glibc keeps freed memory, in the server (its flag) and in this process for the "
@@ -283,7 +289,8 @@ def main() -> None:
         f"engine {args.engine}; {args.requests} requests, {args.concurrency} at once, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-"
         f"{args.output_len[1]}, greedy; disconnect {args.disconnect:.0%}; keep freed memory "
-        f"{'on' if args.keep_freed_memory else 'off'} (server and generate)"
+        f"{'on' if args.keep_freed_memory else 'off'} (server and generate); compiled paged "
+        f"attention {'on' if args.compile_attention else 'off'}"
     )
     requests = make_requests(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -82,6 +82,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
     p.add_argument(
+        "--compile-attention",
+        action="store_true",
+        help="batched engine: decode steps attend through a compiled kernel that reads the KV "
+        "pool in place (compiled at start, needs a C compiler; accel/paged_attention.py)",
+    )
+    p.add_argument(
         "--keep-freed-memory",
         action="store_true",
         help="on CPU, have glibc keep freed memory in the process: a batched decode step's "
@@ -125,9 +131,12 @@ def run(args: argparse.Namespace) -> int:
     max_context = args.max_context or loaded.config.max_seq_len
     context = context_length(model, max_context)
     Engine = engine_class(args.engine)
-    engine = Engine(
-        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, max_context=context
-    )
+    options = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_context=context)
+    if args.compile_attention:
+        if Engine is SequentialEngine:
+            raise ValueError("--compile-attention is for the batched engine (--engine batched)")
+        options["compile_attention"] = True
+    engine = Engine(model, tokenizer, **options)
     name = args.model_name or Path(args.ckpt).resolve().name
     settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
     sock = bind(args.host, args.port)

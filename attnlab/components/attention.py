@@ -125,7 +125,7 @@ class Attention(nn.Module):
                 def attend_rows(q, k, v, mask, bias):  # one group's (b, H, T, D)
                     return self.attend(q, k, v, mask=mask, bias=bias, scale=self.scale)[0]
 
-                out = cache.attend_rows(q, k, v, ctx.slots, mask, bias, attend_rows)
+                out = cache.attend_rows(q, k, v, ctx.slots, mask, bias, attend_rows, self.scale)
                 return self.output(out)
             if cache is not None:
                 k, v = cache.update(k, v, ctx.slots)  # (B, K, S_max, D)

@@ -235,6 +235,7 @@ class PagedLayerView:
         mask: Tensor,
         bias: Tensor | None,
         attend: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor],
+        scale: float | None = None,
     ) -> Tensor:
         """Write the new keys/values, then attend each of the step's row groups to its own keys,
         gathered as far as the group's longest row.
@@ -244,18 +245,26 @@ class PagedLayerView:
             slots: (B, T) their pool slots.  mask: bool (B, 1, T, S) (`PagedStep.attention_mask`).
             bias: a score bias broadcastable to (B, H, T, S), or None.
             attend: (q, k, v, mask, bias) of one group -> its (b, H, T, D) output.
+            scale: the layer's score scale (None: 1 / sqrt(D)), for `decode_attention`.
 
         Returns:
             (B, H, T, D), row b as if all rows had attended together.
         """
         self.layer.write(k, v, slots)
+        decode = self.step.decode_attention if q.shape[2] == 1 else None
         out = q.new_empty(q.shape)  # (B, H, T, D)
         for rows, S in self.step.groups:
-            k_g, v_g = self.layer.gather(self.step.key_slots[rows, :S])  # (b, K, S, D)
+            key_slots, mask_g = self.step.key_slots[rows, :S], mask[rows, ..., :S]
             bias_g = None
             if bias is not None:
                 bias_g = (bias if bias.shape[0] == 1 else bias[rows])[..., :S]
-            out[rows] = attend(q[rows], k_g, v_g, mask[rows, ..., :S], bias_g)
+            if decode is not None:  # an accelerator reads the pool in place (accel/)
+                out[rows] = decode(
+                    q[rows], *self.layer.slots_view(), key_slots, mask_g, bias_g, scale
+                )
+            else:
+                k_g, v_g = self.layer.gather(key_slots)  # (b, K, S, D)
+                out[rows] = attend(q[rows], k_g, v_g, mask_g, bias_g)
         return out
 
 
@@ -272,6 +281,7 @@ class PagedStep:
             (computed once per step, shared by every layer).
         groups: (rows, S_g) per group of rows of similar length (`row_groups`): the rows'
             indices and how many keys the group gathers.
+        decode_attention: the cache's (see PagedKVCache), for steps of one query per row.
         bound: S, above every position of the step.
     """
 
@@ -282,8 +292,10 @@ class PagedStep:
         slots: Tensor,
         pos: Tensor,
         group_cost: int = GROUP_COST_BLOCKS,
+        decode_attention: Callable | None = None,
     ):
         B, N = tables.shape
+        self.decode_attention = decode_attention
         block_size = layers[0].k.shape[1]
         offsets = torch.arange(block_size, device=tables.device)
         self.key_slots = (tables[:, :, None] * block_size + offsets).reshape(B, N * block_size)
@@ -351,6 +363,9 @@ class PagedKVCache(nn.Module):
             raise ValueError("a paged cache is for decoder-only models (this one cross-attends)")
         self.layers = nn.ModuleList(layers)
         self.block_size, self.n_blocks, self.group_cost = block_size, n_blocks, group_cost
+        # Set by an accelerator (accel/paged_attention.py): attends one query per row straight
+        # from the pool, (q, k_pool, v_pool, key_slots, mask, bias, scale) -> out. None: gather.
+        self.decode_attention: Callable | None = None
         self.allocator = BlockAllocator(n_blocks)
         self.tables: dict[Hashable, list[int]] = {}
         # Prefix caching: the prompt tokens up to the end of a full block -> the block holding
@@ -452,4 +467,6 @@ class PagedKVCache(nn.Module):
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         block = torch.gather(tables, 1, pos // self.block_size)  # (B, T)
         slots = block * self.block_size + pos % self.block_size  # (B, T)
-        return PagedStep(list(self.layers), tables, slots, pos, self.group_cost)
+        return PagedStep(
+            list(self.layers), tables, slots, pos, self.group_cost, self.decode_attention
+        )

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attnlab.accel.paged_attention import use_compiled_decode
 from attnlab.components.paged_kv_cache import PagedKVCache
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingConfig, sample
@@ -61,6 +62,8 @@ class Engine:
         max_context: most prompt + generated tokens per request (default: the model's position
             table; a model without one needs max_context or n_blocks).
         prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
+        compile_attention: decode steps attend through a compiled kernel that reads the pool in
+            place (accel/paged_attention.py; compiled here, at start).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Engine:
         prefill_chunk: int = 256,
         max_context: int | None = None,
         prefix_caching: bool = True,
+        compile_attention: bool = False,
     ):
         self.decoder = decoder_of(model)
         if self.decoder is not model:
@@ -89,6 +93,9 @@ class Engine:
                 )
             n_blocks = max_batch * -(-self.context // block_size)
         self.cache = PagedKVCache(self.decoder, n_blocks, block_size)
+        if compile_attention:
+            attn = self.decoder.blocks[0].self_attn
+            use_compiled_decode(self.cache, attn.n_heads, attn.scale)
         self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk, prefix_caching)
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device

@@ -40,3 +40,11 @@ def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path, capsys):
     (ckpt / "tokenizer.json").unlink()
     assert main(["serve", "--ckpt", str(ckpt), "--engine", "sequential"]) == 2
     assert "has no tokenizer.json" in capsys.readouterr().err
+
+
+def test_compile_attention_with_the_sequential_engine_is_one_line(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    args = ["serve", "--ckpt", str(ckpt), "--engine", "sequential", "--compile-attention"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compile-attention is for the batched engine" in err[0]
