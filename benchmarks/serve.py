@@ -21,6 +21,13 @@ other, `generate` in this process, the server idle):
                       its own `generate` call starts, so it excludes the time spent queueing)
   per-token p50 / p99 gaps between consecutive tokens of one request
 
+and the server's output tokens/s while every client has a request in flight (from the first
+request sent to the last: after that the run drains with fewer), against the baseline's.
+
+--keep-freed-memory and --compile-attention turn on the server's two speed options (the first
+also in this process, for the baseline: both sides then run with the same allocator setting;
+the second only exists for the paged cache's batched decode).
+
 --disconnect F: a fraction F of the clients (chosen by the seed) close their stream halfway
 through their tokens. Afterwards the script waits for the engine to go idle and checks that
 /metrics shows every KV block back in the pool and that the server's resident memory is back
