@@ -24,9 +24,9 @@ other, `generate` in this process, the server idle):
 and the server's output tokens/s while every client has a request in flight (from the first
 request sent to the last: after that the run drains with fewer), against the baseline's.
 
---keep-freed-memory and --compile-attention turn on the server's two speed options (the first
-also in this process, for the baseline: both sides then run with the same allocator setting;
-the second only exists for the paged cache's batched decode).
+--keep-freed-memory, --fast-linear and --compile-attention turn on the server's speed options.
+The first two also apply to the baseline (this process's allocator; its model's Linears), so
+both sides run the same kernels; the third only exists for the paged cache's batched decode.
 
 --disconnect F: a fraction F of the clients (chosen by the seed) close their stream halfway
 through their tokens. Afterwards the script waits for the engine to go idle and checks that
@@ -61,6 +61,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from _timing import cpu_name, use_all_cores  # noqa: E402
 
+from attnlab.accel.fast_linear import enable_fast_linear  # noqa: E402
 from attnlab.accel.host_memory import keep_freed_memory  # noqa: E402
 from attnlab.checkpoint import open_checkpoint, save_pretrained  # noqa: E402
 from attnlab.inference.generate import generate  # noqa: E402
@@ -120,6 +121,7 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
     cmd += ["--max-queue", str(max(64, args.requests)), "--model-name", "bench"]
     cmd += ["--keep-freed-memory"] if args.keep_freed_memory else []
     cmd += ["--compile-attention"] if args.compile_attention else []
+    cmd += ["--fast-linear"] if args.fast_linear else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if " on http://" not in line:
@@ -187,6 +189,8 @@ def full_window(results: list[Result]) -> tuple[float, int]:
 def baseline(ckpt: Path, requests, args) -> tuple[list[Result], float]:
     """The same requests one at a time through `generate` (stopping at <eos>, as the server)."""
     loaded = open_checkpoint(ckpt)
+    if args.fast_linear:
+        enable_fast_linear(loaded.model)  # the same Linears as the server's
     eos = loaded.tokenizer.token_id("<eos>")
     generate(loaded.model, [requests[0][0]], 2, SamplingConfig(temperature=0))  # warm-up
     results, start = [], time.perf_counter()
@@ -279,6 +283,11 @@ def main() -> None:
         help="the server's decode steps attend through the compiled paged kernel",
     )
     parser.add_argument(
+        "--fast-linear",
+        action="store_true",
+        help="Linears through oneDNN, in the server (its flag) and in the baseline's model",
+    )
+    parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
         help="glibc keeps freed memory, in the server (its flag) and in this process for the "
@@ -305,7 +314,8 @@ def main() -> None:
         f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-"
         f"{args.output_len[1]}, greedy; disconnect {args.disconnect:.0%}; keep freed memory "
         f"{'on' if args.keep_freed_memory else 'off'} (server and generate); compiled paged "
-        f"attention {'on' if args.compile_attention else 'off'}"
+        f"attention {'on' if args.compile_attention else 'off'}; oneDNN Linears "
+        f"{'on' if args.fast_linear else 'off'} (server and generate)"
     )
     requests = make_requests(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.checkpoint import open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
@@ -88,6 +89,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "pool in place (compiled at start, needs a C compiler; accel/paged_attention.py)",
     )
     p.add_argument(
+        "--fast-linear",
+        action="store_true",
+        help="on CPU, fp32 Linear layers through oneDNN instead of the default BLAS "
+        "(accel/fast_linear.py)",
+    )
+    p.add_argument(
         "--keep-freed-memory",
         action="store_true",
         help="on CPU, have glibc keep freed memory in the process: a batched decode step's "
@@ -119,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         keep_freed_memory()  # for the whole process, from here on
     loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    if args.fast_linear and torch.device(device).type == "cpu":
+        enable_fast_linear(model)
     if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
         raise ValueError(
             f"{args.ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
