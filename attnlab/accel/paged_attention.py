@@ -89,10 +89,14 @@ def use_compiled_decode(cache: PagedKVCache, n_heads: int, scale: float | None) 
     k_pool, v_pool = layer.slots_view()
     D, like = k_pool.shape[-1], dict(dtype=k_pool.dtype, device=k_pool.device)
     S = 2 * cache.block_size
-    for B in (1, 2):
-        q = torch.zeros(B, n_heads, 1, D, **like)
-        slots = torch.zeros(B, S, dtype=torch.long, device=k_pool.device)
-        mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=k_pool.device)
-        fn(q, k_pool, v_pool, slots, mask, None, scale)
-        fn(q, k_pool, v_pool, slots, mask, torch.zeros(B, n_heads, 1, S, **like), scale)
+    try:
+        for B in (1, 2):
+            q = torch.zeros(B, n_heads, 1, D, **like)
+            slots = torch.zeros(B, S, dtype=torch.long, device=k_pool.device)
+            mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=k_pool.device)
+            fn(q, k_pool, v_pool, slots, mask, None, scale)
+            fn(q, k_pool, v_pool, slots, mask, torch.zeros(B, n_heads, 1, S, **like), scale)
+    except Exception as err:  # no C compiler, an unsupported platform: say so in one line
+        line = f"{type(err).__name__}: {err}".splitlines()[0]
+        raise RuntimeError(f"the paged decode attention did not compile ({line})") from err
     cache.decode_attention = fn

@@ -145,7 +145,12 @@ def run(args: argparse.Namespace) -> int:
         if Engine is SequentialEngine:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
         options["compile_attention"] = True
-    engine = Engine(model, tokenizer, **options)
+    try:
+        engine = Engine(model, tokenizer, **options)
+    except RuntimeError as err:
+        if not args.compile_attention:
+            raise
+        raise ValueError(f"{err}: serve without --compile-attention") from err
     name = args.model_name or Path(args.ckpt).resolve().name
     settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
     sock = bind(args.host, args.port)

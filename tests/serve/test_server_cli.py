@@ -48,3 +48,20 @@ def test_compile_attention_with_the_sequential_engine_is_one_line(tmp_path, caps
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compile-attention is for the batched engine" in err[0]
+
+
+def test_a_kernel_that_does_not_compile_is_one_line(tmp_path, capsys, monkeypatch):
+    """Where torch.compile fails (no C compiler), --compile-attention says so and what to do."""
+    import attnlab.accel.paged_attention as paged_attention
+
+    def broken(*args):
+        raise OSError("no C compiler\nmore detail")
+
+    monkeypatch.setattr(paged_attention, "compiled_decode_attention", lambda: broken)
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    assert main(["serve", "--ckpt", str(ckpt), "--compile-attention", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "attnlab serve: error: the paged decode attention did not compile (OSError: no C "
+        "compiler): serve without --compile-attention"
+    ]
