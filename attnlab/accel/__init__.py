@@ -13,10 +13,13 @@ switch that a user, a recipe or the compiled decode step turns on:
     packing          pack_weights(model)          every weight in one buffer per dtype
     flat_adamw       TrainConfig.flat_adamw       AdamW over one flat buffer per group
     host_memory      TrainConfig.keep_freed_memory  glibc keeps freed memory in the process
+    paged_attention  use_compiled_decode(cache)   compiled: a paged cache's decode attention
+                                                  reads keys in place through the block table
 
 The compiled decode step (`attnlab.inference.compiled_step.compile_decode_step`) turns on
 short_attention, gemv and packing; the compiled training step (`train.compile`) short_attention
-and sigmoid_gelu. What each buys, measured, is in benchmarks/README.md.
+and sigmoid_gelu; `attnlab serve` has a flag for each of fast_linear, host_memory and
+paged_attention. What each buys, measured, is in benchmarks/README.md.
 
 A module swap never changes a live object's class: the new module objects share the old ones'
 Parameters (`swap.swap_linears`), as quantization's `swap_modules` does.
