@@ -291,6 +291,7 @@ def build_head_task(
     examples_val: list[dict],
     run,
     word_sep: str = " ",
+    pooling: str = "cls",
 ):
     """A pre-trained base with a fresh head for `kind`, its task, and the run config to train.
 
@@ -302,6 +303,7 @@ def build_head_task(
         run: the run config (a RunConfig): train.batch_size, and train.context as the most
             tokens an example keeps.
         word_sep: TagTask's.
+        pooling: the sequence head's, "cls" or "mean" (HeadConfig.pooling; classify only).
 
     Returns:
         (model, task, run): the head model in train mode (body weights from base), the task,
@@ -338,7 +340,9 @@ def build_head_task(
         names = sorted(seen, key=lambda t: (t != "O", t))
         task_name = "token"
     pad_id = base.tokenizer.token_id("<pad>") if cfg.arch == "decoder" else None
-    cfg = replace(cfg, head=HeadConfig(task_name, len(names), tuple(names), pad_id))
+    if pooling != "cls" and kind != "classify":
+        raise ValueError(f"head.pooling={pooling!r} is for --task classify, not {kind!r}")
+    cfg = replace(cfg, head=HeadConfig(task_name, len(names), tuple(names), pad_id, pooling))
     model = copy_body(build_model(cfg), base.model)
     task_cls = ClassifyTask if kind == "classify" else TagTask
     extra = {} if kind == "classify" else {"word_sep": word_sep}

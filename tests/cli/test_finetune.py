@@ -530,3 +530,27 @@ def test_a_head_run_with_lora_resumes_exactly(heads, tmp_path):
     a = load_file(str(whole / "checkpoints" / "step_000006" / "model.safetensors"))
     b = load_file(str(split / "checkpoints" / "step_000006" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_bias_norms_and_mean_pooling_reach_the_run_and_reopen(heads, tmp_path, capsys):
+    """--lora.bias all --lora.modules_to_save norm --head.pooling mean: the header says so,
+    the biases and LayerNorms move beside the adapters while the adapted weights stay the
+    base's, and attnlab eval reopens the mean-pooled head with the same accuracy."""
+    out = tmp_path / "extras"
+    extra = ("--lora.rank=2", "--lora.bias=all", "--lora.modules_to_save=norm")
+    argv = head_args(heads, "classify", out, *extra, "--head.pooling=mean", "--train.steps=4")
+    assert main(argv + ["--train.eval_every=4"]) == 0
+    text = capsys.readouterr().out
+    assert "bias all, modules_to_save norm, mean-pooled head" in text
+    saved = json.loads((out / "checkpoints" / "step_000004" / "config.json").read_text())
+    assert saved["model"]["head"]["pooling"] == "mean" and saved["lora"]["bias"] == "all"
+    before = load_file(str(heads["ckpt"] / "model.safetensors"))
+    after = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    q = "encoder.blocks.0.self_attn.q_proj"
+    assert torch.equal(after[f"{q}.base.weight"], before[f"{q}.weight"])
+    assert not torch.equal(after[f"{q}.base.bias"], before[f"{q}.bias"])
+    norm = "encoder.embed_norm.weight"
+    assert not torch.equal(after[norm], before[norm])
+    last = records(out)[-1]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
