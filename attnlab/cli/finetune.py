@@ -54,7 +54,12 @@ from attnlab.cli.train import accelerators_line, final_report
 from attnlab.configs import from_dict
 from attnlab.finetune import data
 from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, HeadOptions, LoraConfig
-from attnlab.finetune.heads_tasks import ClassifyTask, TagTask, build_head_task
+from attnlab.finetune.heads_tasks import (
+    ClassifyTask,
+    TagTask,
+    build_head_task,
+    quantized_like,
+)
 from attnlab.finetune.lora import add_lora, remove_lora
 from attnlab.finetune.tagging import words_from_spans
 from attnlab.finetune.tasks import DPOTask, SFTTask
@@ -284,6 +289,13 @@ def build_finetune(args: argparse.Namespace):
     run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
     torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
     if d.task in HEAD_TASKS:  # a fresh head on the base's body; run.model gains the head
+        codes = [k for k, t in loaded.model.state_dict().items() if not t.is_floating_point()]
+        if codes and not lora.rank:
+            raise ValueError(
+                f"the base checkpoint {str(loaded.path)!r} is quantized ({codes[0]} is "
+                f"{loaded.model.state_dict()[codes[0]].dtype}), and its weights cannot train: "
+                "give --lora.rank to train adapters on it (QLoRA), or use the float checkpoint"
+            )
         train_ex, val_ex = load_examples(d)
         extra = {"word_sep": ""} if d.task == "tag" else {}
         model, task, run = build_head_task(
@@ -335,6 +347,8 @@ def open_finetuned(path: str | Path, device: str | torch.device = "cpu") -> Load
     if quantized:
         try:
             model = open_checkpoint(run.base).model
+            if run.model.head is not None:  # QLoRA with a task head: a float head
+                model = quantized_like(build_model(run.model), model)
         except ValueError as e:
             raise ValueError(
                 f"{str(where)!r} holds LoRA adapters on a quantized base, whose layout is read "

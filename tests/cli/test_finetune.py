@@ -499,21 +499,37 @@ def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsy
     assert "is a token classifier (2 labels) with no LM head" in err and len(err.splitlines()) == 1
 
 
-def test_a_head_on_a_quantized_base_is_one_clear_error(heads, tmp_path, capsys):
-    """The body of a head model is copied from the base: int8 codes without their scales would
-    have been copied into float weights without a word (they were)."""
+def test_a_head_on_a_quantized_base_trains_qlora_or_is_one_clear_error(heads, tmp_path, capsys):
+    """QLoRA with a task head: the int8 body is the base's as it is (codes and scales; they
+    were once copied into float weights without a word), the adapters and the float head
+    train, and attnlab eval reopens it with the same accuracy. Without --lora.rank the int8
+    weights could not train: one clear error."""
     int8 = tmp_path / "int8"
     assert (
         main(["quantize", "--ckpt", str(heads["ckpt"]), "--scheme", "int8", "--out", str(int8)])
         == 0
     )
     capsys.readouterr()
-    argv = head_args(heads, "classify", tmp_path / "out", "--lora.rank=2")
+    argv = head_args(heads, "classify", tmp_path / "full", "--train.steps=2")
     argv[argv.index("--ckpt") + 1] = str(int8)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert f"the base checkpoint {str(int8)!r} is quantized" in err and "torch.int8" in err
-    assert len(err.splitlines()) == 1
+    assert "give --lora.rank" in err and len(err.splitlines()) == 1
+    out = tmp_path / "qlora"
+    argv = head_args(heads, "classify", out, "--lora.rank=2", "--train.steps=4")
+    argv[argv.index("--ckpt") + 1] = str(int8)
+    assert main(argv + ["--train.eval_every=4"]) == 0
+    base = load_file(str(int8 / "model.safetensors"))
+    after = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    q = "encoder.blocks.0.self_attn.q_proj"
+    assert after[f"{q}.base.weight"].dtype == torch.int8
+    for leaf in ("weight", "scales"):
+        assert torch.equal(after[f"{q}.base.{leaf}"], base[f"{q}.{leaf}"])
+    assert after[f"{q}.lora_B"].abs().max() > 0 and after["classifier.weight"].is_floating_point()
+    last = records(out)[-1]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
 
 
 @pytest.mark.slow
