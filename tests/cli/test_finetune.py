@@ -570,3 +570,22 @@ def test_lora_bias_norms_and_mean_pooling_reach_the_run_and_reopen(heads, tmp_pa
     last = records(out)[-1]
     got = evaluate_checkpoint(str(out), device="cpu")
     assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
+
+
+@pytest.mark.parametrize(("extra", "copied"), [((), False), (("--lora.bias=all",), True)])
+def test_dpo_keeps_a_frozen_reference_when_base_weights_train_beside_lora(base, extra, copied):
+    """DPO's reference under LoRA is the policy with its adapters off, unless biases or whole
+    modules train too (they stay on with the adapters off): then a frozen copy, as without
+    LoRA."""
+    import argparse
+
+    from attnlab.cli import finetune
+
+    parser = argparse.ArgumentParser()
+    finetune.add_parser(parser)
+    argv = args(base, "dpo", Path("unused"), "--lora.rank=2", *extra)[1:]
+    model, task, _ = finetune.build_finetune(parser.parse_args(argv))
+    assert (task.reference is not None) == copied
+    if copied:
+        assert task.reference is not model and not lora_modules(task.reference)
+        assert all(not p.requires_grad for p in task.reference.parameters())
