@@ -53,8 +53,13 @@ from attnlab.cli.options import (
 from attnlab.cli.train import accelerators_line, final_report
 from attnlab.configs import from_dict
 from attnlab.finetune import data
-from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, LoraConfig
-from attnlab.finetune.heads_tasks import ClassifyTask, TagTask, build_head_task
+from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, HeadOptions, LoraConfig
+from attnlab.finetune.heads_tasks import (
+    ClassifyTask,
+    TagTask,
+    build_head_task,
+    quantized_like,
+)
 from attnlab.finetune.lora import add_lora, remove_lora
 from attnlab.finetune.tagging import words_from_spans
 from attnlab.finetune.tasks import DPOTask, SFTTask
@@ -84,7 +89,13 @@ FINETUNE_TRAIN = replace(
 HEAD_TASKS = ("classify", "tag")  # a task head on the base (finetune/heads_tasks.py)
 FINETUNE_TASKS = ("sft", "dpo", *HEAD_TASKS)
 SPLITS = ("train", "val")
-SECTIONS = {"train": TrainConfig, "data": FinetuneDataConfig, "lora": LoraConfig, "dpo": DPOConfig}
+SECTIONS = {
+    "train": TrainConfig,
+    "data": FinetuneDataConfig,
+    "lora": LoraConfig,
+    "dpo": DPOConfig,
+    "head": HeadOptions,
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class FinetuneRun:
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    head: HeadOptions = field(default_factory=HeadOptions)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -121,6 +133,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "data": FinetuneDataConfig(),
         "lora": LoraConfig(),
         "dpo": DPOConfig(),
+        "head": HeadOptions(),
     }
     add_config_flags(p, SECTIONS, defaults)
 
@@ -133,6 +146,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
         "data": FinetuneDataConfig(),
         "lora": LoraConfig(),
         "dpo": DPOConfig(),
+        "head": HeadOptions(),
     }
     configs = merge_sections(configs, file, args.config)
     configs, _ = apply_config_flags(configs, args)
@@ -212,7 +226,13 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """LoRA adapters on lora.targets; the rest of the model frozen but a task head, which
     trains in full (as peft's `modules_to_save`)."""
     names = add_lora(
-        model, targets=lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
+        model,
+        targets=lora.target_names,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        bias=lora.bias,
+        modules_to_save=lora.save_names,
     )
     if has_task_head(model):
         for name in head_modules(model):
@@ -269,18 +289,32 @@ def build_finetune(args: argparse.Namespace):
     run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
     torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
     if d.task in HEAD_TASKS:  # a fresh head on the base's body; run.model gains the head
+        codes = [k for k, t in loaded.model.state_dict().items() if not t.is_floating_point()]
+        if codes and not lora.rank:
+            raise ValueError(
+                f"the base checkpoint {str(loaded.path)!r} is quantized ({codes[0]} is "
+                f"{loaded.model.state_dict()[codes[0]].dtype}), and its weights cannot train: "
+                "give --lora.rank to train adapters on it (QLoRA), or use the float checkpoint"
+            )
         train_ex, val_ex = load_examples(d)
         extra = {"word_sep": ""} if d.task == "tag" else {}
         model, task, run = build_head_task(
-            d.task, loaded, train_ex, val_ex[: d.eval_examples], run, **extra
+            d.task,
+            loaded,
+            train_ex,
+            val_ex[: d.eval_examples],
+            run,
+            pooling=run.head.pooling,
+            **extra,
         )
         if lora.rank:
             add_adapters(model, lora)
         return model, task, run
     model = loaded.model
     # DPO's reference, the model before DPO: the policy with its adapters off under LoRA
-    # (objectives.reference_model), else a frozen copy
-    reference = copy.deepcopy(model) if d.task == "dpo" and not lora.rank else None
+    # (objectives.reference_model), else (or when base weights train too) a frozen copy
+    copied = not lora.rank or lora.trains_base
+    reference = copy.deepcopy(model) if d.task == "dpo" and copied else None
     if lora.rank:
         add_adapters(model, lora)
     task = build_task(run, loaded.tokenizer, reference)
@@ -313,6 +347,8 @@ def open_finetuned(path: str | Path, device: str | torch.device = "cpu") -> Load
     if quantized:
         try:
             model = open_checkpoint(run.base).model
+            if run.model.head is not None:  # QLoRA with a task head: a float head
+                model = quantized_like(build_model(run.model), model)
         except ValueError as e:
             raise ValueError(
                 f"{str(where)!r} holds LoRA adapters on a quantized base, whose layout is read "
@@ -321,7 +357,7 @@ def open_finetuned(path: str | Path, device: str | torch.device = "cpu") -> Load
     else:
         model = build_model(run.model)
     lora = run.lora
-    add_lora(model, lora.target_names, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+    add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
     copy_weights(model, weights, f"checkpoint {str(where)!r}")
     if not quantized:
         remove_lora(model, merge=True)
@@ -366,6 +402,12 @@ def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     d, t, lora = run_cfg.data, run_cfg.train, run_cfg.lora
     how = f"LoRA rank {lora.rank} on {lora.targets}" if lora.rank else "all weights"
+    if lora.rank and lora.bias != "none":
+        how += f", bias {lora.bias}"
+    if lora.rank and lora.save_names:
+        how += f", modules_to_save {lora.modules_to_save}"
+    if run_cfg.data.task == "classify" and run_cfg.head.pooling != "cls":
+        how += f", {run_cfg.head.pooling}-pooled head"
     skipped = getattr(task, "skipped", 0)  # SFT/DPO leave out what is too long (heads cut it)
     left_out = f", {skipped} longer than the context left out" if skipped else ""
     n_train, n_val = (len(getattr(task, f"{s}_rows", None) or getattr(task, s)) for s in SPLITS)

@@ -8,6 +8,9 @@ calls `train_batch`, `n_targets`, `loss_sum`, `evaluate` and `sample`, and saves
 `build_head_task` puts the head on a pre-trained base (an `open_checkpoint` result) and returns
 the model, the task and the run config to give `training.loop.train`.
 
+A quantized base (`attnlab quantize`) keeps its int8 / int4 Linears in the head model (QLoRA
+with a float head; `quantized_like`).
+
 An encoder reads `<cls>` first (the token its sequence head pools), when the tokenizer has one.
 Tagging aligns word tags to subword tokens with the first-subword rule (Devlin et al. 2019,
 section 5.3): a word's first token carries its tag, every other token the loss's ignore index.
@@ -15,6 +18,7 @@ section 5.3): a word's first token carries its tag, every other token the loss's
 Shapes: B batch, T tokens, N labels.
 """
 
+import copy
 from collections import Counter
 from dataclasses import replace
 from typing import Literal
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.finetune.lora import is_quantized
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.heads import copy_body
@@ -284,6 +289,19 @@ class TagTask(HeadTask):
         return " ".join(f"{w}/{t}" for w, t in list(zip(words, tags))[:20])
 
 
+def quantized_like(model: nn.Module, base: nn.Module) -> nn.Module:
+    """`model` (a fresh head model) with a copy of each of `base`'s quantized Linears (int8,
+    int4: from `attnlab quantize`) in place of its float Linear of the same name, so that
+    `copy_body` then copies a quantized body as it is (QLoRA with a task head). The head
+    stays float."""
+    own = dict(model.named_modules())
+    for name, module in base.named_modules():
+        if name in own and is_quantized(module):
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, copy.deepcopy(module))
+    return model
+
+
 def build_head_task(
     kind: Literal["classify", "tag"],
     base,
@@ -291,6 +309,7 @@ def build_head_task(
     examples_val: list[dict],
     run,
     word_sep: str = " ",
+    pooling: str = "cls",
 ):
     """A pre-trained base with a fresh head for `kind`, its task, and the run config to train.
 
@@ -302,6 +321,7 @@ def build_head_task(
         run: the run config (a RunConfig): train.batch_size, and train.context as the most
             tokens an example keeps.
         word_sep: TagTask's.
+        pooling: the sequence head's, "cls" or "mean" (HeadConfig.pooling; classify only).
 
     Returns:
         (model, task, run): the head model in train mode (body weights from base), the task,
@@ -318,13 +338,6 @@ def build_head_task(
         )
     if base.tokenizer is None:
         raise ValueError(f"the base checkpoint {str(base.path)!r} has no tokenizer.json")
-    quantized = [k for k, t in base.model.state_dict().items() if not t.is_floating_point()]
-    if quantized:  # copy_body would copy int8/int4 codes into float weights, without scales
-        raise ValueError(
-            f"the base checkpoint {str(base.path)!r} is quantized ({quantized[0]} is "
-            f"{base.model.state_dict()[quantized[0]].dtype}); a task head needs the float "
-            "checkpoint (QLoRA on a quantized base is for sft and dpo)"
-        )
     fields = (
         {"text": str, "label": (str, int)} if kind == "classify" else {"tokens": list, "tags": list}
     )
@@ -338,8 +351,10 @@ def build_head_task(
         names = sorted(seen, key=lambda t: (t != "O", t))
         task_name = "token"
     pad_id = base.tokenizer.token_id("<pad>") if cfg.arch == "decoder" else None
-    cfg = replace(cfg, head=HeadConfig(task_name, len(names), tuple(names), pad_id))
-    model = copy_body(build_model(cfg), base.model)
+    if pooling != "cls" and kind != "classify":
+        raise ValueError(f"head.pooling={pooling!r} is for --task classify, not {kind!r}")
+    cfg = replace(cfg, head=HeadConfig(task_name, len(names), tuple(names), pad_id, pooling))
+    model = copy_body(quantized_like(build_model(cfg), base.model), base.model)
     task_cls = ClassifyTask if kind == "classify" else TagTask
     extra = {} if kind == "classify" else {"word_sep": word_sep}
     task = task_cls(

@@ -16,6 +16,12 @@ QLoRA-style (Dettmers et al. 2023): the frozen W0 may be one of attnlab's quanti
 gradient, a quantized Linear runs its reference path (dequantize, then F.linear), because the fused
 int8/int4 kernels have no backward; under `torch.no_grad` it runs its kernel as usual.
 
+Beside the adapters, `add_lora` can train what peft's `LoraConfig` can: `bias="all"` every bias
+of the model (LayerNorms' too: peft's rule is a parameter named "bias" or ending in ".bias"),
+`bias="lora_only"` the biases of the adapted Linears, and `modules_to_save` whole modules in full
+(peft's rule: every module whose name ends with one of the given strings, e.g. "norm").
+These change the base in place, so `disable_adapters` no longer gives the base model back.
+
 `merge` folds the update into the weight (W0 += (alpha/r) B A: no extra cost at inference),
 `unmerge` takes it out again. A quantized W0 refuses to merge: the update is far smaller than one
 quantization step, so re-quantizing W0 + BA would lose most of it and unmerge could not give back
@@ -166,14 +172,20 @@ def match_targets(model: nn.Module, targets: str | tuple[str, ...] | list[str]) 
     return found
 
 
+BIAS_MODES = ("none", "all", "lora_only")  # peft's LoraConfig.bias
+
+
 def add_lora(
     model: nn.Module,
     targets: str | tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
     rank: int | dict[str, int] = 8,
     alpha: float | dict[str, float] = 16.0,
     dropout: float = 0.0,
+    bias: str = "none",
+    modules_to_save: str | tuple[str, ...] | list[str] = (),
 ) -> list[str]:
-    """Wrap the targeted Linears in LoRALinear (in place) and freeze everything else.
+    """Wrap the targeted Linears in LoRALinear (in place) and freeze everything else (but the
+    biases and modules that `bias` and `modules_to_save` train, see `train_beside_adapters`).
 
     Args:
         model: any attnlab model (float or quantized with attnlab.quantize).
@@ -181,10 +193,14 @@ def add_lora(
             aliases q, k, v, o (the attention projections) and mlp (gate/up/down_proj).
         rank, alpha: r and alpha for every target, or {module name: value} per wrapped module.
         dropout: on the input of A.
+        bias: "none", "all" or "lora_only" (peft's LoraConfig.bias).
+        modules_to_save: module-name endings whose modules train in full (peft's).
 
     Returns:
         the wrapped module names, in model order.
     """
+    if bias not in BIAS_MODES:
+        raise ValueError(f"LoRA bias must be one of {list(BIAS_MODES)}, got bias={bias!r}")
     names = match_targets(model, targets)
     wrapped = [n for n in names if isinstance(model.get_submodule(n), LoRALinear)]
     if wrapped:
@@ -196,7 +212,64 @@ def add_lora(
         owner, _, attr = name.rpartition(".")
         parent = model.get_submodule(owner) if owner else model
         setattr(parent, attr, LoRALinear(model.get_submodule(name), r, a, dropout))
+    train_beside_adapters(model, bias, modules_to_save)
     return names
+
+
+def train_beside_adapters(
+    model: nn.Module, bias: str = "none", modules_to_save: str | tuple[str, ...] | list[str] = ()
+) -> list[str]:
+    """Make trainable, beside the adapters, the parameters peft's LoraConfig(bias=...,
+    modules_to_save=...) trains; the rest stays as it is.
+
+    Args:
+        model: a model with adapters (add_lora).
+        bias: "none"; "all": every parameter named "bias" or ending in ".bias" (norms' too);
+            "lora_only": the bias of each adapted Linear.
+        modules_to_save: names; every module whose name ends with one of them (peft's rule,
+            a plain string ending: "norm" matches "embed_norm" too) trains in full.
+
+    Returns:
+        the names of the parameters made trainable, in model order.
+
+    Raises:
+        ValueError for an unknown bias mode, a name that matches no module with parameters,
+        or one that matches an adapted Linear (train it with LoRA or in full, not both).
+    """
+    if bias not in BIAS_MODES:
+        raise ValueError(f"LoRA bias must be one of {list(BIAS_MODES)}, got bias={bias!r}")
+    adapters = lora_modules(model)
+    names = [modules_to_save] if isinstance(modules_to_save, str) else list(modules_to_save)
+    chosen: set[str] = set()
+    for target in names:
+        hits = [
+            n
+            for n, m in model.named_modules()
+            if n.endswith(target) and n and any(True for _ in m.parameters())
+        ]
+        adapted = [n for n in hits if n in adapters or n.removesuffix(".base") in adapters]
+        if adapted:
+            raise ValueError(
+                f"modules_to_save {target!r} matches {adapted[:3]}, which carry LoRA adapters; "
+                "train a module with LoRA or in full, not both"
+            )
+        if not hits:
+            raise ValueError(
+                f"modules_to_save {target!r} matches no module with parameters in "
+                f"{type(model).__name__} (a name ending, e.g. 'norm' or 'embed')"
+            )
+        chosen.update(
+            f"{n}.{p}" for n in hits for p, _ in model.get_submodule(n).named_parameters()
+        )
+    if bias == "all":
+        chosen.update(n for n, _ in model.named_parameters() if n == "bias" or n.endswith(".bias"))
+    elif bias == "lora_only":
+        chosen.update(f"{n}.base.bias" for n, m in adapters.items() if m.base.bias is not None)
+    trained = [n for n, _ in model.named_parameters() if n in chosen]
+    for n, p in model.named_parameters():
+        if n in chosen:
+            p.requires_grad_(True)
+    return trained
 
 
 def remove_lora(model: nn.Module, merge: bool = False) -> nn.Module:

@@ -29,8 +29,21 @@ converter knows:
   the three copies' gradients);
 - a RoPE layout permutation of q/k rows (Llama loaded as "interleaved"): B's rows follow.
 
-Only plain LoRA is read: DoRA, rsLoRA, trained biases and `modules_to_save` raise a ValueError.
-Nor is `modules_to_save` written: LoRA with a fresh task head (`attnlab finetune --task
+Biases and norms trained beside the adapters (`add_lora(bias=..., modules_to_save=...)`) are
+written as peft writes them, and read back:
+
+    base_model.model.<M>.base_layer.bias   the bias of an adapted HF module M (bias "lora_only"
+                                           or "all")
+    base_model.model.<M>.bias              any other bias (bias "all")
+    base_model.model.<M>.weight, .bias     a module in modules_to_save (a LayerNorm, the
+                                           token embedding)
+
+Where each of our 1-D weights sits in the HF export is found as for the Linears: `hf_vectors`
+marks every one with its own numbers, runs the converter, and reads where they land (GPT-2's
+fused c_attn bias holds our q, k and v biases); a whole matrix in modules_to_save (an
+embedding) as a Linear's weight is (`hf_placements`). DoRA and rsLoRA raise a ValueError.
+
+A fresh task head is not written: LoRA with a fresh task head (`attnlab finetune --task
 classify|tag --lora.rank 8`) trains the head in full, and such a run is kept as an attnlab
 checkpoint only (head and adapters; `attnlab eval` and `cli.finetune.open_finetuned` read it);
 `save_peft` refuses a model whose head is trainable rather than write an adapter without it.
@@ -58,14 +71,14 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+BASE_LAYER = ".base_layer"  # peft's wrapped Linear: the bias of an adapted M is M.base_layer.bias
 # adapter_config.json fields that change what LoRA computes, and the only value read here
 PLAIN_LORA = {
     "use_dora": False,
     "use_rslora": False,
-    "bias": "none",
-    "modules_to_save": None,
     "lora_bias": False,
 }
+BIAS_MODES = ("none", "all", "lora_only")  # adapter_config.json "bias": all are read
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,181 @@ def hf_weight_modules(cfg: ModelConfig) -> list[str]:
     return sorted(k.removesuffix(".weight") for k, t in hf_state.items() if t.dim() == 2)
 
 
+def _vector_probe(cfg: ModelConfig) -> tuple[dict, dict[str, torch.Size]]:
+    """(hf_vectors' result, {HF key: shape}) of a `cfg` model."""
+    with torch.device("meta"):
+        probe = build_model(cfg)
+    state = without_tied_names(probe.state_dict(), probe)
+    state = {k: torch.zeros((), dtype=v.dtype).expand(v.shape) for k, v in state.items()}
+    marks, first = {}, 1
+    for key, t in state.items():
+        if t.dim() == 1 and t.is_floating_point():
+            n = t.shape[0]
+            state[key] = torch.arange(first, first + n, dtype=torch.float32)
+            marks[key], first = (first, n), first + n
+    if first > MAX_MARKS:
+        raise ValueError(f"too many vector weights to place at once ({first - 1} > {MAX_MARKS})")
+    hf_state = converter_for(cfg).to_hf_state(load_weights(probe, state), cfg)
+    found: dict[str, list[tuple[str, Tensor, Tensor]]] = {}
+    landed = torch.zeros(first, dtype=torch.long)
+    for key, t in hf_state.items():
+        if t.dim() == 0 or 0 in t.stride() or not t.is_floating_point() or not t.any():
+            continue
+        flat = t.reshape(-1)
+        pos = flat.nonzero().squeeze(1)  # (M,) flat positions of every mark here
+        values = flat[pos].long()
+        landed.index_add_(0, values.clamp(0, first - 1), torch.ones_like(values))
+        for name, (start, n) in marks.items():
+            sel = (values >= start) & (values < start + n)
+            if sel.any():
+                found.setdefault(key, []).append((name, values[sel] - start, pos[sel]))
+    if (landed[1:] > 1).any():
+        raise ValueError(
+            f"the HF export of this {cfg.arch} model changes its vector weights' values, not "
+            "only their place: its biases and norms cannot be placed in an HF adapter"
+        )
+    return found, {k: t.shape for k, t in hf_state.items()}
+
+
+def hf_vectors(cfg: ModelConfig) -> dict[str, list[tuple[str, Tensor, Tensor]]]:
+    """Where our 1-D weights (biases, norm weights) sit in the HF export of a `cfg` model.
+
+    Every 1-D float weight of a freshly built model is marked with its own numbers 1, 2, 3...
+    and the rest zero; the converter's save path moves them, and where they land is read back.
+
+    Returns:
+        {HF key: [(our weight's name, its indices (n,), their flat positions in the HF tensor
+        (n,)), ...]} for every HF tensor that holds some of them, e.g. GPT-2's
+        "transformer.h.0.attn.c_attn.bias": q's, k's and v's biases.
+
+    Raises:
+        ValueError when a mark lands twice (a converter that changes the values of vectors,
+        not only their place).
+    """
+    return _vector_probe(cfg)[0]
+
+
+def _own_vectors(model: nn.Module) -> dict[str, Tensor]:
+    """{name in the model without adapters: tensor} of every 1-D float parameter and buffer
+    (a quantized Linear's bias is a buffer)."""
+    tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return {
+        k.replace(".base.", "."): t
+        for k, t in tensors.items()
+        if "lora_" not in k and t.dim() == 1 and t.is_floating_point()
+    }
+
+
+def _matrices_to_hf(
+    model: nn.Module, cfg: ModelConfig, trained: list[str], vectors: set[str]
+) -> dict[str, Tensor]:
+    """{HF key: tensor} of the trained matrices among `trained` (not in `vectors`): whole HF
+    weights (an embedding in modules_to_save), placed as `hf_placements` places a Linear's."""
+    names = [k for k in trained if k not in vectors]
+    odd = [k for k in names if not k.endswith(".weight")]
+    if odd:
+        raise ValueError(f"{odd[:3]} train beside the adapters and have no place in an HF adapter")
+    params = {k.replace(".base.", "."): p for k, p in model.named_parameters()}
+    for name in names:
+        tied = [k for k, p in model.named_parameters(remove_duplicate=False) if p is params[name]]
+        if len(tied) > 1:
+            raise ValueError(
+                f"{name!r} trains beside the adapters and is tied to {tied[1:]}: peft's "
+                "modules_to_save would train a copy of one and untie them; keep the run's "
+                "attnlab checkpoint"
+            )
+    modules = [k.removesuffix(".weight") for k in names]
+    out = {}
+    for name, place in hf_placements(cfg, modules).items():
+        w = params[f"{name}.weight"].detach().float().cpu()  # (N, K)
+        if len(place.rows) != place.out_features:
+            raise ValueError(
+                f"{name!r} is a part of the HF weight {place.module}.weight (which holds "
+                f"{place.out_features} rows, {name} {len(place.rows)}): it cannot train alone"
+            )
+        t = torch.empty_like(w)
+        t[place.rows] = w
+        out[f"{place.module}.weight"] = t.T.contiguous() if place.transposed else t
+    return out
+
+
+def _extras_to_hf(
+    model: nn.Module, cfg: ModelConfig, adapted: set[str]
+) -> tuple[dict[str, Tensor], str, list[str]]:
+    """The weights that train beside the adapters (not a task head's), as peft stores them.
+
+    Args:
+        model: the model with adapters.  cfg: its config.  adapted: the adapted HF modules.
+
+    Returns:
+        ({peft key: tensor}, adapter_config's "bias", its "modules_to_save" HF module paths).
+    """
+    trained = sorted(
+        k.replace(".base.", ".")
+        for k, p in model.named_parameters()
+        if p.requires_grad and "lora_" not in k
+    )
+    if not trained:
+        return {}, "none", []
+    own = _own_vectors(model)
+    tensors = {PREFIX + k: t for k, t in _matrices_to_hf(model, cfg, trained, set(own)).items()}
+    vectors, shapes = _vector_probe(cfg)
+    trained = [k for k in trained if k in own]
+    touched = {k for k, parts in vectors.items() if any(name in trained for name, _, _ in parts)}
+    placed = {name for k in touched for name, _, _ in vectors[k]}
+    if not set(trained) <= placed:
+        raise ValueError(f"the HF export has no place for {sorted(set(trained) - placed)[:3]}")
+    # a module whose weight (not only its bias) trained is saved whole (peft's modules_to_save)
+    matrices = {k.removeprefix(PREFIX).rpartition(".")[0] for k in tensors}
+    saved = {k.rpartition(".")[0] for k in touched if not k.endswith(".bias")} - adapted
+    saved = sorted(saved | matrices)
+    biases: set[str] = set()
+    for key in sorted(touched | {k for k in vectors if k.rpartition(".")[0] in saved}):
+        flat = torch.full((shapes[key].numel(),), float("nan"))
+        for name, index, pos in vectors[key]:
+            flat[pos] = own[name].detach().float().cpu()[index]
+        if flat.isnan().any():
+            raise ValueError(f"the HF weight {key!r} holds more than our vectors; cannot save it")
+        module, _, leaf = key.rpartition(".")
+        if module not in saved:
+            biases.add(module)
+        name = f"{module}{BASE_LAYER}.{leaf}" if module in adapted else key
+        tensors[PREFIX + name] = flat.reshape(shapes[key])
+    bias = "none" if not biases else "lora_only" if biases <= adapted else "all"
+    return tensors, bias, saved
+
+
+@torch.no_grad()
+def _load_extras(model: nn.Module, cfg: ModelConfig, state: dict[str, Tensor], where: str):
+    """Copy peft's saved biases and modules_to_save vectors ({HF key: tensor}) into `model`."""
+    vectors = hf_vectors(cfg)
+    own = _own_vectors(model)
+    matrices = {k: t for k, t in state.items() if k not in vectors and t.dim() == 2}
+    if matrices:  # whole weights in modules_to_save (an embedding): ours that sit there
+        params = {k.replace(".base.", "."): p for k, p in model.named_parameters()}
+        weights = [k.removesuffix(".weight") for k, p in params.items() if p.dim() == 2]
+        for name, place in hf_placements(cfg, weights, strict=False).items():
+            t = matrices.get(f"{place.module}.weight")
+            if t is not None and len(place.rows) == place.out_features:
+                params[f"{name}.weight"].copy_((t.T if place.transposed else t)[place.rows])
+                state = {k: v for k, v in state.items() if k != f"{place.module}.weight"}
+    for key, t in state.items():
+        if key not in vectors and any(
+            k in vectors and torch.equal(t, v) for k, v in state.items()
+        ):  # a tied alias peft writes twice (BERT's cls.predictions.decoder.bias)
+            continue
+        if key not in vectors:
+            raise ValueError(
+                f"{where}: {PREFIX}{key} is no weight of this {cfg.arch} model's HF export "
+                "that loads beside LoRA (a bias, a norm or a whole weight of modules_to_save)"
+            )
+        flat = t.reshape(-1)
+        if flat.numel() != sum(len(pos) for _, _, pos in vectors[key]):
+            raise ValueError(f"{where}: {key} has {flat.numel()} values, the model another count")
+        for name, index, pos in vectors[key]:
+            own[name][index] = flat[pos].to(own[name].dtype)
+
+
 def _head_names(model: nn.Module) -> tuple[str, ...]:
     """The task head's Linear modules (models.heads.head_modules), none for an LM."""
     try:
@@ -242,7 +430,8 @@ def save_peft(
     groups: dict[str, list[str]] = {}
     for name in adapters:
         groups.setdefault(places[name].module, []).append(name)
-    tensors, ranks, alphas = {}, {}, {}
+    extras, bias, saved = _extras_to_hf(model, cfg, set(groups))
+    tensors, ranks, alphas = dict(extras), {}, {}
     for module, names in groups.items():
         members = [adapters[n] for n in names]
         rank, scale = sum(m.rank for m in members), members[0].scale
@@ -272,6 +461,8 @@ def save_peft(
         "init_lora_weights": True,
         "inference_mode": True,
         **PLAIN_LORA,
+        "bias": bias,
+        "modules_to_save": saved or None,
     }
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -288,6 +479,8 @@ def read_peft_config(path: str | Path) -> dict:
     config = json.loads(file.read_text())
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{str(file)!r}: peft_type={config.get('peft_type')!r}, only LORA loads")
+    if config.get("bias", "none") not in BIAS_MODES:
+        raise ValueError(f"{str(file)!r}: bias={config['bias']!r} is not one of {BIAS_MODES}")
     for field, plain in PLAIN_LORA.items():
         if config.get(field, plain) not in (plain, [], {}):
             raise ValueError(
@@ -305,25 +498,38 @@ def _pattern(patterns: dict, module: str, default):
     return default
 
 
-def read_peft(path: str | Path) -> tuple[dict, dict[str, tuple[Tensor, Tensor]]]:
-    """(adapter_config.json, {HF module: (A (r, K), B (N, r))}) of a peft adapter directory."""
+def read_peft(path: str | Path) -> tuple[dict, dict[str, tuple[Tensor, Tensor]], dict]:
+    """(adapter_config.json, {HF module: (A (r, K), B (N, r))}, {HF key: tensor} of the biases
+    and modules_to_save weights trained beside the adapters) of a peft adapter directory."""
     config = read_peft_config(path)
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise ValueError(f"{str(path)!r} has no {WEIGHTS}")
     state = load_file(str(file))
     parts: dict[str, dict[str, Tensor]] = {}
+    others: dict[str, Tensor] = {}
+    saved = config.get("modules_to_save") or []
     for key, t in state.items():
         match = KEY.match(key)
-        if match is None:
+        if ".original_module." in key:  # peft's frozen copy of a modules_to_save module
+            continue
+        hf_key = key.removeprefix(PREFIX).replace(f"{BASE_LAYER}.", ".")
+        hf_key = hf_key.replace(".modules_to_save.", ".")  # peft's trained copy (bias "all")
+        if match is not None:
+            parts.setdefault(match["module"], {})[match["ab"]] = t
+        elif key.startswith(PREFIX) and (
+            hf_key.endswith(".bias") or any(hf_key.rpartition(".")[0].endswith(m) for m in saved)
+        ):
+            others[hf_key] = t
+        else:
             raise ValueError(
-                f"{str(file)!r}: {key!r} is not a LoRA weight ({PREFIX}<module>.lora_A.weight)"
+                f"{str(file)!r}: {key!r} is no LoRA weight ({PREFIX}<module>.lora_A.weight), "
+                "bias or modules_to_save weight"
             )
-        parts.setdefault(match["module"], {})[match["ab"]] = t
     half = sorted(m for m, ab in parts.items() if len(ab) != 2)
     if half:
         raise ValueError(f"{str(file)!r}: modules with lora_A or lora_B only: {half}")
-    return config, {m: (ab["A"], ab["B"]) for m, ab in parts.items()}
+    return config, {m: (ab["A"], ab["B"]) for m, ab in parts.items()}, others
 
 
 @torch.no_grad()
@@ -340,7 +546,7 @@ def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]
     """
     if lora_modules(model):
         raise ValueError(f"the model already has LoRA on {list(lora_modules(model))}")
-    config, weights = read_peft(path)
+    config, weights, others = read_peft(path)
     linears = [n for n, m in model.named_modules() if is_linear_like(m)]
     places = hf_placements(cfg, linears, strict=False)
     by_module: dict[str, list[str]] = {}
@@ -370,4 +576,6 @@ def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]
         A, B = values[name]
         lora.lora_A.copy_(A)
         lora.lora_B.copy_(B)
+    if others:  # trained biases and norms (bias "all" / "lora_only", modules_to_save)
+        _load_extras(model, cfg, others, repr(str(path)))
     return names

@@ -31,7 +31,11 @@ from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import Encoder, EncoderForClassification, EncoderForMLM, MLMHead
 from attnlab.models.encoder_decoder import EncoderDecoder
-from attnlab.models.heads import DecoderForSequenceClassification, EncoderForTokenClassification
+from attnlab.models.heads import (
+    DecoderForSequenceClassification,
+    EncoderForMeanPooledClassification,
+    EncoderForTokenClassification,
+)
 from attnlab.models.vision import PrefixVisionLM, VisionEncoder, VisionEncoderDecoder
 
 
@@ -186,7 +190,12 @@ def build_decoder_classifier(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Modu
 
 def build_encoder_head(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
     """An encoder with the sequence or token classifier of cfg.head."""
-    cls = EncoderForClassification if cfg.head.task == "sequence" else EncoderForTokenClassification
+    if cfg.head.task == "token":
+        cls = EncoderForTokenClassification
+    elif cfg.head.pooling == "mean":
+        cls = EncoderForMeanPooledClassification
+    else:
+        cls = EncoderForClassification
     return cls(build_encoder(cfg, embed), cfg.d_model, cfg.head.num_labels, cfg.dropout)
 
 

@@ -153,15 +153,24 @@ class HeadConfig:
     labels: the label names, index = label id (HF's id2label); () names them LABEL_0, LABEL_1...
     pad_token_id: a decoder's sequence head without an attention mask treats tokens equal to
         it as padding (HF's rule); None: the last position is the last token.
+    pooling: an encoder's sequence head pools "cls", its first token (BERT's), or "mean", the
+        mean of its real tokens' hidden states (then the same pooler and classifier; no HF
+        class holds it). A decoder's sequence head always reads its last real token.
     """
 
     task: Literal["sequence", "token"] = "sequence"
     num_labels: int = 2
     labels: tuple[str, ...] = ()
     pad_token_id: int | None = None
+    pooling: Literal["cls", "mean"] = "cls"
 
     def __post_init__(self):
         check_literals(self)
+        if self.pooling != "cls" and self.task != "sequence":
+            raise ValueError(
+                f"head.pooling={self.pooling!r} is for a sequence head; a token head "
+                "classifies every token (leave pooling 'cls')"
+            )
         object.__setattr__(self, "labels", tuple(self.labels))  # JSON gives a list
         if self.num_labels < 1:
             raise ValueError(f"head.num_labels must be >= 1, got {self.num_labels}")
@@ -266,6 +275,11 @@ class ModelConfig:
             raise ValueError(
                 f"a {h.task!r} head needs arch in "
                 f"{[a for a, tasks in allowed.items() if h.task in tasks]}, not arch={self.arch!r}"
+            )
+        if h.pooling != "cls" and self.arch != "encoder":
+            raise ValueError(
+                f"head.pooling={h.pooling!r} is for an encoder; a {self.arch}'s sequence head "
+                "reads its last real token (the only one that has seen the whole text)"
             )
         if h.pad_token_id is not None and not 0 <= h.pad_token_id < self.vocab_size:
             raise ValueError(

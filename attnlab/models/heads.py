@@ -2,6 +2,8 @@
 
     sequence classification, encoder   EncoderForClassification (models/encoder.py): BERT's
                                        pooler (dense + tanh) on the first ([CLS]) token
+                                       (pooling "cls"), or the same on the mean of the
+                                       real tokens: EncoderForMeanPooledClassification
     sequence classification, decoder   DecoderForSequenceClassification: the hidden state of
                                        the last non-padding token (a causal model has read the
                                        whole text only there), as GPT-2 and Llama do in HF
@@ -73,6 +75,36 @@ class DecoderForSequenceClassification(DecoderLM):
         return self.logits(x)  # final norm and score: (B, N)
 
 
+class EncoderForMeanPooledClassification(EncoderForClassification):
+    """EncoderForClassification pooling the mean of the real tokens' hidden states in place of
+    the first token's (HeadConfig.pooling "mean"; the same modules: pooler, classifier):
+
+        pooled = tanh(W_p (sum_t m_t h_t) / (sum_t m_t) + b_p)     m_t = 1 for a real token
+
+    For a base whose first token was never trained to sum up the text (an MLM-only encoder:
+    no next-sentence task). No HF class holds it: the HF export refuses it.
+
+    Args:
+        as EncoderForClassification.
+    """
+
+    def forward(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """ids: (B, T); attention_mask: (B, T) True = real token -> class logits (B, N)."""
+        h = self.encoder(ids, attention_mask, token_type_ids)  # (B, T, C)
+        if attention_mask is None:
+            mean = h.mean(1)  # (B, C)
+        else:
+            m = attention_mask.to(h.dtype).unsqueeze(-1)  # (B, T, 1)
+            mean = (h * m).sum(1) / m.sum(1).clamp(min=1)  # (B, C)
+        pooled = torch.tanh(self.pooler(mean))  # (B, C)
+        return self.classifier(self.drop(pooled))  # (B, N)
+
+
 class EncoderForTokenClassification(nn.Module):
     """Encoder + dropout + a Linear on every token (BertForTokenClassification; NER, tagging).
 
@@ -124,6 +156,8 @@ def config_with_head(cfg: ModelConfig, model: nn.Module) -> ModelConfig:
         return cfg
     if isinstance(model, DecoderForSequenceClassification):
         head = HeadConfig("sequence", model.head.out_features, pad_token_id=model.pad_token_id)
+    elif isinstance(model, EncoderForMeanPooledClassification):
+        head = HeadConfig("sequence", model.classifier.out_features, pooling="mean")
     else:
         task = "token" if isinstance(model, EncoderForTokenClassification) else "sequence"
         head = HeadConfig(task, model.classifier.out_features)

@@ -499,21 +499,37 @@ def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsy
     assert "is a token classifier (2 labels) with no LM head" in err and len(err.splitlines()) == 1
 
 
-def test_a_head_on_a_quantized_base_is_one_clear_error(heads, tmp_path, capsys):
-    """The body of a head model is copied from the base: int8 codes without their scales would
-    have been copied into float weights without a word (they were)."""
+def test_a_head_on_a_quantized_base_trains_qlora_or_is_one_clear_error(heads, tmp_path, capsys):
+    """QLoRA with a task head: the int8 body is the base's as it is (codes and scales; they
+    were once copied into float weights without a word), the adapters and the float head
+    train, and attnlab eval reopens it with the same accuracy. Without --lora.rank the int8
+    weights could not train: one clear error."""
     int8 = tmp_path / "int8"
     assert (
         main(["quantize", "--ckpt", str(heads["ckpt"]), "--scheme", "int8", "--out", str(int8)])
         == 0
     )
     capsys.readouterr()
-    argv = head_args(heads, "classify", tmp_path / "out", "--lora.rank=2")
+    argv = head_args(heads, "classify", tmp_path / "full", "--train.steps=2")
     argv[argv.index("--ckpt") + 1] = str(int8)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert f"the base checkpoint {str(int8)!r} is quantized" in err and "torch.int8" in err
-    assert len(err.splitlines()) == 1
+    assert "give --lora.rank" in err and len(err.splitlines()) == 1
+    out = tmp_path / "qlora"
+    argv = head_args(heads, "classify", out, "--lora.rank=2", "--train.steps=4")
+    argv[argv.index("--ckpt") + 1] = str(int8)
+    assert main(argv + ["--train.eval_every=4"]) == 0
+    base = load_file(str(int8 / "model.safetensors"))
+    after = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    q = "encoder.blocks.0.self_attn.q_proj"
+    assert after[f"{q}.base.weight"].dtype == torch.int8
+    for leaf in ("weight", "scales"):
+        assert torch.equal(after[f"{q}.base.{leaf}"], base[f"{q}.{leaf}"])
+    assert after[f"{q}.lora_B"].abs().max() > 0 and after["classifier.weight"].is_floating_point()
+    last = records(out)[-1]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -530,3 +546,46 @@ def test_a_head_run_with_lora_resumes_exactly(heads, tmp_path):
     a = load_file(str(whole / "checkpoints" / "step_000006" / "model.safetensors"))
     b = load_file(str(split / "checkpoints" / "step_000006" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_bias_norms_and_mean_pooling_reach_the_run_and_reopen(heads, tmp_path, capsys):
+    """--lora.bias all --lora.modules_to_save norm --head.pooling mean: the header says so,
+    the biases and LayerNorms move beside the adapters while the adapted weights stay the
+    base's, and attnlab eval reopens the mean-pooled head with the same accuracy."""
+    out = tmp_path / "extras"
+    extra = ("--lora.rank=2", "--lora.bias=all", "--lora.modules_to_save=norm")
+    argv = head_args(heads, "classify", out, *extra, "--head.pooling=mean", "--train.steps=4")
+    assert main(argv + ["--train.eval_every=4"]) == 0
+    text = capsys.readouterr().out
+    assert "bias all, modules_to_save norm, mean-pooled head" in text
+    saved = json.loads((out / "checkpoints" / "step_000004" / "config.json").read_text())
+    assert saved["model"]["head"]["pooling"] == "mean" and saved["lora"]["bias"] == "all"
+    before = load_file(str(heads["ckpt"] / "model.safetensors"))
+    after = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    q = "encoder.blocks.0.self_attn.q_proj"
+    assert torch.equal(after[f"{q}.base.weight"], before[f"{q}.weight"])
+    assert not torch.equal(after[f"{q}.base.bias"], before[f"{q}.bias"])
+    norm = "encoder.embed_norm.weight"
+    assert not torch.equal(after[norm], before[norm])
+    last = records(out)[-1]
+    got = evaluate_checkpoint(str(out), device="cpu")
+    assert got == pytest.approx({k: last[k] for k in got}, abs=1e-6)
+
+
+@pytest.mark.parametrize(("extra", "copied"), [((), False), (("--lora.bias=all",), True)])
+def test_dpo_keeps_a_frozen_reference_when_base_weights_train_beside_lora(base, extra, copied):
+    """DPO's reference under LoRA is the policy with its adapters off, unless biases or whole
+    modules train too (they stay on with the adapters off): then a frozen copy, as without
+    LoRA."""
+    import argparse
+
+    from attnlab.cli import finetune
+
+    parser = argparse.ArgumentParser()
+    finetune.add_parser(parser)
+    argv = args(base, "dpo", Path("unused"), "--lora.rank=2", *extra)[1:]
+    model, task, _ = finetune.build_finetune(parser.parse_args(argv))
+    assert (task.reference is not None) == copied
+    if copied:
+        assert task.reference is not model and not lora_modules(task.reference)
+        assert all(not p.requires_grad for p in task.reference.parameters())

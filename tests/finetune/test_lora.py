@@ -241,3 +241,43 @@ def test_adamw_state_bytes_lora_vs_full_on_gpt2_small():
         f"\ngpt2 (124M) AdamW state: full fine-tuning {full:,} B ({full / 2**20:.1f} MiB), "
         f"LoRA r=8 on q,v {lora:,} B ({lora / 2**20:.2f} MiB), {lora / full:.3%} of it"
     )
+
+
+def trained_extras(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+
+
+def test_bias_and_modules_to_save_train_what_peft_names():
+    """bias "all": every parameter named "bias" or ending in ".bias" (LayerNorms' too);
+    "lora_only": the adapted Linears' biases; modules_to_save: every module whose name ends
+    with the string (peft's plain `endswith`: "norm" matches "embed_norm"), all of it."""
+    biases = sorted(n for n, _ in tiny("bert-tiny").named_parameters() if n.endswith(".bias"))
+    model = tiny("bert-tiny")
+    add_lora(model, ("q", "v"), rank=2, bias="all")
+    assert sorted(n.replace(".base.", ".") for n in trained_extras(model)) == biases
+    model = tiny("bert-tiny")
+    add_lora(model, ("q", "v"), rank=2, bias="lora_only")
+    assert trained_extras(model) and all(
+        n.endswith(("q_proj.base.bias", "v_proj.base.bias")) for n in trained_extras(model)
+    )
+    model = tiny("bert-tiny")
+    add_lora(model, ("q", "v"), rank=2, modules_to_save=["norm"])
+    extras = trained_extras(model)
+    assert "encoder.embed_norm.weight" in extras and "encoder.embed_norm.bias" in extras
+    norms = {n for n, m in model.named_modules() if type(m).__name__ == "LayerNorm"}
+    assert {n.rpartition(".")[0] for n in extras} == norms
+    trainable, _ = count_parameters(model)
+    assert trainable == sum(p.numel() for n, p in model.named_parameters() if n in extras) + sum(
+        m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(model).values()
+    )
+
+
+def test_bad_bias_and_modules_to_save_are_named():
+    with pytest.raises(
+        ValueError, match=r"LoRA bias must be one of \['none', 'all', 'lora_only'\]"
+    ):
+        add_lora(tiny("bert-tiny"), ("q",), bias="some")
+    with pytest.raises(ValueError, match="modules_to_save 'nothing' matches no module"):
+        add_lora(tiny("bert-tiny"), ("q",), modules_to_save="nothing")
+    with pytest.raises(ValueError, match="modules_to_save 'q_proj' matches .* carry LoRA adapters"):
+        add_lora(tiny("bert-tiny"), ("q",), modules_to_save="q_proj")

@@ -190,3 +190,72 @@ def test_llama_loaded_in_the_interleaved_rope_layout_takes_a_peft_adapter(
     x = ids(seed=5)
     with torch.no_grad():
         assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL
+
+
+NORMS = {"gpt2": "ln_1", "llama": "input_layernorm", "bert": "LayerNorm"}  # HF norm names
+
+
+def extras(model) -> int:
+    """The trainable parameters that are not LoRA's A and B."""
+    return sum(
+        p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n
+    )
+
+
+@pytest.mark.parametrize(
+    ("bias", "save"), [("all", ()), ("lora_only", ()), ("none", "norm"), ("none", "embed")]
+)
+def test_trained_biases_and_norms_load_into_peft(base, tmp_path, bias, save):
+    """bias / modules_to_save: peft loads our adapter with the same trained weights beside it
+    (the same logits) and, reopened to train, trains as many of them as we do."""
+    family, path, cfg = base
+    ours = load_hf(path)[0]
+    if save == "embed" and family != "llama":  # GPT-2's and BERT's embedding is tied
+        add_lora(ours, ("q", "v"), 4, 8, modules_to_save=save)
+        with pytest.raises(ValueError, match="is tied to .* would train a copy of one"):
+            save_peft(ours, cfg, tmp_path)
+        return
+    add_lora(ours, ("q", "k", "v", "o", "mlp"), 4, 8, bias=bias, modules_to_save=save)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.requires_grad:  # B away from zero, every trained bias and norm moved
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    save_peft(ours, cfg, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    theirs = peft.PeftModel.from_pretrained(hf_model(family, path), tmp_path, is_trainable=True)
+    x = ids(seed=7)
+    with torch.no_grad():
+        assert (theirs.eval()(input_ids=x).logits - ours(x)).abs().max() <= ATOL
+        assert (load_hf(path)[0](x) - ours(x)).abs().max() > 1e-3
+    if family == "llama" and not save:  # Llama has no biases: nothing beside the adapters
+        assert extras(ours) == 0 and config["bias"] == "none"
+    else:
+        assert extras(ours) > 0 and config["bias"] == bias
+    assert extras(theirs) == extras(ours)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_an_adapter_trained_by_peft_with_biases_and_norms_loads_into_attnlab(base, tmp_path, bias):
+    family, path, cfg = base
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=FAMILIES[family][2],
+        bias=bias,
+        modules_to_save=[NORMS[family]] if bias == "all" else None,
+    )
+    theirs = peft.get_peft_model(hf_model(family, path), config).train()
+    opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        loss = lm_loss(family, theirs, ids(B=4, T=16, seed=10 + step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    theirs.eval().save_pretrained(tmp_path)
+    ours = load_hf(path)[0]
+    load_peft(ours, cfg, tmp_path)
+    with torch.no_grad():
+        x = ids(seed=3)
+        assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL

@@ -15,6 +15,7 @@ from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.encoder import EncoderForClassification
 from attnlab.models.heads import (
     DecoderForSequenceClassification,
+    EncoderForMeanPooledClassification,
     EncoderForTokenClassification,
     copy_body,
     head_modules,
@@ -26,6 +27,11 @@ LABELS = ("B-NAME", "I-NAME", "O")
 KINDS = {  # name: (preset, head, our class)
     "bert-sequence": ("bert-tiny", HeadConfig("sequence", 3, LABELS), EncoderForClassification),
     "bert-token": ("bert-tiny", HeadConfig("token", 3, LABELS), EncoderForTokenClassification),
+    "bert-mean": (
+        "bert-tiny",
+        HeadConfig("sequence", 3, LABELS, pooling="mean"),
+        EncoderForMeanPooledClassification,
+    ),
     "gpt2-sequence": (
         "gpt2-tiny",
         HeadConfig("sequence", 3, LABELS, pad_token_id=0),
@@ -80,6 +86,39 @@ def test_token_classifier_gives_one_prediction_per_token():
     torch.testing.assert_close(logits, hidden @ model.classifier.weight.T + model.classifier.bias)
 
 
+def test_mean_pooled_classifier_pools_the_real_tokens_only():
+    """pooling "mean": tanh(W_p mean of the real tokens' hidden states + b_p), then the
+    classifier, by hand from the encoder's output; a padded row gives the row alone's logits
+    whatever its padding holds."""
+    torch.manual_seed(0)
+    model = build_model(head_cfg("bert-mean")).eval()
+    ids = torch.randint(3, 100, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 4:] = False
+    with torch.no_grad():
+        logits = model(ids, mask)
+        h = model.encoder(ids, mask)  # (2, 9, C)
+        mean = torch.stack([h[0].mean(0), h[1, :4].mean(0)])  # (2, C)
+        by_hand = model.classifier(torch.tanh(model.pooler(mean)))
+        alone = model(ids[1:, :4])
+        junk = model(ids.masked_fill(~mask, 7), mask)
+    torch.testing.assert_close(logits, by_hand, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits[1:], alone, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits, junk, rtol=0, atol=1e-6)
+    cls = EncoderForClassification(model.encoder, model.pooler.in_features, 3)
+    cls.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the same weights pooled at [CLS] give other logits
+        assert (cls(ids, mask) - logits).abs().max() > 1e-4
+
+
+def test_a_mean_pooled_head_has_no_hf_class():
+    from attnlab.interop.hf import save_hf
+
+    cfg = replace(head_cfg("bert-mean"), position="learned")
+    with pytest.raises(ValueError, match="head.pooling='mean' .*BertForSequenceClassification"):
+        save_hf(build_model(cfg), cfg, "unused")
+
+
 @pytest.mark.parametrize("name", KINDS)
 def test_head_and_labels_survive_a_checkpoint(name, tmp_path):
     cfg = head_cfg(name)
@@ -131,6 +170,7 @@ def test_copy_body_refuses_a_base_of_another_family():
         (dict(arch="encoder_decoder"), "a 'sequence' head needs arch in"),
         (dict(head=HeadConfig("token", 2)), "a 'token' head needs arch in \\['encoder'\\]"),
         (dict(head=HeadConfig("sequence", 2, pad_token_id=10**6)), "head.pad_token_id=1000000"),
+        (dict(head=HeadConfig("sequence", 2, pooling="mean")), "pooling='mean' is for an encoder"),
     ],
 )
 def test_bad_heads_are_named(change, message):
@@ -146,3 +186,5 @@ def test_bad_labels_are_named():
         HeadConfig("sequence", 2, ("a", "a"))
     with pytest.raises(ValueError, match="num_labels must be >= 1, got 0"):
         HeadConfig("token", 0)
+    with pytest.raises(ValueError, match="pooling='mean' is for a sequence head"):
+        HeadConfig("token", 2, pooling="mean")

@@ -140,6 +140,11 @@ def check_config(cfg: ModelConfig) -> None:
             "embed_norm": True,
         },
     )
+    if cfg.head is not None and cfg.head.pooling != "cls":
+        raise ValueError(
+            f"an HF BERT checkpoint cannot hold this config: head.pooling={cfg.head.pooling!r} "
+            "(BertForSequenceClassification pools the [CLS] token; train with pooling 'cls')"
+        )
     if cfg.type_vocab_size < 1:
         raise ValueError(
             "an HF BERT checkpoint cannot hold this config: type_vocab_size=0 "
