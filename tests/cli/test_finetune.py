@@ -343,7 +343,7 @@ def test_classify_learns_above_the_majority_and_eval_reports_it(heads, tmp_path,
     assert main(head_args(heads, "classify", out)) == 0
     assert "task: classify on " in capsys.readouterr().out
     last = records(out)[-1]
-    assert last["accuracy"] >= 0.9 and last["majority"] <= 0.7, last
+    assert last["val_accuracy"] >= 0.9 and last["val_majority"] <= 0.7, last
     saved = json.loads((out / "checkpoints" / "step_000040" / "config.json").read_text())
     assert saved["model"]["head"]["labels"] == ["abc", "xyz"]
     got = evaluate_checkpoint(str(out), device="cpu")
@@ -359,14 +359,14 @@ def test_tag_learns_entities_with_lora_and_the_head_trains(heads, tmp_path):
     extra = ("--lora.rank=4", "--lora.targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj")
     assert main(head_args(heads, "tag", out, *extra)) == 0
     last = records(out)[-1]
-    assert last["f1"] >= 0.9, last
+    assert last["val_f1"] >= 0.9, last
     after = load_file(str(out / "checkpoints" / "step_000040" / "model.safetensors"))
     before = load_file(str(heads["ckpt"] / "model.safetensors"))
     body = {k.replace(".base.", "."): v for k, v in after.items() if "lora_" not in k}
     kept = [k for k in body if k in before]
     assert kept and all(torch.equal(body[k], before[k]) for k in kept)
     assert {k for k in body if k not in before} == {"classifier.weight", "classifier.bias"}
-    assert evaluate_checkpoint(str(out), device="cpu")["f1"] == pytest.approx(last["f1"])
+    assert evaluate_checkpoint(str(out), device="cpu")["val_f1"] == pytest.approx(last["val_f1"])
 
 
 def test_tag_on_a_decoder_base_is_one_clear_error(base, heads, tmp_path, capsys):
