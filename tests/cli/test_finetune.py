@@ -242,6 +242,30 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     assert capsys.readouterr().out.startswith("up ab:")
 
 
+def test_open_checkpoint_on_a_lora_run_names_open_finetuned_and_dpo_starts_from_it(
+    base, tmp_path, capsys
+):
+    """The library's loader (layer 5) cannot merge adapters (finetune.lora is layer 7.5): on a
+    LoRA run it says so in one line that names attnlab.open_finetuned, which opens it merged;
+    a DPO run from that LoRA SFT run (and `attnlab eval` of it, whose reference is that run)
+    opens it the same way."""
+    sft = tmp_path / "lora_sft"
+    extra = ("--train.steps=2", "--train.eval_every=2", "--lora.rank=4")
+    assert main(args(base, "sft", sft, *extra)) == 0
+    with pytest.raises(ValueError, match=r"LoRA fine-tuning checkpoint .*open_finetuned") as e:
+        open_checkpoint(sft)
+    assert "\n" not in str(e.value)
+    import attnlab
+
+    assert attnlab.open_finetuned is open_finetuned
+    assert not any("lora" in k for k in attnlab.open_finetuned(sft).model.state_dict())
+    dpo = tmp_path / "dpo_from_lora_sft"
+    argv = args(base, "dpo", dpo, "--train.steps=2", "--train.eval_every=2")
+    argv[argv.index("--ckpt") + 1] = str(sft)
+    assert main(argv) == 0
+    assert "val_preference_accuracy" in evaluate_checkpoint(str(dpo), device="cpu")
+
+
 @pytest.mark.slow
 def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
     """--data.source builtin: the train and val splits of finetune.data's instructions (sft)
