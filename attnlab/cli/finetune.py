@@ -256,7 +256,10 @@ def build_task(
         return SFTTask(
             train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
         )
-    return DPOTask(train_ex, val_ex, beta=run.dpo.beta, reference=reference, **common)
+    dpo = run.dpo
+    return DPOTask(
+        train_ex, val_ex, beta=dpo.beta, reference=reference, rpo_alpha=dpo.rpo_alpha, **common
+    )
 
 
 def build_finetune(args: argparse.Namespace):
