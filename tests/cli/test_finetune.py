@@ -1,5 +1,6 @@
 """`attnlab finetune` end to end: SFT and DPO from a small base checkpoint, resume, errors."""
 
+import argparse
 import json
 import random
 import string
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.eval import evaluate_checkpoint
-from attnlab.cli.finetune import load_examples, open_finetuned
+from attnlab.cli.finetune import add_parser, configs_from_args, load_examples, open_finetuned
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
 from attnlab.finetune.lora import lora_modules
@@ -320,6 +321,20 @@ def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
     assert saved["train"]["steps"] == 2 and saved["dpo"]["beta"] == 0.25
     assert saved["train"]["lr"] == 0.001  # the flag wins over the file
     assert saved["data"]["task"] == "dpo" and saved["lora"]["rank"] == 0
+
+
+@pytest.mark.parametrize("order", [("lr", "min_lr"), ("min_lr", "lr")])
+def test_a_low_lr_with_its_min_lr_is_taken_in_either_order(order):
+    """--train.lr below the default min_lr, with --train.min_lr below it too (as the error for
+    the lr alone advises): both are applied, whichever comes first on the command line."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser)
+    values = {"lr": "1e-5", "min_lr": "1e-6"}
+    flags = [f"--train.{k}={values[k]}" for k in order]
+    configs = configs_from_args(parser.parse_args(["--ckpt", "x", *flags]))
+    assert (configs["train"].lr, configs["train"].min_lr) == (1e-5, 1e-6)
+    with pytest.raises(ValueError, match="set --train.min_lr too"):  # the lr alone: still named
+        configs_from_args(parser.parse_args(["--ckpt", "x", "--train.lr=1e-5"]))
 
 
 # --- task heads: classify and tag -------------------------------------------------------------
