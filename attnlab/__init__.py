@@ -19,6 +19,7 @@ _HOMES = {
     "Loaded": "attnlab.checkpoint",
     "open_checkpoint": "attnlab.checkpoint",
     "save_pretrained": "attnlab.checkpoint",
+    "open_finetuned": "attnlab.cli.finetune",  # a LoRA fine-tuning run, its adapters merged
     "beam_search": "attnlab.inference.beam",
     "generate": "attnlab.inference.generate",
     "generate_text": "attnlab.inference.generate",

@@ -395,6 +395,10 @@ def open_checkpoint(
 
     Returns:
         Loaded(model, config, tokenizer, run, path).
+
+    A LoRA fine-tuning checkpoint (`attnlab finetune --lora.rank R`) is refused with a
+    ValueError naming `attnlab.open_finetuned`, which puts its adapters back and merges them:
+    the adapters are the fine-tuning layer's modules, which this layer does not import.
     """
     path = resolve_checkpoint(path)
     if not (path / CONFIG).is_file():
@@ -420,8 +424,21 @@ def open_checkpoint(
         raise ValueError(f"{str(path / CONFIG)!r} has no 'model' section (nor an HF model_type)")
     if not (path / WEIGHTS).is_file():
         raise ValueError(f"{str(path)!r} is not a checkpoint (no {WEIGHTS})")
+    if _lora_rank(config):  # merging adapters is fine-tuning's business, a layer above this one
+        raise ValueError(
+            f"{str(path)!r} is a LoRA fine-tuning checkpoint (the frozen base's weights and "
+            f"rank-{_lora_rank(config)} adapters, kept apart for an exact --resume): open it "
+            f"with attnlab.open_finetuned({str(path)!r}), which merges the adapters"
+        )
     found = _expected_scheme(path / WEIGHTS, scheme, group_size)
     return _open_attnlab(path, config, found, device, dtype)
+
+
+def _lora_rank(run: dict) -> int:
+    """The LoRA rank of a run config `attnlab finetune` wrote with adapters ("lora": {"rank"}),
+    else 0."""
+    lora = run.get("lora")
+    return (lora.get("rank") or 0) if isinstance(lora, dict) else 0
 
 
 def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Loaded:

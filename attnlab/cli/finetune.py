@@ -209,8 +209,9 @@ def as_words(example: dict) -> dict:
 
 
 def open_base(path: str, task: str):
-    """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer."""
-    loaded = open_checkpoint(path)
+    """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer. A LoRA
+    fine-tuning run (say, the SFT run that DPO starts from) opens with its adapters merged."""
+    loaded = open_finetuned(path)
     if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or "n_labels" in loaded.run):
         kind = "a classifier" if "n_labels" in loaded.run else f"an {loaded.config.arch} model"
         raise ValueError(
@@ -275,7 +276,10 @@ def build_task(
         return SFTTask(
             train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
         )
-    return DPOTask(train_ex, val_ex, beta=run.dpo.beta, reference=reference, **common)
+    dpo = run.dpo
+    return DPOTask(
+        train_ex, val_ex, beta=dpo.beta, reference=reference, rpo_alpha=dpo.rpo_alpha, **common
+    )
 
 
 def build_finetune(args: argparse.Namespace):
@@ -359,8 +363,8 @@ def open_finetuned(path: str | Path, device: str | torch.device = "cpu") -> Load
     lora = run.lora
     add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
     copy_weights(model, weights, f"checkpoint {str(where)!r}")
-    if not quantized:
-        remove_lora(model, merge=True)
+    if not quantized:  # a plain model, trainable as open_checkpoint's (add_lora froze it)
+        remove_lora(model, merge=True).requires_grad_(True)
     tokenizer = Tokenizer.from_file(where) if (where / TOKENIZER).is_file() else None
     return Loaded(model.to(device).eval(), run.model, tokenizer, config, where)
 
@@ -369,7 +373,7 @@ def evaluate_finetuned(loaded, device) -> dict:
     """The task metrics of a checkpoint `attnlab finetune` wrote (opened by `open_finetuned`),
     on the held-out examples of its own run config; DPO's reference is its base checkpoint."""
     run = from_dict(FinetuneRun, loaded.run)
-    reference = open_checkpoint(run.base, device).model if run.data.task == "dpo" else None
+    reference = open_finetuned(run.base, device).model if run.data.task == "dpo" else None
     task = build_task(run, loaded.tokenizer, reference, eval_only=True)
     return task.evaluate(loaded.model, run.train.eval_batches, device)
 

@@ -82,18 +82,31 @@ def _dotted_value(cfg, path: str):
 
 
 def apply_config_flags(configs: dict, args: argparse.Namespace) -> tuple[dict, set[str]]:
-    """Apply the given flags to {section: config}; also return the dotted names that were given."""
-    given = set()
-    for name, value in vars(args).items():
-        section, _, path = name.partition(".")
-        if value is None or section not in configs or not path:
-            continue
-        try:
-            configs[section] = override(configs[section], path, value)
-        except ValueError as e:
+    """Apply the given flags to {section: config}; also return the dotted names that were given.
+
+    A flag whose config check fails is tried again once the others are in: the check may
+    compare it with a field another flag sets (--train.lr 1e-5 is below the default min_lr
+    until --train.min_lr 1e-6 is applied too, whatever their order).
+    """
+    given = {
+        name: value
+        for name, value in vars(args).items()
+        if value is not None and name.partition(".")[0] in configs and name.partition(".")[2]
+    }
+    pending = list(given.items())
+    while pending:
+        failed = []
+        for name, value in pending:
+            section, _, path = name.partition(".")
+            try:
+                configs[section] = override(configs[section], path, value)
+            except ValueError as e:
+                failed.append((name, value, e))
+        if len(failed) == len(pending):  # no progress: the first failure is the user's to fix
+            name, value, e = failed[0]
             raise ValueError(f"--{name}={value}: {e}") from None
-        given.add(name)
-    return configs, given
+        pending = [(name, value) for name, value, _ in failed]
+    return configs, set(given)
 
 
 def read_config_file(path: str | Path) -> dict:

@@ -121,11 +121,15 @@ class DPOConfig:
         policy move far from it.
     precompute_reference: compute the frozen reference's log-probs of every pair once before
         training (then each step runs the policy alone, and no copy of the model is kept).
+    rpo_alpha: RPO (Pang et al. 2024): add this times the chosen responses' SFT loss (0: DPO).
     """
 
     beta: float = 0.1
     precompute_reference: bool = False
+    rpo_alpha: float = 0.0
 
     def __post_init__(self):
         if self.beta <= 0:
             raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if self.rpo_alpha < 0:
+            raise ValueError(f"dpo.rpo_alpha must be >= 0 (0: plain DPO), got {self.rpo_alpha}")

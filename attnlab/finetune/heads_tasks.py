@@ -1,7 +1,10 @@
 """Fine-tuning with a task head: ClassifyTask (one label per text) and TagTask (a BIO tag per word).
 
-    ClassifyTask  {"text": str, "label": str | int}    accuracy (and the majority-class share)
-    TagTask       {"tokens": [str], "tags": [str]}      entity-level F1 through seqeval
+    ClassifyTask  {"text": str, "label": str | int}    val_accuracy (and val_majority, the
+                                                       majority class's share)
+    TagTask       {"tokens": [str], "tags": [str]}      val_f1: entity-level F1 through seqeval
+
+Like every task's, their held-out metrics are named val_* (metrics.jsonl, `attnlab eval`).
 
 Both follow the training loop's task protocol (training/loop.py, training/tasks.py): the loop
 calls `train_batch`, `n_targets`, `loss_sum`, `evaluate` and `sample`, and saves `tokenizer`.
@@ -193,8 +196,8 @@ class ClassifyTask(HeadTask):
         gold = [r[1][0] for r in rows]
         right = sum(int(p) == g for p, g in zip(predictions, gold))
         return {
-            "accuracy": right / max(len(gold), 1),
-            "majority": sum(g == self.majority for g in gold) / max(len(gold), 1),
+            "val_accuracy": right / max(len(gold), 1),
+            "val_majority": sum(g == self.majority for g in gold) / max(len(gold), 1),
         }
 
     def _describe(self, i: int, prediction: Tensor) -> str:
@@ -278,10 +281,10 @@ class TagTask(HeadTask):
         words = sum(len(g) for g in gold)
         right = sum(a == b for g, p in zip(gold, pred) for a, b in zip(g, p))
         return {
-            "f1": float(f1_score(gold, pred, zero_division=0)),
-            "precision": float(precision_score(gold, pred, zero_division=0)),
-            "recall": float(recall_score(gold, pred, zero_division=0)),
-            "word_accuracy": right / max(words, 1),
+            "val_f1": float(f1_score(gold, pred, zero_division=0)),
+            "val_precision": float(precision_score(gold, pred, zero_division=0)),
+            "val_recall": float(recall_score(gold, pred, zero_division=0)),
+            "val_word_accuracy": right / max(words, 1),
         }
 
     def _describe(self, i: int, prediction: Tensor) -> str:

@@ -21,7 +21,8 @@ where log pi(y|x) is the sum of the policy's token log-probs over the response t
 `ref` is a frozen reference model: a copy of the model before DPO, or (when the policy is the
 base plus LoRA adapters) the same model with its adapters switched off, as `peft` users do. The
 implicit rewards r(x, y) = beta * (log pi(y|x) - log ref(y|x)) (§5) are returned with the loss:
-their margin r_w - r_l and how often r_w > r_l are the preference metrics.
+their margin r_w - r_l and how often r_w > r_l are the preference metrics. RPO (Pang et al.
+2024) adds alpha times the chosen responses' SFT loss (`pair_losses`).
 
 Shapes: B batch (of sequences; of pairs for DPO), T length, V vocab_size.
 """
@@ -129,6 +130,52 @@ def dpo_loss(
     rejected_ratio = policy_rejected - ref_rejected  # (B,)
     losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))  # (B,)
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def chosen_nll(token_logps: Tensor, labels: Tensor) -> Tensor:
+    """RPO's extra term: the negative log-likelihood per token of the chosen responses.
+
+    Args:
+        token_logps: (b, T) the policy's `token_logps` of the chosen sequences.
+        labels: (b, T) their labels (IGNORE_INDEX off the response).
+
+    Returns:
+        a scalar: minus the mean log-prob over all the batch's chosen response tokens (as SFT's
+        token-weighted loss; trl's "sft" loss type).
+    """
+    return -token_logps.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def pair_losses(
+    token_logps: Tensor,
+    labels: Tensor,
+    ref_logps: Tensor,
+    beta: float = 0.1,
+    rpo_alpha: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The loss of each pair of a DPO batch, with RPO's NLL term when rpo_alpha > 0.
+
+    RPO (Pang et al. 2024, "Iterative Reasoning Preference Optimization", eq. 1): DPO plus
+    alpha times the chosen responses' NLL, which keeps the chosen responses likely while DPO
+    pushes the two apart (DPO alone may lower both). trl: loss_type ["sigmoid", "sft"] with
+    loss_weights [1, alpha]; as there, the NLL is one number per batch, added to every pair.
+
+    Args:
+        token_logps: (2b, T) the policy's `token_logps`: the b chosen sequences, then the b
+            rejected ones.
+        labels: (2b, T) their labels.
+        ref_logps: (2b,) the reference's sequence log-probs, in the same order.
+        beta: DPO's beta.  rpo_alpha: the NLL term's weight (0: plain DPO).
+
+    Returns:
+        losses (b,), chosen_rewards (b,), rejected_rewards (b,) as `dpo_loss`.
+    """
+    b = token_logps.shape[0] // 2
+    logps = token_logps.sum(-1)  # (2b,) log pi(y|x)
+    losses, chosen, rejected = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], beta)
+    if rpo_alpha:
+        losses = losses + rpo_alpha * chosen_nll(token_logps[:b], labels[:b])
+    return losses, chosen, rejected
 
 
 @contextmanager

@@ -25,11 +25,12 @@ from torch import Tensor, nn
 from attnlab.finetune.metrics import exact_match, preference_metrics
 from attnlab.finetune.objectives import (
     IGNORE_INDEX,
-    dpo_loss,
+    pair_losses,
     reference_model,
     response_labels,
     sequence_logps,
     sft_loss,
+    token_logps,
 )
 from attnlab.finetune.sequences import (
     DPO_FIELDS,
@@ -217,6 +218,8 @@ class DPOTask(_PromptTask):
         train, val, tokenizer, batch_size (pairs per micro-batch), context, chat_template,
         eval_examples: as SFTTask's.
         beta: DPO's beta.  reference: the frozen reference model, or None (adapters off).
+        rpo_alpha: the weight of RPO's NLL term on the chosen responses (0: plain DPO;
+            `objectives.pair_losses`).
     """
 
     fields = DPO_FIELDS
@@ -232,9 +235,10 @@ class DPOTask(_PromptTask):
         reference: nn.Module | None = None,
         chat_template: bool = True,
         eval_examples: int = 64,
+        rpo_alpha: float = 0.0,
     ):
         super().__init__(train, val, tokenizer, batch_size, context, chat_template, eval_examples)
-        self.beta = beta
+        self.beta, self.rpo_alpha = beta, rpo_alpha
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
         self.ref_train = self.ref_val = None  # (N, 2) reference log-probs, once precomputed
 
@@ -295,13 +299,12 @@ class DPOTask(_PromptTask):
         return batch["x"].shape[0] // 2
 
     def pair_losses(self, model: nn.Module, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """Each pair's DPO loss and its chosen and rejected rewards, all (b,)."""
-        logps = sequence_logps(_forward(model, batch), batch["labels"])  # (2b,)
+        """Each pair's DPO (or RPO) loss and its chosen and rejected rewards, all (b,)."""
+        tokens = token_logps(_forward(model, batch), batch["labels"])  # (2b, T)
         ref_logps = batch.get("ref_logps")  # (2b,) when precomputed
         if ref_logps is None:
             ref_logps = self._reference_logps(model, batch)
-        b = logps.shape[0] // 2
-        return dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], self.beta)
+        return pair_losses(tokens, batch["labels"], ref_logps, self.beta, self.rpo_alpha)
 
     def loss_sum(self, model: nn.Module, batch: dict) -> Tensor:
         """The DPO loss summed over the batch's pairs (a scalar)."""

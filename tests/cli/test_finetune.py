@@ -1,5 +1,6 @@
 """`attnlab finetune` end to end: SFT and DPO from a small base checkpoint, resume, errors."""
 
+import argparse
 import json
 import random
 import string
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.eval import evaluate_checkpoint
-from attnlab.cli.finetune import load_examples, open_finetuned
+from attnlab.cli.finetune import add_parser, configs_from_args, load_examples, open_finetuned
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
 from attnlab.finetune.lora import lora_modules
@@ -242,6 +243,30 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     assert capsys.readouterr().out.startswith("up ab:")
 
 
+def test_open_checkpoint_on_a_lora_run_names_open_finetuned_and_dpo_starts_from_it(
+    base, tmp_path, capsys
+):
+    """The library's loader (layer 5) cannot merge adapters (finetune.lora is layer 7.5): on a
+    LoRA run it says so in one line that names attnlab.open_finetuned, which opens it merged;
+    a DPO run from that LoRA SFT run (and `attnlab eval` of it, whose reference is that run)
+    opens it the same way."""
+    sft = tmp_path / "lora_sft"
+    extra = ("--train.steps=2", "--train.eval_every=2", "--lora.rank=4")
+    assert main(args(base, "sft", sft, *extra)) == 0
+    with pytest.raises(ValueError, match=r"LoRA fine-tuning checkpoint .*open_finetuned") as e:
+        open_checkpoint(sft)
+    assert "\n" not in str(e.value)
+    import attnlab
+
+    assert attnlab.open_finetuned is open_finetuned
+    assert not any("lora" in k for k in attnlab.open_finetuned(sft).model.state_dict())
+    dpo = tmp_path / "dpo_from_lora_sft"
+    argv = args(base, "dpo", dpo, "--train.steps=2", "--train.eval_every=2")
+    argv[argv.index("--ckpt") + 1] = str(sft)
+    assert main(argv) == 0
+    assert "val_preference_accuracy" in evaluate_checkpoint(str(dpo), device="cpu")
+
+
 @pytest.mark.slow
 def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
     """--data.source builtin: the train and val splits of finetune.data's instructions (sft)
@@ -298,6 +323,20 @@ def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
     assert saved["data"]["task"] == "dpo" and saved["lora"]["rank"] == 0
 
 
+@pytest.mark.parametrize("order", [("lr", "min_lr"), ("min_lr", "lr")])
+def test_a_low_lr_with_its_min_lr_is_taken_in_either_order(order):
+    """--train.lr below the default min_lr, with --train.min_lr below it too (as the error for
+    the lr alone advises): both are applied, whichever comes first on the command line."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser)
+    values = {"lr": "1e-5", "min_lr": "1e-6"}
+    flags = [f"--train.{k}={values[k]}" for k in order]
+    configs = configs_from_args(parser.parse_args(["--ckpt", "x", *flags]))
+    assert (configs["train"].lr, configs["train"].min_lr) == (1e-5, 1e-6)
+    with pytest.raises(ValueError, match="set --train.min_lr too"):  # the lr alone: still named
+        configs_from_args(parser.parse_args(["--ckpt", "x", "--train.lr=1e-5"]))
+
+
 # --- task heads: classify and tag -------------------------------------------------------------
 
 
@@ -343,7 +382,7 @@ def test_classify_learns_above_the_majority_and_eval_reports_it(heads, tmp_path,
     assert main(head_args(heads, "classify", out)) == 0
     assert "task: classify on " in capsys.readouterr().out
     last = records(out)[-1]
-    assert last["accuracy"] >= 0.9 and last["majority"] <= 0.7, last
+    assert last["val_accuracy"] >= 0.9 and last["val_majority"] <= 0.7, last
     saved = json.loads((out / "checkpoints" / "step_000040" / "config.json").read_text())
     assert saved["model"]["head"]["labels"] == ["abc", "xyz"]
     got = evaluate_checkpoint(str(out), device="cpu")
@@ -359,14 +398,14 @@ def test_tag_learns_entities_with_lora_and_the_head_trains(heads, tmp_path):
     extra = ("--lora.rank=4", "--lora.targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj")
     assert main(head_args(heads, "tag", out, *extra)) == 0
     last = records(out)[-1]
-    assert last["f1"] >= 0.9, last
+    assert last["val_f1"] >= 0.9, last
     after = load_file(str(out / "checkpoints" / "step_000040" / "model.safetensors"))
     before = load_file(str(heads["ckpt"] / "model.safetensors"))
     body = {k.replace(".base.", "."): v for k, v in after.items() if "lora_" not in k}
     kept = [k for k in body if k in before]
     assert kept and all(torch.equal(body[k], before[k]) for k in kept)
     assert {k for k in body if k not in before} == {"classifier.weight", "classifier.bias"}
-    assert evaluate_checkpoint(str(out), device="cpu")["f1"] == pytest.approx(last["f1"])
+    assert evaluate_checkpoint(str(out), device="cpu")["val_f1"] == pytest.approx(last["val_f1"])
 
 
 def test_tag_on_a_decoder_base_is_one_clear_error(base, heads, tmp_path, capsys):

@@ -99,12 +99,12 @@ def test_an_encoder_learns_to_classify_whether_a_text_holds_a_digit(tmp_path):
     before = task.evaluate(model.eval(), 8, "cpu")
     state = train(model, task, run)
     after = state.last_eval
-    assert after["majority"] == 0.5 and before["accuracy"] < 0.75
-    assert after["accuracy"] >= 0.95, (before, after)
+    assert after["val_majority"] == 0.5 and before["val_accuracy"] < 0.75
+    assert after["val_accuracy"] >= 0.95, (before, after)
     assert "->" in after["sample"]
     saved = open_checkpoint(tmp_path / "run")  # the run's latest checkpoint: the classifier
     assert saved.config.head.labels == ("digit", "none")
-    assert task.evaluate(saved.model, 8, "cpu")["accuracy"] == after["accuracy"]
+    assert task.evaluate(saved.model, 8, "cpu")["val_accuracy"] == after["val_accuracy"]
 
 
 @pytest.mark.slow
@@ -116,7 +116,25 @@ def test_an_encoder_learns_to_tag_numbers_and_capitalised_names(tmp_path):
     assert run.model.head.labels == ("O", "B-NUM", "B-PER", "I-PER")
     before = task.evaluate(model.eval(), 8, "cpu")
     after = train(model, task, run).last_eval
-    assert before["f1"] < 0.5 and after["f1"] >= 0.95, (before, after)
+    assert before["val_f1"] < 0.5 and after["val_f1"] >= 0.95, (before, after)
+
+
+@pytest.mark.parametrize("kind", ["classify", "tag"])
+def test_held_out_metrics_are_named_val_like_every_other_task(tmp_path, kind):
+    """ClassifyTask and TagTask name their held-out metrics val_* as SFT, DPO and `attnlab
+    train` do (metrics.jsonl, the run's printout and `attnlab eval` read alike)."""
+    if kind == "tag":
+        pytest.importorskip("seqeval")
+    base = base_checkpoint(tmp_path)
+    run = run_config(tmp_path, base.config, "mlm", steps=1)
+    make = digit_examples if kind == "classify" else tag_examples
+    model, task, run = build_head_task(kind, base, make(16, 0), make(16, 1), run)
+    metrics = task.evaluate(model.eval(), 1, "cpu")
+    expected = {
+        "classify": {"val_loss", "val_accuracy", "val_majority"},
+        "tag": {"val_loss", "val_f1", "val_precision", "val_recall", "val_word_accuracy"},
+    }[kind]
+    assert set(metrics) == expected
 
 
 def test_a_decoder_classifies_from_its_last_token(tmp_path):
@@ -126,7 +144,7 @@ def test_a_decoder_classifies_from_its_last_token(tmp_path):
         "classify", base, digit_examples(400, 0), digit_examples(128, 1), run
     )
     assert run.model.head.pad_token_id == base.tokenizer.token_id("<pad>")
-    assert train(model, task, run).last_eval["accuracy"] >= 0.9
+    assert train(model, task, run).last_eval["val_accuracy"] >= 0.9
 
 
 def test_tags_go_to_each_words_first_subword():

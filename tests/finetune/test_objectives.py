@@ -14,6 +14,7 @@ from attnlab.finetune.lora import add_lora, disable_adapters, merge_lora
 from attnlab.finetune.objectives import (
     IGNORE_INDEX,
     dpo_loss,
+    pair_losses,
     reference_model,
     response_labels,
     sequence_logps,
@@ -112,6 +113,15 @@ def trl_sigmoid_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta):
     log-probs: the trainer is built without __init__ and holds only what that method reads; the
     "model" returns the log-probs as one token's (completion length 1), so trl's sum over the
     completion is the sequence log-prob itself."""
+    trainer = trl_trainer(beta, ["sigmoid"], [1])
+    B = chosen.shape[0]
+    logps = torch.cat([chosen, rejected])[:, None]  # (2B, 1): [chosen, rejected] as trl batches
+    mask = torch.tensor([[0, 1]] * (2 * B))
+    return trl_loss(trainer, logps, mask, ref_chosen, ref_rejected)
+
+
+def trl_trainer(beta, loss_types, loss_weights):
+    """A trl.DPOTrainer built without __init__, holding only what `_compute_loss` reads."""
     trl = pytest.importorskip("trl")
     trainer = trl.DPOTrainer.__new__(trl.DPOTrainer)
     trainer.model = SimpleNamespace(training=True)
@@ -119,26 +129,28 @@ def trl_sigmoid_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta):
         device=torch.device("cpu"), gather_for_metrics=lambda t: t, gather=lambda t: t
     )
     trainer.aux_loss_enabled, trainer.ld_alpha, trainer.precompute_ref_logps = False, None, True
-    trainer.f_divergence_type, trainer.loss_types, trainer.loss_weights = (
-        "reverse_kl",
-        ["sigmoid"],
-        [1],
-    )
+    trainer.f_divergence_type = "reverse_kl"
+    trainer.loss_types, trainer.loss_weights = loss_types, loss_weights
     trainer.beta, trainer.use_weighting, trainer._tp_size = beta, False, 1
     trainer._metrics, trainer._total_train_tokens = defaultdict(lambda: defaultdict(list)), 0
-    B = chosen.shape[0]
-    logps = torch.cat([chosen, rejected])[:, None]  # (2B, 1): [chosen, rejected] as trl batches
+    return trainer
+
+
+def trl_loss(trainer, per_token_logps, completion_mask, ref_chosen, ref_rejected):
+    """trainer._compute_loss on a batch whose "model" returns `per_token_logps` (2B, T) (0 off
+    the completion), completion_mask (2B, T + 1) marking the completion's tokens."""
+    n, T = per_token_logps.shape
 
     def model(**kwargs):
-        zeros = torch.zeros(2 * B, 1)
+        zeros = torch.zeros(n, T)
         return SimpleNamespace(
-            log_probs=logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+            log_probs=per_token_logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
         )
 
     inputs = {
-        "input_ids": torch.zeros(2 * B, 2, dtype=torch.long),
-        "attention_mask": torch.ones(2 * B, 2, dtype=torch.long),
-        "completion_mask": torch.tensor([[0, 1]] * (2 * B)),
+        "input_ids": torch.zeros(n, T + 1, dtype=torch.long),
+        "attention_mask": torch.ones(n, T + 1, dtype=torch.long),
+        "completion_mask": completion_mask,
         "ref_chosen_logps": ref_chosen,
         "ref_rejected_logps": ref_rejected,
     }
@@ -163,6 +175,32 @@ def test_dpo_loss_and_gradient_equal_trl(beta):
     assert rr.mean().item() == pytest.approx(logged["rewards/rejected"][0], abs=1e-6)
     assert (rc - rr).mean().item() == pytest.approx(logged["rewards/margins"][0], abs=1e-6)
     assert (rc > rr).double().mean().item() == pytest.approx(logged["rewards/accuracies"][0])
+
+
+@pytest.mark.hf  # trl builds on transformers
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_rpo_loss_and_gradient_equal_trl_sigmoid_plus_sft(alpha):
+    """RPO: DPO + alpha * the chosen responses' NLL per token equals trl's loss_type
+    ["sigmoid", "sft"] with loss_weights [1, alpha], on responses of different lengths."""
+    torch.manual_seed(4)
+    B, T = 5, 6
+    lengths = torch.randint(1, T + 1, (2 * B,))
+    keep = torch.arange(T)[None, :] >= T - lengths[:, None]  # (2B, T): the response at the end
+    per_token = (-torch.rand(2 * B, T, dtype=torch.float64) * 4).requires_grad_()
+    ref_c, ref_r = torch.randn(2, B, dtype=torch.float64) * 5 - 10
+    labels = torch.where(keep, 7, IGNORE_INDEX)  # any token id where the response is
+    ours, _, _ = pair_losses(per_token * keep, labels, torch.cat([ref_c, ref_r]), 0.5, alpha)
+    ours = ours.mean()  # the loop averages over the pairs, as trl does
+    (g_ours,) = torch.autograd.grad(ours, per_token)
+    mask = torch.cat([torch.zeros(2 * B, 1, dtype=torch.long), keep.long()], dim=1)
+    trainer = trl_trainer(0.5, ["sigmoid", "sft"], [1.0, alpha])
+    theirs, _ = trl_loss(trainer, per_token * keep, mask, ref_c, ref_r)
+    (g_theirs,) = torch.autograd.grad(theirs, per_token)
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert (g_ours - g_theirs).abs().max().item() < 1e-6
+    if alpha:  # the term is there: plain DPO differs
+        dpo = pair_losses(per_token * keep, labels, torch.cat([ref_c, ref_r]), 0.5)[0].mean()
+        assert abs(dpo.item() - ours.item()) > 1e-3
 
 
 def test_dpo_loss_is_the_papers_formula():

@@ -172,6 +172,23 @@ def test_dpo_loss_of_a_padded_batch_equals_per_sequence_forwards(tok):
     assert not any(p.requires_grad for p in reference.parameters())
 
 
+def test_rpo_adds_alpha_times_the_chosen_responses_sft_loss(tok):
+    """DPOTask(rpo_alpha=a): each pair's loss is DPO's plus a times the SFT loss (per token) of
+    the batch's chosen sequences, forwarded here as an SFT batch of their own."""
+    policy = tiny_model(tok.vocab_size)
+    kw = dict(batch_size=4, context=32, beta=0.3, reference=copy.deepcopy(policy))
+    dpo = DPOTask(DPO, DPO[:2], tok, **kw)
+    rpo = DPOTask(DPO, DPO[:2], tok, rpo_alpha=0.7, **kw)
+    batch = dpo._batch(dpo.train)
+    with torch.no_grad():
+        plain = dpo.pair_losses(policy, batch)[0]
+        got = rpo.pair_losses(policy, batch)[0]
+        chosen = pad_rows([c for c, _ in dpo.train], dpo.pad)
+        nll = sft_loss(policy(chosen["x"], attention_mask=chosen["mask"]), chosen["labels"])
+    torch.testing.assert_close(got, plain + 0.7 * nll, atol=1e-5, rtol=0)
+    assert nll > 0.1
+
+
 def test_dpo_starts_at_log_2_when_the_policy_is_its_reference(tok):
     policy = tiny_model(tok.vocab_size)
     task = DPOTask(DPO, DPO, tok, batch_size=4, context=32, reference=copy.deepcopy(policy))
