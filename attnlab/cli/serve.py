@@ -125,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.keep_freed_memory and torch.device(device).type == "cpu":
         keep_freed_memory()  # for the whole process, from here on
+    Engine = engine_class(args.engine)
+    threads = torch.get_num_threads()
+    if Engine is not SequentialEngine:
+        # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
+        # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
+        torch.set_num_threads(1)
     loaded = open_finetuned(args.ckpt, device)  # a LoRA fine-tuning run: adapters merged
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.fast_linear and torch.device(device).type == "cpu":
@@ -140,18 +146,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.ckpt!r} has no tokenizer.json: attnlab serve needs one")
     max_context = args.max_context or loaded.config.max_seq_len
     context = context_length(model, max_context)
-    Engine = engine_class(args.engine)
     options = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_context=context)
-    if args.compile_attention:
-        if Engine is SequentialEngine:
+    if Engine is SequentialEngine:
+        if args.compile_attention:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
-        options["compile_attention"] = True
-    try:
         engine = Engine(model, tokenizer, **options)
-    except RuntimeError as err:
-        if not args.compile_attention:
-            raise
-        raise ValueError(f"{err}: serve without --compile-attention") from err
+    else:
+        options |= dict(threads=threads, compile_attention=args.compile_attention)
+        engine = Engine(model, tokenizer, **options)
+        try:
+            engine.start()  # prepared (compiled) before the port opens; the app's start: no-op
+        except RuntimeError as err:
+            if not args.compile_attention:
+                raise
+            raise ValueError(f"{err}: serve without --compile-attention") from err
     name = args.model_name or Path(args.ckpt).resolve().name
     settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
     sock = bind(args.host, args.port)

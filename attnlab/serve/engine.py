@@ -63,7 +63,15 @@ class Engine:
             table; a model without one needs max_context or n_blocks).
         prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
         compile_attention: decode steps attend through a compiled kernel that reads the pool in
-            place (accel/paged_attention.py; compiled here, at start).
+            place (accel/paged_attention.py; compiled by `start`, or by the first `step`).
+        threads: intra-op threads of the engine's steps (default: torch.get_num_threads() now).
+
+    Threads: the engine's steps should be the process's only OpenMP work. When two threads
+    each run parallel regions, libgomp keeps a team per thread; with more team threads than
+    cores it stops spinning between regions, so every small op then waits for its workers to
+    be woken by the kernel (a decode step took ~1.4x as long). So `start` runs everything of
+    the engine, the compile included, on its own thread with `threads` threads, and a server
+    keeps its other threads to one (cli/serve.py).
     """
 
     def __init__(
@@ -79,6 +87,7 @@ class Engine:
         max_context: int | None = None,
         prefix_caching: bool = True,
         compile_attention: bool = False,
+        threads: int | None = None,
     ):
         self.decoder = decoder_of(model)
         if self.decoder is not model:
@@ -93,9 +102,8 @@ class Engine:
                 )
             n_blocks = max_batch * -(-self.context // block_size)
         self.cache = PagedKVCache(self.decoder, n_blocks, block_size)
-        if compile_attention:
-            attn = self.decoder.blocks[0].self_attn
-            use_compiled_decode(self.cache, attn.n_heads, attn.scale)
+        self.compile_attention, self._prepared = compile_attention, False
+        self.threads = torch.get_num_threads() if threads is None else threads
         self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk, prefix_caching)
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
@@ -118,11 +126,38 @@ class Engine:
 
     # --- the interface ----------------------------------------------------------------------
     def start(self) -> None:
-        """Run the engine loop in a daemon thread."""
+        """Run the engine loop in a daemon thread, once it has prepared itself there (threads,
+        compiled attention); a failure to prepare is raised here. A second call does nothing."""
         if self._thread is not None:
-            raise RuntimeError("the engine is already started")
-        self._thread = threading.Thread(target=self._loop, name="attnlab-engine", daemon=True)
+            return
+        ready: list[BaseException | None] = []
+        done = threading.Event()
+
+        def run():
+            try:
+                self._prepare()
+            except BaseException as err:
+                ready.append(err)
+                done.set()
+                return
+            ready.append(None)
+            done.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="attnlab-engine", daemon=True)
         self._thread.start()
+        done.wait()
+        if ready[0] is not None:
+            self._thread = None
+            raise ready[0]
+
+    def _prepare(self) -> None:
+        """On the thread that runs the steps: its thread count, then the compiled attention."""
+        torch.set_num_threads(self.threads)
+        if self.compile_attention:
+            attn = self.decoder.blocks[0].self_attn
+            use_compiled_decode(self.cache, attn.n_heads, attn.scale)
+        self._prepared = True
 
     def submit(self, request: Request, on_event: OnEvent) -> None:
         """Queue `request`; `on_event` gets each token, the last event with finish_reason.
@@ -217,6 +252,8 @@ class Engine:
         Returns:
             whether any request is still waiting or running.
         """
+        if not self._prepared:
+            self._prepare()
         with self._cond:
             cancels, self._cancels = self._cancels, set()
             for rid in cancels:
