@@ -214,6 +214,7 @@ def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsy
     )
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, capsys):
     """attnlab eval and generate open a LoRA run's checkpoint with the adapters merged: a plain
     model whose logits equal base + (alpha / r) B A computed here by hand."""
@@ -493,6 +494,7 @@ def test_generate_chat_without_a_template_is_one_clear_error(base, capsys):
     assert "has no chat template" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_qlora_on_an_int8_base_trains_and_reopens(base, tmp_path, capsys):
     """QLoRA: LoRA on the int8 checkpoint `attnlab quantize` writes. Only the adapters train;
     the checkpoint reopens with its adapters unmerged on the int8 Linears (read from the base
@@ -529,6 +531,7 @@ def test_builtin_classify_holds_out_every_package_among_the_first_examples():
     assert len({ex["label"] for ex in val[:24]}) >= 6
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsys):
     out = tmp_path / "tag"
     assert main(head_args(heads, "tag", out, "--train.steps=1", "--data.eval_before=false")) == 0
@@ -538,6 +541,7 @@ def test_generate_refuses_a_fine_tuned_tagger_in_one_line(heads, tmp_path, capsy
     assert "is a token classifier (2 labels) with no LM head" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_head_on_a_quantized_base_trains_qlora_or_is_one_clear_error(heads, tmp_path, capsys):
     """QLoRA with a task head: the int8 body is the base's as it is (codes and scales; they
     were once copied into float weights without a word), the adapters and the float head

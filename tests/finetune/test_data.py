@@ -173,6 +173,7 @@ def test_stdlib_files_are_the_default_corpus():
 
 
 # --- classification -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_classification_labels_are_the_real_package(classification):
     root = stdlib_root()
     _disjoint(classification, "file")
@@ -196,6 +197,7 @@ FORM_FEED_SOURCE = (
 )
 
 
+@pytest.mark.slow
 def test_function_text_is_what_get_source_segment_gives(classification):
     import textwrap
 

@@ -111,7 +111,7 @@ def test_bad_attn_masks_are_refused_in_one_line():
         model(ids, attn_mask=causal_mask(T), cache=cache, slots=torch.arange(T))
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flash", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flash", pytest.param("flex", marks=pytest.mark.slow)])
 def test_every_backend_gives_the_eager_paths_logits_under_a_custom_mask(backend):
     """The eager path (softmax(QK^T / sqrt(d) masked) V, written out) is the reference."""
     cfg = replace(get_preset("llama-tiny"), vocab_size=V)

@@ -91,7 +91,7 @@ def test_packed_batch_labels_positions_and_documents():
     assert (batch["labels"][batch["doc"] < 0] == IGNORE_INDEX).all()  # no loss on padding
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", pytest.param("flex", marks=pytest.mark.slow)])
 def test_packed_logits_equal_each_document_alone(backend):
     # flex compiles its kernel: this one small shape, forward only (its backward is CUDA's).
     model = _model(backend).eval()
