@@ -132,5 +132,9 @@ class EncoderForClassification(nn.Module):
     ) -> Tensor:
         """ids: (B, T) -> class logits (B, N)."""
         h = self.encoder(ids, attention_mask, token_type_ids)  # (B, T, C)
-        pooled = torch.tanh(self.pooler(h[:, 0]))  # (B, C): the first ([CLS]) token
+        pooled = torch.tanh(self.pooler(self.summary(h, attention_mask)))  # (B, C)
         return self.classifier(self.drop(pooled))  # (B, N)
+
+    def summary(self, h: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The vector the pooler reads: the first ([CLS]) token's, (B, T, C) -> (B, C)."""
+        return h[:, 0]

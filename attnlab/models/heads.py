@@ -88,21 +88,12 @@ class EncoderForMeanPooledClassification(EncoderForClassification):
         as EncoderForClassification.
     """
 
-    def forward(
-        self,
-        ids: Tensor,
-        attention_mask: Tensor | None = None,
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        """ids: (B, T); attention_mask: (B, T) True = real token -> class logits (B, N)."""
-        h = self.encoder(ids, attention_mask, token_type_ids)  # (B, T, C)
+    def summary(self, h: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The mean of the real tokens' hidden states: (B, T, C) -> (B, C)."""
         if attention_mask is None:
-            mean = h.mean(1)  # (B, C)
-        else:
-            m = attention_mask.to(h.dtype).unsqueeze(-1)  # (B, T, 1)
-            mean = (h * m).sum(1) / m.sum(1).clamp(min=1)  # (B, C)
-        pooled = torch.tanh(self.pooler(mean))  # (B, C)
-        return self.classifier(self.drop(pooled))  # (B, N)
+            return h.mean(1)
+        m = attention_mask.to(h.dtype).unsqueeze(-1)  # (B, T, 1)
+        return (h * m).sum(1) / m.sum(1).clamp(min=1)
 
 
 class EncoderForTokenClassification(nn.Module):

@@ -8,9 +8,8 @@
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
 
 Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
-the event is handed to the choice's asyncio queue through an `EventRelay`, which wakes the event
-loop once per burst of events (one decode step's tokens) rather than once per token (choice.py
-turns events into text). Streams are server-sent events in OpenAI's chunk format, ending with
+the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
+events into text). Streams are server-sent events in OpenAI's chunk format, ending with
 `data: [DONE]`. A client gone mid-request has its engine requests cancelled: a stream's
 generator is closed by Starlette, a plain request polls for the disconnect.
 
@@ -24,7 +23,6 @@ import errno
 import itertools
 import json
 import socket
-import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -72,43 +70,12 @@ class Guard:
         await self.app(scope, receive, counted)
 
 
-class EventRelay:
-    """Engine events (put on the engine's thread) into the choices' asyncio queues (on the loop).
-
-    The loop is woken once per burst: the first event put after a flush schedules the next
-    flush, later ones join it. A decode step's tokens thus cost one wake-up of the loop, not
-    one per token (each wake-up takes a core from the engine's threads mid-step).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.pending: list[tuple[asyncio.Queue, object]] = []
-        self.lock = threading.Lock()
-
-    def put(self, queue: asyncio.Queue, event) -> None:
-        """On the engine's thread: queue `event` for `queue`."""
-        with self.lock:
-            self.pending.append((queue, event))
-            first = len(self.pending) == 1
-        if first:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-                self.loop.call_soon_threadsafe(self.flush)
-
-    def flush(self) -> None:
-        """On the loop: hand every pending event to its queue, in the order put."""
-        with self.lock:
-            pending, self.pending = self.pending, []
-        for queue, event in pending:
-            queue.put_nowait(event)
-
-
 def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
     """The app serving `engine`; its lifespan starts the engine and, at shutdown, stops it
     (`engine.stop(settings.stop_timeout)`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.relay = EventRelay(asyncio.get_running_loop())
         engine.start()
         yield
         await asyncio.to_thread(engine.stop, settings.stop_timeout)
@@ -247,7 +214,7 @@ def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, c
     seeds seed, seed + 1, ... (different from each other, each reproducible). Every request
     stops at <eos>; a chat reply also at the template's <|end|>."""
     engine, settings, tokenizer = app.state.engine, app.state.settings, app.state.tokenizer
-    relay = app.state.relay
+    loop = asyncio.get_running_loop()
     names = ["<eos>", "<|end|>"] if chat else ["<eos>"]
     stops = tuple(i for i in map(tokenizer.token_id, names) if i is not None)
     choices: list[Choice] = []
@@ -264,7 +231,8 @@ def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, c
             choice = Choice(i, request, tokenizer, engine.cancel, tuple(ids) if echo else ())
 
             def on_event(event, queue=choice.queue):  # on the engine's thread
-                relay.put(queue, event)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
 
             engine.submit(request, on_event)
             choices.append(choice)

@@ -130,26 +130,24 @@ class Engine:
         compiled attention); a failure to prepare is raised here. A second call does nothing."""
         if self._thread is not None:
             return
-        ready: list[BaseException | None] = []
-        done = threading.Event()
+        failure: list[BaseException] = []
+        prepared = threading.Event()
 
         def run():
             try:
                 self._prepare()
             except BaseException as err:
-                ready.append(err)
-                done.set()
-                return
-            ready.append(None)
-            done.set()
-            self._loop()
+                failure.append(err)
+            prepared.set()
+            if not failure:
+                self._loop()
 
         self._thread = threading.Thread(target=run, name="attnlab-engine", daemon=True)
         self._thread.start()
-        done.wait()
-        if ready[0] is not None:
+        prepared.wait()
+        if failure:
             self._thread = None
-            raise ready[0]
+            raise failure[0]
 
     def _prepare(self) -> None:
         """On the thread that runs the steps: its thread count, then the compiled attention."""

@@ -131,16 +131,21 @@ def lm_loss(family, model, x):
     return model(input_ids=x, labels=labels).loss
 
 
-def test_an_adapter_trained_by_peft_loads_into_attnlab(base, tmp_path):
-    family, path, cfg = base
-    torch.manual_seed(0)
-    theirs = peft_model(family, path).train()
+def train_three_steps(family: str, theirs) -> None:
+    """Three AdamW steps of peft's model on its LM loss (its trainable parameters only)."""
     opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
     for step in range(3):
         loss = lm_loss(family, theirs, ids(B=4, T=16, seed=10 + step))
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def test_an_adapter_trained_by_peft_loads_into_attnlab(base, tmp_path):
+    family, path, cfg = base
+    torch.manual_seed(0)
+    theirs = peft_model(family, path).train()
+    train_three_steps(family, theirs)
     theirs.eval().save_pretrained(tmp_path)
     assert all(B.weight.abs().max() > 0 for _, B in peft_lora(theirs).values())
     ours = load_hf(path)[0]
@@ -247,12 +252,7 @@ def test_an_adapter_trained_by_peft_with_biases_and_norms_loads_into_attnlab(bas
         modules_to_save=[NORMS[family]] if bias == "all" else None,
     )
     theirs = peft.get_peft_model(hf_model(family, path), config).train()
-    opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(3):
-        loss = lm_loss(family, theirs, ids(B=4, T=16, seed=10 + step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_three_steps(family, theirs)
     theirs.eval().save_pretrained(tmp_path)
     ours = load_hf(path)[0]
     load_peft(ours, cfg, tmp_path)
