@@ -1,5 +1,6 @@
 """The user's own special tokens, and chat templates rendered as `transformers` renders them."""
 
+import copy
 import json
 
 import pytest
@@ -76,6 +77,16 @@ def test_default_template_writes_attnlab_chat_format(chat_bpe):
     assert text == "<|user|>\nSignature of f?<|end|>\n<|assistant|>\ndef f(x):<|end|>\n"
     prompt = chat_bpe.apply_chat_template(CHAT[1:2])
     assert prompt == "<|user|>\nSignature of f?<|end|>\n<|assistant|>\n"
+
+
+def test_a_changed_template_renders_at_once(chat_bpe):
+    """Templates compile once per text: the next render after a change uses the new text."""
+    tok = copy.deepcopy(chat_bpe)
+    before = tok.apply_chat_template(CHAT[1:2])
+    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert tok.apply_chat_template(CHAT[1:2]) == "[Signature of f?]"
+    tok.chat_template = chat_bpe.chat_template
+    assert tok.apply_chat_template(CHAT[1:2]) == before
 
 
 def test_a_tokenizer_without_template_or_markers_says_what_to_do():

@@ -160,7 +160,8 @@ def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     attnlab.finetune.data: a function's package (classify), `tokenize` spans of source
     windows (tag), "write the signature of the function documented as: ..." -> `def
     name(args):` (sft), and the right signature preferred to a corrupted one (dpo).
-    data.max_examples caps the training examples (classify: divided among the packages)."""
+    data.max_examples caps the training examples (classify: divided among the packages; dpo:
+    the prompts, each giving data.pairs_per_prompt training pairs)."""
     n = d.max_examples
     if d.task == "classify":
         per_class = max(1, n // len(data.CLASSIFY_PACKAGES)) if n else None
@@ -170,7 +171,7 @@ def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     else:
         built = data.build_instructions(**({"max_examples": n} if n else {}))
         if d.task == "dpo":
-            built = data.build_preferences(built)
+            built = data.build_preferences(built, pairs_per_prompt=d.pairs_per_prompt)
     return built.splits["train"], built.splits["val"]
 
 
@@ -179,6 +180,11 @@ def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     the line and field of a bad one) split at 1 - val_fraction (or its own val_source file).
     Tagging examples come as {"tokens", "tags"} words (`tagging.words_from_spans`); held-out
     classification examples in a seeded random order (built-in ones come grouped by label)."""
+    if d.pairs_per_prompt > 1 and (d.task, d.source) != ("dpo", "builtin"):
+        raise ValueError(
+            "data.pairs_per_prompt draws more corruptions of the built-in signatures: it "
+            "applies to --task dpo on the built-in data only"
+        )
     if d.source == "builtin":
         train_ex, val_ex = builtin_examples(d)
     else:
@@ -193,8 +199,8 @@ def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
                 )
             n_val = min(max(1, round(len(train_ex) * d.val_fraction)), len(train_ex) - 1)
             train_ex, val_ex = train_ex[:-n_val], train_ex[-n_val:]
-    if d.max_examples:
-        train_ex = train_ex[: d.max_examples]
+        if d.max_examples:
+            train_ex = train_ex[: d.max_examples]
     if d.task == "tag":
         train_ex, val_ex = ([as_words(ex) for ex in split] for split in (train_ex, val_ex))
     if d.task == "classify":  # a seeded order: the first eval_examples are not one class

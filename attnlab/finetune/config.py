@@ -24,6 +24,8 @@ class FinetuneDataConfig:
         lines.
     val_source: a JSONL file of held-out examples; "" takes the last val_fraction of `source`.
     max_examples: use at most this many training examples (0: all of them).
+    pairs_per_prompt (dpo, built-in data): training pairs per prompt, each rejecting another
+        corruption of its signature (the held-out pairs stay one per prompt).
     packing (sft): several examples in one row of `train.context` tokens, each attending only
         to itself and with its own positions from 0, so no padding is trained on or computed.
     chat_template: format prompts with the tokenizer's chat template when it has one.
@@ -38,6 +40,7 @@ class FinetuneDataConfig:
     val_source: str = ""
     val_fraction: float = 0.1
     max_examples: int = 0
+    pairs_per_prompt: int = 1
     packing: bool = False
     chat_template: bool = True
     eval_examples: int = 64
@@ -48,7 +51,7 @@ class FinetuneDataConfig:
         check_literals(self)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        for name in ("eval_examples", "max_new_tokens"):
+        for name in ("eval_examples", "max_new_tokens", "pairs_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_examples < 0:

@@ -382,15 +382,24 @@ def build_instructions(
     return TaskData("sft", out)
 
 
-def build_preferences(instructions: TaskData | None = None, seed: int = 0) -> TaskData:
+def build_preferences(
+    instructions: TaskData | None = None, seed: int = 0, pairs_per_prompt: int = 1
+) -> TaskData:
     """DPO pairs from the instructions (default: `build_instructions()`): chosen = the right
     signature, rejected = `corrupt_signature` of it, drawn with a generator seeded by `seed`
     and the pair's own text. Wrong names and argument names come from the same split, so no
     split leaks into another.
 
+    Args:
+        pairs_per_prompt: training pairs per prompt, each with another corruption (fewer when
+            the signature has fewer distinct ones); the first is the one pair drawn with 1.
+            Held-out splits keep one pair per prompt, so they do not change with it.
+
     Returns:
         TaskData("dpo") of {"prompt", "chosen", "rejected", "module", "corruption"}.
     """
+    if pairs_per_prompt < 1:
+        raise ValueError(f"pairs_per_prompt must be >= 1, got {pairs_per_prompt}")
     instructions = build_instructions(seed=seed) if instructions is None else instructions
     out: dict[str, list[dict]] = {}
     for split, examples in instructions.splits.items():
@@ -401,19 +410,26 @@ def build_preferences(instructions: TaskData | None = None, seed: int = 0) -> Ta
             )
         names = sorted({ex["name"] for ex in examples})
         arg_names = sorted({a for ex in examples for a in ex["args"]})
+        per_prompt = pairs_per_prompt if split == "train" else 1
         pairs = []
         for ex in examples:
             rng = random.Random(_hash(ex["prompt"] + ex["response"], seed))
-            kind, rejected = corrupt_signature(ex["response"], names, arg_names, rng)
-            pairs.append(
-                {
-                    "prompt": ex["prompt"],
-                    "chosen": ex["response"],
-                    "rejected": rejected,
-                    "module": ex["module"],
-                    "corruption": kind,
-                }
-            )
+            drawn: dict[str, str] = {}  # rejected -> its kind, in the order drawn
+            for _ in range(4 * per_prompt):  # a few tries: draws may repeat
+                kind, rejected = corrupt_signature(ex["response"], names, arg_names, rng)
+                drawn.setdefault(rejected, kind)
+                if len(drawn) == per_prompt:
+                    break
+            for rejected, kind in drawn.items():
+                pairs.append(
+                    {
+                        "prompt": ex["prompt"],
+                        "chosen": ex["response"],
+                        "rejected": rejected,
+                        "module": ex["module"],
+                        "corruption": kind,
+                    }
+                )
         out[split] = pairs
     return TaskData("dpo", out)
 

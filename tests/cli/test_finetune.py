@@ -169,6 +169,15 @@ def test_a_bad_jsonl_line_is_one_clear_error(base, tmp_path, capsys):
     assert str(bad) in err and "2" in err.replace(str(bad), "") and "'response'" in err
 
 
+def test_pairs_per_prompt_off_the_builtin_pairs_is_one_clear_error(base, tmp_path, capsys):
+    argv = args(base, "sft", tmp_path / "out", "--train.steps=1", "--data.pairs_per_prompt=3")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: ") and len(err.splitlines()) == 1
+    assert "data.pairs_per_prompt" in err and "--task dpo" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "summarize"])
@@ -276,6 +285,9 @@ def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
     for task, splits in (("sft", built), ("dpo", data.build_preferences(built))):
         d = FinetuneDataConfig(task=task, source="builtin", max_examples=12)
         assert load_examples(d) == (splits.splits["train"], splits.splits["val"])
+    d = FinetuneDataConfig(task="dpo", source="builtin", max_examples=12, pairs_per_prompt=3)
+    splits = data.build_preferences(built, pairs_per_prompt=3).splits
+    assert load_examples(d) == (splits["train"], splits["val"]) and len(splits["train"]) > 24
     tok = train_char_tokenizer([string.printable])
     cfg = replace(get_preset("llama-tiny"), vocab_size=tok.vocab_size, n_layers=1, max_seq_len=320)
     ckpt = tmp_path / "wide"

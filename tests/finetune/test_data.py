@@ -267,6 +267,26 @@ def test_dpo_pairs_reject_a_corrupted_signature(instructions):
         build_preferences(own)
 
 
+def test_more_pairs_per_prompt_add_distinct_training_pairs_only(instructions):
+    one = build_preferences(instructions)
+    four = build_preferences(instructions, pairs_per_prompt=4)
+    for split in ("val", "test"):  # held-out pairs do not change
+        assert four.splits[split] == one.splits[split]
+    by_prompt = {}
+    for p in four.splits["train"]:
+        by_prompt.setdefault(p["prompt"], []).append(p)
+    firsts = [group[0] for group in by_prompt.values()]
+    assert firsts == one.splits["train"]  # the first pair of each prompt is the one pair
+    for prompt, group in by_prompt.items():
+        rejected = [p["rejected"] for p in group]
+        assert len(set(rejected)) == len(rejected) <= 4
+        assert all(r != group[0]["chosen"] for r in rejected)
+    sizes = [len(group) for group in by_prompt.values()]
+    assert sizes.count(4) > 0.9 * len(sizes)
+    with pytest.raises(ValueError, match="pairs_per_prompt"):
+        build_preferences(instructions, pairs_per_prompt=0)
+
+
 def test_wrong_names_come_from_the_same_split(instructions):
     pairs = build_preferences(instructions)
     for split in ("val", "test"):
