@@ -100,6 +100,17 @@ def workspace(tmp_path_factory) -> Path:
     return ws
 
 
+def _maker(run: str) -> list[str]:
+    """The README line that writes `run`: the one naming it as its output, else the first
+    line, `attnlab train`, which writes runs/default."""
+    for argv in COMMANDS:
+        pairs = zip(argv, argv[1:])
+        if any(flag in ("--train.out_dir", "--out") and value == run for flag, value in pairs):
+            return argv
+    assert run == "runs/default", run
+    return ["train"]
+
+
 def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
     """Whatever a README line takes as already there (beyond what earlier lines made)."""
     if argv[:2] == ["data", "get"]:
@@ -110,6 +121,11 @@ def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
             datasets.DATASETS[argv[2]], url=fixture.as_uri(), sha256=datasets.sha256_of(fixture)
         )
         monkeypatch.setitem(datasets.DATASETS, argv[2], local)
+    if "--ckpt" in argv and not (ws / argv[argv.index("--ckpt") + 1]).exists():
+        # A run that a line of the other tier makes (`-m slow` alone skips `attnlab train`).
+        maker = _maker(argv[argv.index("--ckpt") + 1])
+        setup_for(maker, ws, monkeypatch)
+        assert main(overridden(maker)) == 0
     if argv[0] == "train" and "--resume" in argv:
         # --resume continues a run: the first time, there is none to continue, so start it.
         plain = [a for a in overridden(argv) if a != "--resume"]
