@@ -276,13 +276,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def echo_logprobs(c: Choice) -> tuple[list[int], list, list]:
     """The prompt's part of an echo: each token's log p given those before it (None for the
-    first). The engine reports no alternatives for prompt tokens, so each position's
-    top_logprobs holds the prompt token alone."""
+    first), and its top_logprobs: the model's most likely tokens there and the prompt token
+    (as vLLM: lm-eval's is_greedy compares the token with the best of these)."""
     ids = list(c.echo_ids)
     lps = list(c.prompt_logprobs or [None] * len(ids))
+    tops = list(c.prompt_top or [None if lp is None else {t: lp} for t, lp in zip(ids, lps)])
     if len(lps) == len(ids) - 1:
-        lps = [None, *lps]
-    return ids, lps, [None if lp is None else {t: lp} for t, lp in zip(ids, lps)]
+        lps, tops = [None, *lps], [None, *tops]
+    return ids, lps, tops
 
 
 def completion_choice(tokenizer, c: Choice, k: int | None) -> dict:

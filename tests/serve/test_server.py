@@ -163,6 +163,27 @@ def test_echo_logprobs_score_the_prompt(server, client):
     )
 
 
+def test_echoed_prompt_top_logprobs_are_the_models_top_tokens(server, client):
+    """lm-eval's is_greedy reads these: each echoed position's best entry is the argmax of a
+    full forward there (not the prompt's own token), with the prompt token beside it."""
+    from attnlab.serve.protocol import token_text
+
+    ids = server.tokenizer.encode("the dog ate the bone")
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    with torch.no_grad():
+        logp = torch.log_softmax(server.model(torch.tensor([ids]))[0].float(), dim=-1)  # (T, V)
+    best = logp.argmax(-1).tolist()  # best[i - 1]: the model's top token at prompt position i
+    assert lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        top = lp.top_logprobs[i]
+        first = max(top, key=top.get)
+        assert first == token_text(server.tokenizer, best[i - 1])
+        assert top[first] == pytest.approx(logp[i - 1].max().item(), abs=1e-4)
+        assert token_text(server.tokenizer, ids[i]) in top
+    assert any(best[i - 1] != ids[i] for i in range(1, len(ids)))  # the prompt is not greedy
+
+
 def test_chat_logprobs(server, client):
     r = client.chat.completions.create(
         model="tiny",
