@@ -483,7 +483,10 @@ def _open_attnlab(
 ) -> Loaded:
     """Build the model of `run` on meta (with the task head its config names; the quantized
     Linears of `scheme`), then assign the tensors of model.safetensors."""
-    cfg = from_dict(ModelConfig, run["model"])
+    try:
+        cfg = from_dict(ModelConfig, run["model"])
+    except ValueError as e:  # a field of the wrong type: say which file holds it
+        raise ValueError(f"{str(path / CONFIG)!r}: {e}") from None
     if cfg.head is None and "n_labels" in run:  # written before heads were in the config
         cfg = replace(cfg, head=HeadConfig("sequence", run["n_labels"]))
     with torch.device("meta"):
