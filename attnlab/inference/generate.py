@@ -276,6 +276,7 @@ def generate_text(
         shortest_with_stop(tokens, config.stop_strings, tokenizer.decode)
         return tokenizer.decode(tokens)
     text, stops = IncrementalDecoder(tokenizer.decode), StopStrings(config.stop_strings)
+
     def show(piece: str) -> None:
         if piece and on_text is not None:
             on_text(piece)
