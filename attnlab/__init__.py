@@ -21,6 +21,7 @@ _HOMES = {
     "save_pretrained": "attnlab.checkpoint",
     "open_finetuned": "attnlab.cli.finetune",  # a LoRA fine-tuning run, its adapters merged
     "beam_search": "attnlab.inference.beam",
+    "GenerationConfig": "attnlab.inference.config",
     "generate": "attnlab.inference.generate",
     "generate_text": "attnlab.inference.generate",
     "stream_tokens": "attnlab.inference.generate",

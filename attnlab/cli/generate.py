@@ -9,7 +9,7 @@ and generation stops at the template's end of turn; only the reply is printed. A
 fine-tuning checkpoint opens with its adapters merged (`cli.finetune.open_finetuned`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
-`--top-k`); their defaults live in the dataclass, the others in `generate_text`'s signature.
+`--top-k`); their defaults live in the dataclass, the others in GenerationConfig's.
 An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint trained on
 generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
@@ -17,7 +17,6 @@ generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 """
 
 import argparse
-import inspect
 import sys
 
 import torch
@@ -26,11 +25,12 @@ from attnlab.cli.finetune import open_finetuned
 from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
 from attnlab.finetune.sequences import ChatFormat
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
 
 SECTION = "sampling"
-DEFAULTS = {k: p.default for k, p in inspect.signature(generate_text).parameters.items()}
+DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -54,14 +54,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        default=DEFAULTS["max_new_tokens"],
+        default=DEFAULTS.max_new_tokens,
         metavar="N",
         help="at most this many new tokens (default %(default)s)",
     )
     p.add_argument(
         "--seed",
         type=int,
-        default=DEFAULTS["seed"],
+        default=DEFAULTS.seed,
         metavar="S",
         help="seed of the sampling generator (default: unseeded)",
     )
@@ -76,14 +76,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-beams",
         type=int,
-        default=DEFAULTS["num_beams"],
+        default=DEFAULTS.num_beams,
         metavar="W",
         help="beam search with W beams instead of sampling (default %(default)s)",
     )
     p.add_argument(
         "--length-penalty",
         type=float,
-        default=DEFAULTS["length_penalty"],
+        default=DEFAULTS.length_penalty,
         metavar="A",
         help="beam search: score / length**A (default %(default)s)",
     )
@@ -170,15 +170,17 @@ def run(args: argparse.Namespace) -> int:
         model,
         tokenizer,
         prompt,
-        args.max_new_tokens,
-        configs[SECTION],
-        args.seed,
-        stop,
-        args.num_beams,
-        args.length_penalty,
+        GenerationConfig(
+            args.max_new_tokens,
+            configs[SECTION],
+            seed=args.seed,
+            stop_strings=stop,
+            num_beams=args.num_beams,
+            length_penalty=args.length_penalty,
+            stop_tokens=stop_tokens,
+        ),
         on_text=show if args.stream else None,
         on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
-        stop_tokens=stop_tokens,
     )
     if not args.stream:
         show(args.prompt + text if echo else text)

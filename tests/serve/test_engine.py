@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import attnlab.serve.engine as engine_module
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -85,7 +86,9 @@ def alone(model, request):
     p = request.params
     sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
     return generate(
-        model, [list(request.prompt_ids)], p.max_tokens, sampling, p.stop_token_ids, seed=p.seed
+        model,
+        [list(request.prompt_ids)],
+        GenerationConfig(p.max_tokens, sampling, stop_tokens=p.stop_token_ids, seed=p.seed),
     )[0]
 
 
