@@ -13,6 +13,7 @@ import torch
 
 from attnlab.components.positions.rope_scaling import RopeScaling
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.inference.steps import fill_cache, left_pad
@@ -116,13 +117,13 @@ def hf_generate(hf, prompts, **kwargs):
 @pytest.mark.parametrize("prompts", [GEN_PROMPTS[:1], GEN_PROMPTS], ids=["one", "left-padded"])
 def test_cached_greedy_generation_with_dynamic_ntk_equals_transformers(dynamic_pair, prompts):
     hf, ours = dynamic_pair
-    got = generate(ours, prompts, N_NEW, SamplingConfig(temperature=0.0))
+    got = generate(ours, prompts, GenerationConfig(N_NEW, SamplingConfig(temperature=0.0)))
     assert got == hf_generate(hf, prompts)
 
 
 def test_beam_search_with_dynamic_ntk_equals_transformers(dynamic_pair):
     hf, ours = dynamic_pair
-    hyps = beam_search(ours, GEN_PROMPTS, num_beams=3, max_new_tokens=N_NEW)
+    hyps = beam_search(ours, GEN_PROMPTS, GenerationConfig(N_NEW, num_beams=3))
     assert [h[0].tokens for h in hyps] == hf_generate(hf, GEN_PROMPTS, num_beams=3)
 
 
