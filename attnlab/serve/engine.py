@@ -105,6 +105,7 @@ class Engine:
         self.compile_attention, self._prepared = compile_attention, False
         self.threads = torch.get_num_threads() if threads is None else threads
         self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk, prefix_caching)
+        self.max_queue = max_queue  # the server refuses a request that needs more
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
