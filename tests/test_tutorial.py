@@ -17,8 +17,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL = REPO / "docs" / "tutorial"
 CHAPTERS = sorted(TUTORIAL.glob("[0-9][0-9]-*.md"))
-# A second or two each on 2 busy cores; the others train a model or build several.
-FAST = {"01-attention", "03-positions", "04-ffn-and-norms", "06-masks", "09-flashattention"}
+# Under a second each on 2 quiet cores; the others train a model for a few seconds or more.
+FAST = {
+    "01-attention",
+    "03-positions",
+    "04-ffn-and-norms",
+    "05-three-families",
+    "06-masks",
+    "08-generation",
+    "09-flashattention",
+    "10-quantization",
+    "11-fine-tuning",
+}
 
 
 def python_blocks(text: str) -> list[str]:
