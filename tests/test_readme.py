@@ -154,6 +154,12 @@ def test_each_docs_page_is_linked_from_the_readme(page):
     assert f"]({page.relative_to(REPO).as_posix()})" in README.read_text(), page
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_pages_links_resolve(page):
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+        assert (page.parent / target).exists(), f"{page.name} links {target}, which is missing"
+
+
 # The fine-tuning block's lines (and what reads their runs) and the experiments take seconds
 # each: the full suite runs them, the fast tier does not.
 SLOW_RUNS = {"runs/chat", "runs/sft", "runs/dpo", "runs/bert", "runs/classify", "runs/tag"}
