@@ -4,7 +4,7 @@
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
 
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
-quantized; a LoRA fine-tuning run, its adapters merged by `cli.finetune.open_finetuned`) with its
+quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
 requests finish for up to --stop-timeout seconds, then exits.
@@ -21,7 +21,7 @@ import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
-from attnlab.cli.finetune import open_finetuned
+from attnlab.checkpoint import open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
-    loaded = open_finetuned(args.ckpt, device)  # a LoRA fine-tuning run: adapters merged
+    loaded = open_checkpoint(args.ckpt, device)  # a LoRA fine-tuning run: adapters merged
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)
