@@ -39,6 +39,12 @@ def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "au
             "attnlab eval scores the LM, MLM and seq2seq tasks of a training run and has no "
             "labelled data for it"
         )
+    if "data" not in loaded.run:
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds no training run to evaluate (its config.json has "
+            "a model and no data section: an HF directory or a model-only save); attnlab eval "
+            "rebuilds the validation data of the run that wrote a checkpoint"
+        )
     model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = build_task(run)
     return task.evaluate(model, batches or run.train.eval_batches, device)
