@@ -344,7 +344,8 @@ class Loaded:
     """What `open_checkpoint` returns.
 
     Attributes:
-        model: in eval mode, on the device asked for (quantized layers where the file says so).
+        model: in eval mode, on the device asked for (quantized layers where the file says so;
+            a LoRA run's adapters merged, or kept with `keep_adapters`).
         config: its ModelConfig.
         tokenizer: from tokenizer.json beside the weights, or None.
         run: the run config dict of config.json ({"model": ..., and "train", "data" for a
