@@ -121,7 +121,25 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         )
         hint = f" (found {others}: only the tokenizers-library format is read)" if others else ""
         raise ValueError(f"no {TOKENIZER} in {str(path)!r}{hint}")
-    return Tokenizer.from_file(file)
+    tokenizer = Tokenizer.from_pretrained(file.parent)
+    start = _decoder_start(file.parent)
+    if start is not None and tokenizer.token_id("<bos>") is None:
+        # attnlab's encoder-decoders start decoding from <bos>; T5 has none and starts from
+        # the token its config.json names (its pad), so that one is <bos> here.
+        tokenizer.special_ids["<bos>"] = start
+    return tokenizer
+
+
+def _decoder_start(directory: Path) -> int | None:
+    """config.json's decoder_start_token_id of an encoder-decoder (T5: 0), else None."""
+    file = directory / "config.json"
+    try:
+        hf = json.loads(file.read_text()) if file.is_file() else {}
+    except json.JSONDecodeError:
+        return None
+    start = hf.get("decoder_start_token_id") if isinstance(hf, dict) else None
+    seq2seq = isinstance(hf, dict) and (hf.get("is_encoder_decoder") or hf.get("model_type") == "t5")
+    return start if isinstance(start, int) and seq2seq else None
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
