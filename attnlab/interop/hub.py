@@ -112,9 +112,16 @@ def download(repo: str, revision: str | None = None, progress: bool = True) -> P
 
 
 def resolve_hub_name(spec: str) -> Path:
-    """The local directory of "hf:ORG/NAME[@REV]", downloaded first if not cached."""
+    """The local directory of "hf:ORG/NAME[@REV]", downloaded first if not cached; asked
+    again in the same process (a command that resolves, then opens), it asks the Hub once."""
     repo, revision = parse_hub_name(spec)
-    return download(repo, revision)
+    key = (repo, revision, os.environ.get("HF_ENDPOINT"), hub_cache(), is_offline())
+    if key not in _RESOLVED or not _RESOLVED[key].is_dir():
+        _RESOLVED[key] = download(repo, revision)
+    return _RESOLVED[key]
+
+
+_RESOLVED: dict[tuple, Path] = {}  # resolve_hub_name's answers in this process
 
 
 def _what_to_do(error: Exception, repo: str, revision: str | None, endpoint: str) -> str:

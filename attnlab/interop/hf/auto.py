@@ -131,14 +131,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _decoder_start(directory: Path) -> int | None:
-    """config.json's decoder_start_token_id of an encoder-decoder (T5: 0), else None."""
-    file = directory / "config.json"
-    try:
-        hf = json.loads(file.read_text()) if file.is_file() else {}
-    except json.JSONDecodeError:
-        return None
-    start = hf.get("decoder_start_token_id") if isinstance(hf, dict) else None
-    seq2seq = isinstance(hf, dict) and (hf.get("is_encoder_decoder") or hf.get("model_type") == "t5")
+    """The decoder_start_token_id of an encoder-decoder directory (T5: 0, its pad), from
+    config.json or generation_config.json (where newer transformers keep it), else None."""
+    found = {}
+    for name in ("generation_config.json", "config.json"):  # config.json's wins
+        file = directory / name
+        try:
+            data = json.loads(file.read_text()) if file.is_file() else {}
+        except json.JSONDecodeError:
+            data = {}
+        found.update(data if isinstance(data, dict) else {})
+    start = found.get("decoder_start_token_id")
+    seq2seq = found.get("is_encoder_decoder") or found.get("model_type") == "t5"
     return start if isinstance(start, int) and seq2seq else None
 
 
