@@ -10,8 +10,16 @@ model_max_length), tiny vocabularies trained on CORPUS.
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 CORPUS = [
     "The house is wonderful. The garden is small, but the house is big.",
@@ -42,7 +50,11 @@ def _added(backend: Tokenizer, tokens: list[str], special: bool = True) -> dict:
     vocab = backend.get_vocab(with_added_tokens=True)
     return {
         str(vocab[t]): dict(
-            content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
+            content=t,
+            lstrip=False,
+            normalized=False,
+            rstrip=False,
+            single_word=False,
             special=special,
         )
         for t in tokens

