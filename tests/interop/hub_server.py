@@ -26,7 +26,7 @@ class HubServer:
         self.repos: dict[str, dict] = {}  # repo -> {"files": {name: bytes}, "refs": {rev: sha}}
         self.requests: list[str] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     @property
     def endpoint(self) -> str:
