@@ -83,6 +83,15 @@ def gpt2_files(directory: Path, vocab_size: int = 400) -> Path:
         "add_prefix_space": False,
         "added_tokens_decoder": _added(backend, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]),
     }
+    # a plain (non-special) added token that only tokenizer_config.json lists, at the next id
+    config["added_tokens_decoder"][str(backend.get_vocab_size())] = dict(
+        content="<tool>",
+        lstrip=False,
+        normalized=False,
+        rstrip=False,
+        single_word=False,
+        special=False,
+    )
     return _write(directory, backend, config)
 
 

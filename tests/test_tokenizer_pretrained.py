@@ -14,7 +14,7 @@ pytestmark = pytest.mark.hf
 
 BUILDERS = {"gpt2": gpt2_files, "t5": t5_files, "bert": bert_files}
 SPECIAL_TEXTS = {  # special and added tokens inside running text
-    "gpt2": "Hello<|endoftext|> world <|im_start|>user<|im_end|>",
+    "gpt2": "Hello<|endoftext|> world <|im_start|>user<tool>x<|im_end|>",
     "t5": "translate English to German: <extra_id_0> house </s> is <extra_id_2>",
     "bert": "[CLS] the house [SEP] is [MASK] wonderful",
 }
