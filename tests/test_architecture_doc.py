@@ -2,9 +2,10 @@
 
 The diagram is the first fenced block of the page: one line per layer, the top layer first,
 each line's layer names on the left (written as in LAYERS without "attnlab.", the package
-itself as "attnlab"; names apart by at most 4 spaces) and a description after a wider gap;
-lines of box-drawing rules separate groups. Every LAYERS entry must appear exactly once, entries
-of one layer on one line, and a higher layer on a higher line.
+itself as "attnlab"; names apart by at most 4 spaces; ".hub" after "interop.hf" short for
+"interop.hub") and a description after a wider gap; lines of box-drawing rules separate
+groups. Every LAYERS entry must appear exactly once, entries of one layer on one line, and a
+higher layer on a higher line.
 """
 
 import re
@@ -23,8 +24,12 @@ def diagram_rows(text: str) -> list[list[str]]:
     for line in block.group(1).splitlines():
         if not line.strip() or set(line.strip()) <= set("─-=━"):
             continue  # a blank line or a rule between groups
-        names = re.split(r"\s{5,}", line.strip())[0]  # the names, before the description
-        rows.append(names.split())
+        names, row = re.split(r"\s{5,}", line.strip())[0].split(), []  # before the description
+        for name in names:
+            if name.startswith(".") and row:  # ".hub" beside "interop.hf": a sibling module
+                name = row[-1].rpartition(".")[0] + name
+            row.append(name)
+        rows.append(row)
     return rows
 
 
@@ -66,9 +71,10 @@ def test_the_check_reads_names_and_skips_descriptions_and_rules():
         "  cli                attnlab train | eval\n"
         "  ────────────────────────────\n"
         "  training   viz     what you do with a model\n"
+        "  interop.hf   .hub        HF formats; Hub downloads\n"
         "```\n"
     )
-    assert diagram_rows(text) == [["cli"], ["training", "viz"]]
+    assert diagram_rows(text) == [["cli"], ["training", "viz"], ["interop.hf", "interop.hub"]]
 
 
 def test_the_check_finds_a_layer_missing_misplaced_or_split():
