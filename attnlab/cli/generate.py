@@ -28,6 +28,7 @@ from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.models.heads import task_head_kind
 
 SECTION = "sampling"
 DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
@@ -123,13 +124,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
     loaded = open_finetuned(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
-    head = loaded.config.head  # a task head (attnlab finetune --task classify|tag, HF)
-    if head is not None or "n_labels" in saved:
-        token = head is not None and head.task == "token"
-        kind = "a token classifier" if token else "a sequence classifier"
-        n = head.num_labels if head is not None else saved["n_labels"]
+    kind = task_head_kind(loaded.config)  # a task head (attnlab finetune --task classify|tag, HF)
+    if kind is not None:
         raise ValueError(
-            f"checkpoint {args.ckpt!r} is {kind} ({n} labels) with no LM head to generate "
+            f"checkpoint {args.ckpt!r} is {kind} with no LM head to generate "
             "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
         )
     task = saved.get("data", {}).get("task")
