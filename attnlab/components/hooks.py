@@ -184,4 +184,3 @@ def _watched(layer, q, k, v, args, out, weights) -> Tensor:
         return out
     v = repeat_kv(v, q.shape[1] // v.shape[1])  # (B, H, S, D)
     return (pattern.float() @ v.float()).to(q.dtype)  # (B, H, T, D)
-

@@ -53,7 +53,8 @@ class DecoderLM(nn.Module):
         self.norm, self.head = norm, head
         self.drop = nn.Dropout(dropout)
         self.window, self.head_scale = window, head_scale
-        self.hook_embed, self.hook_final_norm, self.hook_logits = HookPoint(), HookPoint(), HookPoint()
+        self.hook_embed = HookPoint()  # token embeddings (components/hooks.py)
+        self.hook_final_norm, self.hook_logits = HookPoint(), HookPoint()
 
     def forward(
         self,

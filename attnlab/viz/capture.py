@@ -129,7 +129,9 @@ def capture_attention(
 
         return keep
 
-    installed = [(attn.hook_pattern, attn.hook_pattern.add(keeper(n))) for n, (*_, attn) in enumerate(chosen)]
+    installed = [
+        (attn.hook_pattern, attn.hook_pattern.add(keeper(n))) for n, (*_, attn) in enumerate(chosen)
+    ]
     try:
         yield maps
         for n, (kind, i, _) in enumerate(chosen):
