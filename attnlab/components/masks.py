@@ -12,6 +12,10 @@ those with `and_masks` / `or_masks` from `torch.nn.attention.flex_attention`.
     # # . .           # # . .             # # . .                # # # .
     # # # .           . # # .             # # # .                # # # .
     # # # #           . . # #             # # # #                # # # .
+
+What a model builds from these once per forward (the decoder and the encoder share them):
+`self_attention_mask` (causal, windowed, padded), `custom_attention_mask` and `mask_from_mod`
+(a caller's mask, a tensor or a mask_mod), `cached_attention_mask` (against a static cache).
 """
 
 from collections.abc import Callable

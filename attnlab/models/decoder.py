@@ -79,8 +79,9 @@ class DecoderLM(nn.Module):
                 cache's positions of `slots`).
             memory: (B, M, C) encoder output, for blocks with cross-attention.
             memory_mask: (B, M) True = real memory token.
-            cache: a ModelCache (components/kv_cache.py), a PagedStep
-                (components/paged_kv_cache.py), or None.
+            cache: a StepCache: a ModelCache (components/kv_cache.py) or a PagedStep
+                (components/paged_kv_cache.py), or None. It gives the rows' positions and the
+                mask (`positions_and_mask`); each layer attends through its own `LayerCache`.
             slots: (T,) cache slots of `ids`, with a ModelCache; (B, T) per-row pool slots
                 (the step's `.slots`), with a PagedStep.
             last_only: the logits of the last position only (generation's prefill needs no
