@@ -15,8 +15,9 @@ A hook is `fn(activation, hook) -> Tensor | None`: None only looks, a tensor rep
 activation from there on. `run_with_cache` keeps the activations asked for, `run_with_hooks`
 edits, and `hooks(model, [...])` installs hooks for the length of a `with` block.
 
-Unhooked, a point costs one test of an empty list (its `__call__` skips nn.Module's dispatch), so
-the plain path and a compiled decode step compute exactly what they computed without it. The
+A point is a plain attribute, not a submodule: reading it is an ordinary attribute lookup (not
+nn.Module's `__getattr__`), it adds nothing to `state_dict`, `modules()` or `.to()`, and unhooked
+it costs one test of an empty list, so the plain path computes exactly what it computed without. The
 attention scores and pattern are not materialised by the fused backends (sdpa, flash, flex):
 `attend_heads` recomputes them on the written-out path only while a hook watches them, and keeps
 the fast path's output unless a hook edited them.
@@ -38,7 +39,7 @@ NameFilter = str | Callable[[str], bool]
 WEIGHTS_BACKENDS = ("flash",)  # backends that give the probabilities from what they saved
 
 
-class HookPoint(nn.Module):
+class HookPoint:
     """An identity on one activation that runs the hooks installed on it, in order.
 
     Attributes:
@@ -47,15 +48,14 @@ class HookPoint(nn.Module):
     """
 
     def __init__(self):
-        super().__init__()
         self.fns: list[HookFn] = []
         self.name = ""
 
     def __call__(self, x: Tensor) -> Tensor:
-        # Skips nn.Module.__call__'s dispatch: a point without hooks costs one list test.
-        return self.forward(x) if self.fns else x
+        return self.run(x) if self.fns else x  # a point without hooks: one list test
 
-    def forward(self, x: Tensor) -> Tensor:
+    def run(self, x: Tensor) -> Tensor:
+        """Every hook on x in turn; a hook's tensor replaces x for the next one and after."""
         for fn in self.fns:
             out = fn(x, self)
             x = x if out is None else out
@@ -72,8 +72,13 @@ class HookPoint(nn.Module):
 
 
 def hook_points(model: nn.Module) -> dict[str, HookPoint]:
-    """Every hook point of `model` by name (module paths, in the order the modules are built)."""
-    points = {name: m for name, m in model.named_modules() if isinstance(m, HookPoint)}
+    """Every hook point of `model` by name: `module path.attribute`, in module order."""
+    points = {
+        f"{path}.{attr}" if path else attr: value
+        for path, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, HookPoint)
+    }
     for name, point in points.items():
         point.name = name
     return points
