@@ -39,6 +39,7 @@ from attnlab.adapters.config import LoraConfig
 from attnlab.adapters.lora import add_lora, remove_lora
 from attnlab.configs import from_dict, to_dict
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
+from attnlab.interop.hub import is_hub_name, resolve_hub_name
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.heads import config_with_head
@@ -361,7 +362,10 @@ class Loaded:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or the latest one under a run's out_dir or checkpoints/."""
+    """A checkpoint directory itself, the latest one under a run's out_dir or checkpoints/, or
+    the cached download of a Hub model named "hf:ORG/NAME[@REV]" (interop.hub)."""
+    if is_hub_name(path):
+        return resolve_hub_name(str(path))
     path = Path(path)
     if (path / CONFIG).is_file():
         return path
@@ -391,7 +395,8 @@ def open_checkpoint(
     """Open any checkpoint directory as a model (built on meta, weights assigned, eval mode).
 
     Args:
-        path: a checkpoint directory (attnlab or HF), or a run's out_dir or checkpoints/.
+        path: a checkpoint directory (attnlab or HF), a run's out_dir or checkpoints/, or
+            "hf:ORG/NAME[@REV]", a Hub model (downloaded once into huggingface_hub's cache).
         device: where the weights go.
         scheme, group_size: the quantization the caller expects (ValueError naming both when
             the file holds another); None accepts what the file holds, float included.
