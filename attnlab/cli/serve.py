@@ -4,7 +4,7 @@
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
 
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
-quantized; a LoRA fine-tuning run, its adapters merged by `cli.finetune.open_finetuned`) with its
+quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
 requests finish for up to --stop-timeout seconds, then exits.
@@ -12,7 +12,6 @@ requests finish for up to --stop-timeout seconds, then exits.
 
 import argparse
 import dataclasses
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -21,15 +20,15 @@ import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
-from attnlab.cli.finetune import open_finetuned
+from attnlab.checkpoint import Loaded, open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
+from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
+from attnlab.serve.types import DEFAULT_ENGINE, EngineConfig
 
-ENGINE_DEFAULTS = {
-    k: p.default for k, p in inspect.signature(SequentialEngine.__init__).parameters.items()
-}
+ENGINE_DEFAULTS = DEFAULT_ENGINE
 SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 API_KEY_ENV = "ATTNLAB_API_KEY"
 
@@ -60,14 +59,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch",
         type=int,
-        default=ENGINE_DEFAULTS["max_batch"],
+        default=ENGINE_DEFAULTS.max_batch,
         metavar="N",
         help="requests decoded together (batched engine; default %(default)s)",
     )
     p.add_argument(
         "--max-queue",
         type=int,
-        default=ENGINE_DEFAULTS["max_queue"],
+        default=ENGINE_DEFAULTS.max_queue,
         metavar="N",
         help="requests that may wait; more get HTTP 429 (default %(default)s)",
     )
@@ -144,29 +143,22 @@ def run(args: argparse.Namespace) -> int:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
-    loaded = open_finetuned(args.ckpt, device)  # a LoRA fine-tuning run: adapters merged
+    loaded = open_served(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)
-    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
-        raise ValueError(
-            f"{args.ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
-            "language model checkpoint"
-        )
-    if "n_labels" in loaded.run:
-        raise ValueError(f"{args.ckpt!r} is a sequence classifier: it has no LM head to serve")
-    if tokenizer is None:
-        raise ValueError(f"{args.ckpt!r} has no tokenizer.json: attnlab serve needs one")
     max_context = args.max_context or loaded.config.max_seq_len
     context = context_length(model, max_context)
-    options = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_context=context)
+    options = EngineConfig(args.max_batch, max_queue=args.max_queue, max_context=context)
     if Engine is SequentialEngine:
         if args.compile_attention:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
-        engine = Engine(model, tokenizer, **options)
+        engine = Engine(model, tokenizer, options)
     else:
-        options |= dict(threads=threads, compile_attention=args.compile_attention)
-        engine = Engine(model, tokenizer, **options)
+        options = dataclasses.replace(
+            options, threads=threads, compile_attention=args.compile_attention
+        )
+        engine = Engine(model, tokenizer, options)
         try:
             engine.start()  # prepared (compiled) before the port opens; the app's start: no-op
         except RuntimeError as err:
@@ -181,6 +173,23 @@ def run(args: argparse.Namespace) -> int:
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
     return 0
+
+
+def open_served(ckpt: str, device: str = "cpu") -> Loaded:
+    """The checkpoint `attnlab serve --ckpt` serves (any kind `open_checkpoint` reads; a LoRA
+    run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer."""
+    loaded = open_checkpoint(ckpt, device)
+    model = loaded.model
+    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
+        raise ValueError(
+            f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
+            "language model checkpoint"
+        )
+    if (kind := task_head_kind(loaded.config)) is not None:
+        raise ValueError(f"{ckpt!r} is {kind}: it has no LM head to serve")
+    if loaded.tokenizer is None:
+        raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
+    return loaded
 
 
 def model_vocab(model: torch.nn.Module) -> int:

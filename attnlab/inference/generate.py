@@ -102,19 +102,17 @@ def stream_tokens(
 ) -> Iterator[Tensor]:
     """Yield each step's new tokens (B,) as soon as they are chosen: the one generation loop.
 
-    Rows that produced one of `config.stop_tokens` are finished: they keep yielding that stop
-    token, and the loop ends when every row is finished or after `config.max_new_tokens` (or
-    `max_total_len`). Stop strings are the callers' (`generate`, `generate_text`).
+    A row that produced one of `config.stop_tokens` keeps yielding it; the loop ends when every
+    row has, or after `config.max_new_tokens`. Stop strings are the callers' (`generate`).
 
     Args:
         prompts: token ids per row (decoder-only), or the decoder start per row (encoder-decoder).
         config: what to generate (sampling, seed, stop tokens, max_context, crop_to, ...).
         source, source_mask: (B, M) encoder input and its mask (encoder-decoder models), or
             (B, C_in, H, W) images and None (vision-language models).
-        step_fn: replaces `decode_step` (e.g. a torch.compile'd one, such as
-            `attnlab.inference.compiled_step.compile_decode_step(model)`), same signature.
-        on_notice: called with a one-line notice when the position table forces a crop (default:
-            a ContextCropWarning).
+        step_fn: replaces `decode_step`, same signature (`compiled_step.compile_decode_step`).
+        on_notice: gets the one-line notice of a crop the position table forces (default: a
+            ContextCropWarning).
     """
     decoder = decoder_of(model)
     device = decoder.head.weight.device
@@ -132,11 +130,9 @@ def stream_tokens(
         notice.give()
     room = n_new if window is None else window - ids.shape[1]
     logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
-    S_max = cache.key_valid.shape[1]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
-    seed = config.seed
-    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    gen = None if config.seed is None else torch.Generator(device=device).manual_seed(config.seed)
     step = step_fn or decode_step
     for i in range(n_new):
         token = sample(logits, config.sampling, history, gen)  # (B,)
@@ -148,7 +144,7 @@ def stream_tokens(
         yield token
         if (len(stops) and bool(done.all())) or i == n_new - 1:
             return
-        if slot < S_max:
+        if slot < cache.key_valid.shape[1]:  # room left in the cache
             at = torch.tensor([slot], device=device)
             logits = step(model, token[:, None], at, cache, source_mask)  # (B, V)
             slot += 1

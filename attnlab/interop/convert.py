@@ -20,6 +20,9 @@ from attnlab.checkpoint import (
 )
 from attnlab.interop.hf import common
 from attnlab.interop.hf.auto import save_hf
+from attnlab.quantize import Int4Linear, Int8Linear
+
+QUANTIZED = (Int8Linear, Int4Linear)
 
 Format = Literal["hf", "attnlab"]
 FORMATS = ("hf", "attnlab")
@@ -70,6 +73,13 @@ def convert(
         raise ValueError(f"the output directory is the input directory ({str(src)!r})")
     check_output_dir(dst, overwrite)
     loaded = open_checkpoint(src, layout=layout if src_format == "hf" else "half")
+    quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, QUANTIZED)]
+    if quantized:  # neither format written here records a scheme: it would not open again
+        kind = type(loaded.model.get_submodule(quantized[0])).__name__
+        raise ValueError(
+            f"{str(src)!r} holds quantized weights ({quantized[0]} is an {kind}); convert "
+            "writes float weights: convert the float checkpoint it was quantized from"
+        )
     if dst_format == "attnlab":
         return save_pretrained(dst, loaded.model, loaded.config, loaded.tokenizer)
     return save_hf(loaded.model, loaded.config, dst, loaded.tokenizer)

@@ -181,3 +181,10 @@ def test_generate_text_decodes_a_bounded_number_of_ids_per_token():
     text = generate_text(Scripted(answer, TOKENIZER.vocab_size), tok, "x", config)
     assert text == TOKENIZER.decode(answer)
     assert tok.decoded <= 8 * len(answer)  # re-decoding everything would be ~len(answer)**2 / 2
+
+
+def test_generate_text_max_new_tokens_is_shorthand_for_the_configs():
+    answer = TOKENIZER.encode("héllo wörld, ünïcode")
+    model = Scripted(answer, TOKENIZER.vocab_size)
+    text = generate_text(model, TOKENIZER, "x", GREEDY, max_new_tokens=3)
+    assert text == TOKENIZER.decode(answer[:3]) and model.calls == 3

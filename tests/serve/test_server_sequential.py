@@ -12,7 +12,7 @@ from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.serve.sequential import SequentialEngine
-from attnlab.serve.types import EngineStopped, QueueFull, Request, SamplingParams
+from attnlab.serve.types import EngineConfig, EngineStopped, QueueFull, Request, SamplingParams
 from tests.serve.server_helpers import write_checkpoint
 
 
@@ -43,7 +43,7 @@ class Collector:
 
 
 def engine(loaded, **kw) -> SequentialEngine:
-    return SequentialEngine(loaded.model, loaded.tokenizer, max_context=128, **kw)
+    return SequentialEngine(loaded.model, loaded.tokenizer, EngineConfig(max_context=128, **kw))
 
 
 def test_tokens_are_generates_greedy_and_seeded(loaded):
