@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from attnlab.configs import from_dict, to_dict
+from attnlab.interop.gguf import load_gguf
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
@@ -399,7 +400,12 @@ def open_checkpoint(
     A LoRA fine-tuning checkpoint (`attnlab finetune --lora.rank R`) is refused with a
     ValueError naming `attnlab.open_finetuned`, which puts its adapters back and merges them:
     the adapters are the fine-tuning layer's modules, which this layer does not import.
+
+    A `.gguf` file (llama.cpp's format, llama family) is dequantized to fp32, or with
+    scheme="int4" keeps its Q4_1 matrices as Int4Linear (interop/gguf/reader.py).
     """
+    if str(path).endswith(".gguf"):
+        return _open_gguf(Path(path), device, scheme, group_size, layout, dtype)
     path = resolve_checkpoint(path)
     if not (path / CONFIG).is_file():
         raise ValueError(
@@ -447,6 +453,16 @@ def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Load
     run = _model_run({}, cfg)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
     return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+
+
+def _open_gguf(path: Path, device, scheme, group_size, layout, dtype) -> Loaded:
+    """A GGUF file through interop.gguf; run = {"model": ...}."""
+    if scheme is not None and group_size not in (None, 32):
+        raise ValueError(f"{str(path)!r}: Q4_1 is int4 at group_size 32, not {group_size}")
+    model, cfg, tokenizer, _ = load_gguf(path, layout=layout, scheme=scheme)
+    if dtype is not None:
+        model = model.to(dtype)
+    return Loaded(model.to(device).eval(), cfg, tokenizer, _model_run({}, cfg), path)
 
 
 def _open_attnlab(

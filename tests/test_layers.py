@@ -24,6 +24,7 @@ LAYERS = {
     "attnlab.tokenizer": 3,
     "attnlab.quantize": 3,
     "attnlab.interop.hf": 4,
+    "attnlab.interop.gguf": 4,  # GGUF files in and out (llama.cpp's format), beside HF's
     "attnlab.checkpoint": 5,
     "attnlab.inference": 6,
     "attnlab.training": 7,
