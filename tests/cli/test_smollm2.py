@@ -91,7 +91,7 @@ def test_eval_perplexity_equals_transformers_on_the_same_tokens(held_out, capsys
     assert ours["ppl"] == pytest.approx(torch.tensor(loss).exp().item(), rel=1e-4)
 
 
-@pytest.mark.parametrize(("scheme", "bound"), [("int8", 0.01), ("int4", 0.25)])
+@pytest.mark.parametrize(("scheme", "bound"), [("int8", 0.02), ("int4", 0.25)])
 def test_quantized_perplexity_moves_within_a_stated_bound(scheme, bound, held_out, tmp_path, capsys):
     """attnlab quantize of the dequantized model: the held-out perplexity changes by less than
     `bound` (relative; the measured changes are in docs/smollm2.md)."""
