@@ -248,3 +248,12 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
     assert (ours.token_id("<bos>"), ours.token_id("<eos>")) == (1, 2)
     tokens = meta["tokenizer.ggml.tokens"]
     assert [tokens[i] for i in ours.encode(" e")] == ["▁", "▁", "e"]  # llama.cpp's dummy prefix
+
+
+def test_every_ckpt_takes_a_gguf(tmp_path, tokenizer, hf_model, capsys):
+    from attnlab.cli.__main__ import main
+
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model, tokenizer)
+    args = ["generate", "--ckpt", str(path), "--prompt", "The quick", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("The quick")
