@@ -6,6 +6,7 @@ where every concept lives):
     cfg = attnlab.get_preset("gpt2-tiny")            # a ModelConfig (frozen dataclass)
     model = attnlab.build_model(cfg)                 # the network, freshly initialised
     ckpt = attnlab.open_checkpoint("runs/default")   # any checkpoint -> model, config, tokenizer
+                                                     # (a LoRA run: adapters merged)
     text = attnlab.generate_text(ckpt.model, ckpt.tokenizer, "def ", max_new_tokens=40)
 
 Each name is imported on first use (PEP 562), so `import attnlab.cli` does not import torch:
@@ -19,7 +20,6 @@ _HOMES = {
     "Loaded": "attnlab.checkpoint",
     "open_checkpoint": "attnlab.checkpoint",
     "save_pretrained": "attnlab.checkpoint",
-    "open_finetuned": "attnlab.cli.finetune",  # a LoRA fine-tuning run, its adapters merged
     "beam_search": "attnlab.inference.beam",
     "generate": "attnlab.inference.generate",
     "generate_text": "attnlab.inference.generate",

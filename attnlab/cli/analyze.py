@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from attnlab.analysis.rank import RankAnalysis, random_spectra, rank_analysis
-from attnlab.cli.viz import add_dataclass_flags, options_from_args
+from attnlab.cli.options import add_dataclass_flags, options_from_args
 from attnlab.viz.rank import plot_rank
 
 ANALYSES = {

@@ -8,74 +8,8 @@ patches over the scene (attention.png). Seeds from 1,000,000,000 up are the held
 """
 
 import argparse
-from dataclasses import dataclass
-from pathlib import Path
 
-import matplotlib.image
-import numpy as np
-import torch
-
-from attnlab.checkpoint import open_checkpoint
-from attnlab.configs import from_dict
-from attnlab.training.config import RunConfig
-from attnlab.training.embodied import SceneTask, answer, make_scene, question, render
-from attnlab.viz.patch_attention import patch_attention, plot_patch_attention
-
-PNG_SCALE = 8  # scene.png is drawn this many screen pixels per scene pixel
-
-
-@dataclass
-class SceneAnswer:
-    """What `answer_scene` found: the question, the model's answer and the expected one."""
-
-    question: str
-    answer: str
-    expected: str
-    scene_png: Path
-    attention_png: Path
-
-    @property
-    def correct(self) -> bool:
-        return self.answer == self.expected
-
-
-def answer_scene(
-    ckpt: str | Path, seed: int, out: str | Path = "embodied_demo", device: str = "cpu"
-) -> SceneAnswer:
-    """Load a "vqa"/"vla" checkpoint, answer scene `seed` greedily, save scene and attention PNGs.
-
-    Args:
-        ckpt: a checkpoint directory, or a run's out_dir / checkpoints/ (its latest).
-        seed: the scene's seed.  out: directory for scene.png and attention.png.
-        device: where the model runs.
-    """
-    loaded = open_checkpoint(ckpt, device)
-    task = loaded.run.get("data", {}).get("task")  # a model-only checkpoint has no data section
-    if task not in ("vqa", "vla"):
-        raise ValueError(
-            f"checkpoint {str(ckpt)!r} was trained on task {task!r}, not on scenes ('vqa' or 'vla')"
-        )
-    model, run = loaded.model, from_dict(RunConfig, loaded.run)
-    task = SceneTask(run)
-    scene = make_scene(seed, task.form, task.grid)
-    got = task.answers(model, [scene], device)[0]
-    image = render(scene, task.cell)  # (3, H, W)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    scene_png = out / "scene.png"
-    big = np.kron(image.transpose(1, 2, 0), np.ones((PNG_SCALE, PNG_SCALE, 1)))  # (H*s, W*s, 3)
-    matplotlib.image.imsave(scene_png, big.clip(0, 1))
-    ids = task.prompt(scene) + task.tokenizer.encode(got)
-    maps = patch_attention(
-        model,
-        torch.from_numpy(image).to(device),
-        torch.tensor(ids, device=device),
-        len(task.prompt(scene)),
-    )
-    attention_png = out / "attention.png"
-    produced = got.split() + ["<eos>"]
-    plot_patch_attention(image, maps, produced, f'"{question(scene)}" -> "{got}"', attention_png)
-    return SceneAnswer(question(scene), got, answer(scene), scene_png, attention_png)
+from attnlab.lab.embodied import answer_scene
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -95,14 +29,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def print_answer(result: SceneAnswer) -> None:
-    print(f"scene     {result.scene_png}")
-    print(f"question  {result.question}")
-    print(f"answer    {result.answer}")
-    print(f"expected  {result.expected} ({'correct' if result.correct else 'wrong'})")
-    print(f"attention {result.attention_png}")
-
-
 def run(args: argparse.Namespace) -> int:
-    print_answer(answer_scene(args.ckpt, args.seed, args.out, args.device))
+    print(answer_scene(args.ckpt, args.seed, args.out, args.device).report())
     return 0

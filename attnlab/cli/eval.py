@@ -10,8 +10,9 @@ the user's: the loss and perplexity of its tokens (training.perplexity):
 
 import argparse
 
-from attnlab.cli.finetune import evaluate_finetuned, is_finetune_run, open_finetuned
+from attnlab.checkpoint import open_checkpoint
 from attnlab.configs import from_dict
+from attnlab.finetune.run import evaluate_finetuned, is_finetune_run
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
 from attnlab.training.perplexity import text_perplexity
@@ -48,7 +49,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "auto") -> dict:
     """Load a checkpoint, rebuild its task from the saved run config and evaluate on validation."""
     device = resolve_device(device)
-    loaded = open_finetuned(path, str(device))  # a LoRA run's adapters merged
+    loaded = open_checkpoint(path, str(device))  # a LoRA run's adapters merged
     if is_finetune_run(loaded.run):  # its own metrics (accuracy, F1, exact match, preferences)
         return evaluate_finetuned(loaded, device)
     if "n_labels" in loaded.run:
@@ -56,6 +57,12 @@ def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "au
             f"checkpoint {str(path)!r} is a sequence classifier ({loaded.run['n_labels']} labels); "
             "attnlab eval scores the LM, MLM and seq2seq tasks of a training run and has no "
             "labelled data for it"
+        )
+    if "data" not in loaded.run:
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds no training run to evaluate (its config.json has "
+            "a model and no data section: an HF directory or a model-only save); attnlab eval "
+            "rebuilds the validation data of the run that wrote a checkpoint"
         )
     model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = build_task(run)

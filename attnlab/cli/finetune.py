@@ -10,39 +10,18 @@ The same machinery as `attnlab train`: YAML/JSON config files and --section.fiel
 (sections train, data, lora, dpo), the training loop with its progress bar, metrics.jsonl,
 checkpoints and exact --resume (give the same flags again).
 
-- classify / tag put a fresh head on the base (`finetune.heads_tasks.build_head_task`: an
-  encoder or decoder for classify, an encoder for tag); with LoRA the head trains in full
-  beside the adapters (peft's modules_to_save), and the run is an attnlab checkpoint only
-  (`save_peft` refuses a trained head).
-- sft / dpo fine-tune a decoder LM through the tokenizer's chat template when it has one.
-  DPO's reference is a frozen copy of the base, or under LoRA the policy with its adapters off
-  (`lora.disable_adapters`); --dpo.precompute_reference computes its log-probs once.
-
+A thin command over attnlab/finetune/run.py (what each task trains, LoRA, DPO's reference).
 A new run prints the base's metrics first, so a run reports them before and after. A LoRA
 run's checkpoints hold the frozen base weights and the adapters (so --resume is exact);
-`open_finetuned` merges them on opening, which `attnlab eval` (the run's own task metrics,
-`evaluate_finetuned`) and `attnlab generate` do.
+`open_checkpoint` merges them on opening, as `attnlab eval` (the run's own task metrics) and
+`attnlab generate` do.
 """
 
 import argparse
-import copy
-import json
-import random
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
-from safetensors.torch import load_file
 
-from attnlab.checkpoint import (
-    CONFIG,
-    TOKENIZER,
-    WEIGHTS,
-    Loaded,
-    copy_weights,
-    open_checkpoint,
-    resolve_checkpoint,
-)
 from attnlab.cli.options import (
     add_config_flags,
     apply_config_flags,
@@ -50,66 +29,18 @@ from attnlab.cli.options import (
     read_config_file,
     require_device,
 )
-from attnlab.cli.train import accelerators_line, final_report
-from attnlab.configs import from_dict
-from attnlab.finetune import data
-from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, HeadOptions, LoraConfig
-from attnlab.finetune.heads_tasks import (
-    ClassifyTask,
-    TagTask,
-    build_head_task,
-    quantized_like,
+from attnlab.cli.report import accelerators_line, final_report
+from attnlab.finetune.run import (
+    DEFAULT_SECTIONS,
+    FINETUNE_TASKS,
+    FinetuneRun,
+    build_finetune,
+    evaluate_base,
 )
-from attnlab.finetune.lora import add_lora, remove_lora
-from attnlab.finetune.tagging import words_from_spans
-from attnlab.finetune.tasks import DPOTask, SFTTask
-from attnlab.models.build import build_model
-from attnlab.models.config import ModelConfig
-from attnlab.models.heads import head_modules
-from attnlab.tokenizer import Tokenizer
-from attnlab.training.config import TrainConfig
-from attnlab.training.distributed import resolve_device
 from attnlab.training.loop import train
 
-# Fine-tuning starts from trained weights: fewer steps, a smaller learning rate than pre-training.
-FINETUNE_TRAIN = replace(
-    TrainConfig(),
-    steps=300,
-    lr=3e-4,
-    min_lr=3e-5,
-    warmup=20,
-    batch_size=8,
-    context=128,
-    weight_decay=0.0,
-    eval_every=50,
-    ckpt_every=100,
-    sample_tokens=48,
-    out_dir="runs/finetune",
-)
-HEAD_TASKS = ("classify", "tag")  # a task head on the base (finetune/heads_tasks.py)
-FINETUNE_TASKS = ("sft", "dpo", *HEAD_TASKS)
+SECTIONS = {name: type(config) for name, config in DEFAULT_SECTIONS.items()}
 SPLITS = ("train", "val")
-SECTIONS = {
-    "train": TrainConfig,
-    "data": FinetuneDataConfig,
-    "lora": LoraConfig,
-    "dpo": DPOConfig,
-    "head": HeadOptions,
-}
-
-
-@dataclass(frozen=True)
-class FinetuneRun:
-    """A fine-tuning run, saved in each of its checkpoints: the base's model config, the base
-    checkpoint it started from, and the sections below."""
-
-    model: ModelConfig
-    base: str = ""
-    train: TrainConfig = FINETUNE_TRAIN
-    data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    head: HeadOptions = field(default_factory=HeadOptions)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -128,278 +59,29 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start afresh in a train.out_dir that holds another run (deletes it)",
     )
-    defaults = {
-        "train": FINETUNE_TRAIN,
-        "data": FinetuneDataConfig(),
-        "lora": LoraConfig(),
-        "dpo": DPOConfig(),
-        "head": HeadOptions(),
-    }
-    add_config_flags(p, SECTIONS, defaults)
+    add_config_flags(p, SECTIONS, DEFAULT_SECTIONS)
 
 
 def configs_from_args(args: argparse.Namespace) -> dict:
     """{section: config} from the defaults, the config file and the flags (in that order)."""
     file = read_config_file(args.config) if args.config else {}
-    configs = {
-        "train": FINETUNE_TRAIN,
-        "data": FinetuneDataConfig(),
-        "lora": LoraConfig(),
-        "dpo": DPOConfig(),
-        "head": HeadOptions(),
-    }
-    configs = merge_sections(configs, file, args.config)
+    configs = merge_sections(dict(DEFAULT_SECTIONS), file, args.config)
     configs, _ = apply_config_flags(configs, args)
     if args.task is not None:
         configs["data"] = replace(configs["data"], task=args.task)
     return configs
 
 
-def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
-    """The built-in (train, validation) examples, made from the standard library by
-    attnlab.finetune.data: a function's package (classify), `tokenize` spans of source
-    windows (tag), "write the signature of the function documented as: ..." -> `def
-    name(args):` (sft), and the right signature preferred to a corrupted one (dpo).
-    data.max_examples caps the training examples (classify: divided among the packages; dpo:
-    the prompts, each giving data.pairs_per_prompt training pairs)."""
-    n = d.max_examples
-    if d.task == "classify":
-        per_class = max(1, n // len(data.CLASSIFY_PACKAGES)) if n else None
-        built = data.build_classification(**({"max_per_class": per_class} if n else {}))
-    elif d.task == "tag":
-        built = data.build_tagging(**({"max_examples": n} if n else {}))
-    else:
-        built = data.build_instructions(**({"max_examples": n} if n else {}))
-        if d.task == "dpo":
-            built = data.build_preferences(built, pairs_per_prompt=d.pairs_per_prompt)
-    return built.splits["train"], built.splits["val"]
-
-
-def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
-    """(train, validation) examples: built in, or a JSONL file (`data.load_jsonl`, which names
-    the line and field of a bad one) split at 1 - val_fraction (or its own val_source file).
-    Tagging examples come as {"tokens", "tags"} words (`tagging.words_from_spans`); held-out
-    classification examples in a seeded random order (built-in ones come grouped by label)."""
-    if d.pairs_per_prompt > 1 and (d.task, d.source) != ("dpo", "builtin"):
-        raise ValueError(
-            "data.pairs_per_prompt draws more corruptions of the built-in signatures: it "
-            "applies to --task dpo on the built-in data only"
-        )
-    if d.source == "builtin":
-        train_ex, val_ex = builtin_examples(d)
-    else:
-        train_ex = data.load_jsonl(d.source, d.task)
-        if d.val_source:
-            val_ex = data.load_jsonl(d.val_source, d.task)
-        else:
-            if len(train_ex) < 2:
-                raise ValueError(
-                    f"{d.source!r} holds {len(train_ex)} example: too few to hold some out; "
-                    "add examples or give --data.val_source"
-                )
-            n_val = min(max(1, round(len(train_ex) * d.val_fraction)), len(train_ex) - 1)
-            train_ex, val_ex = train_ex[:-n_val], train_ex[-n_val:]
-        if d.max_examples:
-            train_ex = train_ex[: d.max_examples]
-    if d.task == "tag":
-        train_ex, val_ex = ([as_words(ex) for ex in split] for split in (train_ex, val_ex))
-    if d.task == "classify":  # a seeded order: the first eval_examples are not one class
-        val_ex = random.Random(0).sample(val_ex, len(val_ex))
-    return train_ex, val_ex
-
-
-def as_words(example: dict) -> dict:
-    """A {"text", "spans"} tagging example as the {"tokens", "tags"} words TagTask reads."""
-    tokens, tags = words_from_spans(example["text"], example["spans"])
-    return {"tokens": tokens, "tags": tags}
-
-
-def open_base(path: str, task: str):
-    """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer. A LoRA
-    fine-tuning run (say, the SFT run that DPO starts from) opens with its adapters merged."""
-    loaded = open_finetuned(path)
-    if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or "n_labels" in loaded.run):
-        kind = "a classifier" if "n_labels" in loaded.run else f"an {loaded.config.arch} model"
-        raise ValueError(
-            f"--ckpt {path!r} is {kind}; --task {task} fine-tunes a decoder LM (a GPT-2 or "
-            "Llama-family checkpoint)"
-        )
-    if loaded.tokenizer is None:
-        raise ValueError(f"--ckpt {path!r} has no tokenizer.json beside its weights")
-    return loaded
-
-
-def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
-    """LoRA adapters on lora.targets; the rest of the model frozen but a task head, which
-    trains in full (as peft's `modules_to_save`)."""
-    names = add_lora(
-        model,
-        targets=lora.target_names,
-        rank=lora.rank,
-        alpha=lora.alpha,
-        dropout=lora.dropout,
-        bias=lora.bias,
-        modules_to_save=lora.save_names,
-    )
-    if has_task_head(model):
-        for name in head_modules(model):
-            model.get_submodule(name).requires_grad_(True)
-    return names
-
-
-def has_task_head(model: torch.nn.Module) -> bool:
-    """Whether `model` has a task head (which trains beside the adapters)."""
-    try:
-        head_modules(model)
-    except ValueError:
-        return False
-    return True
-
-
-def build_task(
-    run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None, eval_only=False
-):
-    """The SFTTask, DPOTask, ClassifyTask or TagTask of `run` (its examples read or built
-    here; a head task's labels are those of run.model.head). eval_only: for `evaluate` alone
-    (SFT and DPO then encode one training example, not all of them)."""
-    t, d = run.train, run.data
-    train_ex, val_ex = load_examples(d)
-    if eval_only and d.task in ("sft", "dpo"):
-        train_ex = train_ex[:1]
-    if d.task in HEAD_TASKS:
-        task_cls = ClassifyTask if d.task == "classify" else TagTask
-        extra = {"word_sep": ""} if d.task == "tag" else {}
-        val_ex = val_ex[: d.eval_examples]
-        return task_cls(tokenizer, run.model, train_ex, val_ex, t.batch_size, t.context, **extra)
-    common = dict(
-        tokenizer=tokenizer,
-        batch_size=t.batch_size,
-        context=t.context,
-        chat_template=d.chat_template,
-        eval_examples=d.eval_examples,
-    )
-    if d.task == "sft":
-        return SFTTask(
-            train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
-        )
-    dpo = run.dpo
-    return DPOTask(
-        train_ex, val_ex, beta=dpo.beta, reference=reference, rpo_alpha=dpo.rpo_alpha, **common
-    )
-
-
-def build_finetune(args: argparse.Namespace):
-    """(model, task, run) that `attnlab finetune` trains, as the flags describe."""
-    configs = configs_from_args(args)
-    t, d, lora = configs["train"], configs["data"], configs["lora"]
-    require_device(t.device, "--train.device")
-    if t.compile and d.task == "dpo":
-        raise ValueError("--train.compile is not supported with --task dpo; leave it off")
-    loaded = open_base(args.ckpt, d.task)
-    run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
-    torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
-    if d.task in HEAD_TASKS:  # a fresh head on the base's body; run.model gains the head
-        codes = [k for k, t in loaded.model.state_dict().items() if not t.is_floating_point()]
-        if codes and not lora.rank:
-            raise ValueError(
-                f"the base checkpoint {str(loaded.path)!r} is quantized ({codes[0]} is "
-                f"{loaded.model.state_dict()[codes[0]].dtype}), and its weights cannot train: "
-                "give --lora.rank to train adapters on it (QLoRA), or use the float checkpoint"
-            )
-        train_ex, val_ex = load_examples(d)
-        extra = {"word_sep": ""} if d.task == "tag" else {}
-        model, task, run = build_head_task(
-            d.task,
-            loaded,
-            train_ex,
-            val_ex[: d.eval_examples],
-            run,
-            pooling=run.head.pooling,
-            **extra,
-        )
-        if lora.rank:
-            add_adapters(model, lora)
-        return model, task, run
-    model = loaded.model
-    # DPO's reference, the model before DPO: the policy with its adapters off under LoRA
-    # (objectives.reference_model), else (or when base weights train too) a frozen copy
-    copied = not lora.rank or lora.trains_base
-    reference = copy.deepcopy(model) if d.task == "dpo" and copied else None
-    if lora.rank:
-        add_adapters(model, lora)
-    task = build_task(run, loaded.tokenizer, reference)
-    if d.task == "dpo" and run.dpo.precompute_reference:
-        task.precompute_reference(model, resolve_device(t.device))
-    return model, task, run
-
-
-def is_finetune_run(run: dict) -> bool:
-    """Whether a checkpoint's run config is one `attnlab finetune` wrote."""
-    return isinstance(run.get("data"), dict) and run["data"].get("task") in FINETUNE_TASKS
-
-
-def open_finetuned(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
-    """Open a checkpoint as `open_checkpoint` does, and a LoRA fine-tuning checkpoint too.
-
-    A LoRA run saves its adapters beside the frozen base weights (so that --resume is exact):
-    here they are put back on a model of the run's config and merged into a float base, which
-    gives a plain model of that config (the same logits). A quantized (QLoRA) base keeps its
-    adapters unmerged (merging would be lost to re-quantization); its structure comes from the
-    base checkpoint the run recorded (`run.base`).
-    """
-    where = resolve_checkpoint(path)
-    config = json.loads((where / CONFIG).read_text()) if (where / CONFIG).is_file() else {}
-    if not (is_finetune_run(config) and config.get("lora", {}).get("rank")):
-        return open_checkpoint(path, device)
-    run = from_dict(FinetuneRun, config)
-    weights = load_file(str(where / WEIGHTS))
-    quantized = any(not t.is_floating_point() for t in weights.values())
-    if quantized:
-        try:
-            model = open_checkpoint(run.base).model
-            if run.model.head is not None:  # QLoRA with a task head: a float head
-                model = quantized_like(build_model(run.model), model)
-        except ValueError as e:
-            raise ValueError(
-                f"{str(where)!r} holds LoRA adapters on a quantized base, whose layout is read "
-                f"from the base checkpoint the run started from: {e}"
-            ) from None
-    else:
-        model = build_model(run.model)
-    lora = run.lora
-    add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
-    copy_weights(model, weights, f"checkpoint {str(where)!r}")
-    if not quantized:  # a plain model, trainable as open_checkpoint's (add_lora froze it)
-        remove_lora(model, merge=True).requires_grad_(True)
-    tokenizer = Tokenizer.from_file(where) if (where / TOKENIZER).is_file() else None
-    return Loaded(model.to(device).eval(), run.model, tokenizer, config, where)
-
-
-def evaluate_finetuned(loaded, device) -> dict:
-    """The task metrics of a checkpoint `attnlab finetune` wrote (opened by `open_finetuned`),
-    on the held-out examples of its own run config; DPO's reference is its base checkpoint."""
-    run = from_dict(FinetuneRun, loaded.run)
-    reference = open_finetuned(run.base, device).model if run.data.task == "dpo" else None
-    task = build_task(run, loaded.tokenizer, reference, eval_only=True)
-    return task.evaluate(loaded.model, run.train.eval_batches, device)
-
-
 def run(args: argparse.Namespace) -> int:
-    model, task, run_cfg = build_finetune(args)
+    configs = configs_from_args(args)
+    require_device(configs["train"].device, "--train.device")
+    model, task, run_cfg = build_finetune(configs, args.ckpt)
     print(run_header(run_cfg, model, task))
     if run_cfg.data.eval_before and not args.resume:
         print("before fine-tuning: " + metrics_line(evaluate_base(model, task, run_cfg.train)))
     state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
     print(final_report(state, run_cfg))
     return 0
-
-
-def evaluate_base(model: torch.nn.Module, task, t: TrainConfig) -> dict:
-    """The task's metrics for the model as it starts (on the device it will train on)."""
-    device = resolve_device(t.device)
-    metrics = task.evaluate(model.to(device).eval(), t.eval_batches, device)
-    model.train()
-    return metrics
 
 
 def metrics_line(metrics: dict) -> str:

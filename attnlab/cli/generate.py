@@ -6,7 +6,7 @@
 --chat reads the prompt as one user message: the checkpoint's chat template (stored with its
 tokenizer) writes it as the model was fine-tuned on, with the assistant's generation prompt,
 and generation stops at the template's end of turn; only the reply is printed. A LoRA
-fine-tuning checkpoint opens with its adapters merged (`cli.finetune.open_finetuned`).
+fine-tuning checkpoint opens with its adapters merged (`open_checkpoint`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
 `--top-k`); their defaults live in the dataclass, the others in `generate_text`'s signature.
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from attnlab.cli.finetune import open_finetuned
+from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
 from attnlab.finetune.sequences import ChatFormat
@@ -115,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.scene is not None:
-        from attnlab.cli.embodied import answer_scene, print_answer  # (imports matplotlib)
+        from attnlab.lab.embodied import answer_scene  # (imports matplotlib)
 
-        print_answer(answer_scene(args.ckpt, args.scene, device=device))
+        print(answer_scene(args.ckpt, args.scene, device=device).report())
         return 0
     if args.prompt is None:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
-    loaded = open_finetuned(args.ckpt, device)
+    loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
     head = loaded.config.head  # a task head (attnlab finetune --task classify|tag, HF)
     if head is not None or "n_labels" in saved:

@@ -8,8 +8,7 @@ its flags (attnlab/lab/).
 import argparse
 from pathlib import Path
 
-from attnlab.cli.options import apply_config_flags
-from attnlab.cli.viz import add_dataclass_flags, options_from_args
+from attnlab.cli.options import add_dataclass_flags, apply_config_flags, options_from_args
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
 from attnlab.lab.heads import HeadsLab, format_report, heads_lab
 

@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
@@ -160,3 +162,49 @@ def require_device(device: str, flag: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise ValueError(f"{flag}={device}: {why}; use {flag}=cpu (or auto)")
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One `--field-name` flag per field of `cls`; defaults stay in the dataclass (None here)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f.metadata.get("help", "") + (
+            "" if default is None else f" (default: {default})"
+        )
+        if kind is bool:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        elif typing.get_origin(kind) is tuple:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                nargs="+",
+                type=typing.get_args(kind)[0],
+                default=None,
+                metavar="V",
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag, dest=f.name, type=kind, default=None, metavar="V", help=help_text
+            )
+
+
+def options_from_args(cls: type, args: argparse.Namespace):
+    """The dataclass with every given flag applied (tuples from lists)."""
+    given = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            given[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**given)

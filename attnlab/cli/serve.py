@@ -4,7 +4,7 @@
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
 
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
-quantized; a LoRA fine-tuning run, its adapters merged by `cli.finetune.open_finetuned`) with its
+quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
 requests finish for up to --stop-timeout seconds, then exits.
@@ -21,7 +21,7 @@ import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
-from attnlab.cli.finetune import open_finetuned
+from attnlab.checkpoint import Loaded, open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
@@ -131,19 +131,10 @@ def run(args: argparse.Namespace) -> int:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
-    loaded = open_finetuned(args.ckpt, device)  # a LoRA fine-tuning run: adapters merged
+    loaded = open_served(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)
-    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
-        raise ValueError(
-            f"{args.ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
-            "language model checkpoint"
-        )
-    if "n_labels" in loaded.run:
-        raise ValueError(f"{args.ckpt!r} is a sequence classifier: it has no LM head to serve")
-    if tokenizer is None:
-        raise ValueError(f"{args.ckpt!r} has no tokenizer.json: attnlab serve needs one")
     max_context = args.max_context or loaded.config.max_seq_len
     context = context_length(model, max_context)
     options = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_context=context)
@@ -168,6 +159,23 @@ def run(args: argparse.Namespace) -> int:
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
     return 0
+
+
+def open_served(ckpt: str, device: str = "cpu") -> Loaded:
+    """The checkpoint `attnlab serve --ckpt` serves (any kind `open_checkpoint` reads; a LoRA
+    run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer."""
+    loaded = open_checkpoint(ckpt, device)
+    model = loaded.model
+    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
+        raise ValueError(
+            f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
+            "language model checkpoint"
+        )
+    if "n_labels" in loaded.run:
+        raise ValueError(f"{ckpt!r} is a sequence classifier: it has no LM head to serve")
+    if loaded.tokenizer is None:
+        raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
+    return loaded
 
 
 def model_vocab(model: torch.nn.Module) -> int:

@@ -7,7 +7,6 @@ or `attnlab train --nproc N ...`, which re-launches itself that way (DDP unless 
 import argparse
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -18,6 +17,7 @@ from attnlab.cli.options import (
     read_config_file,
     require_device,
 )
+from attnlab.cli.report import accelerators_line, final_report
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
 from attnlab.models.presets import PRESETS, get_preset
@@ -74,12 +74,6 @@ def run_config_from_args(args: argparse.Namespace):
     return run, task
 
 
-def accelerators_line(train_cfg: TrainConfig) -> str:
-    """The run header's line naming the accelerators (attnlab/accel/) this run turns on."""
-    on = [k for k in ("compile", "flat_adamw", "keep_freed_memory") if getattr(train_cfg, k)]
-    return "accelerators: " + (", ".join(on) if on else "none")
-
-
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """`torchrun` arguments that re-run this command in `args.nproc` processes (one machine)."""
     argv = ["--standalone", f"--nproc_per_node={args.nproc}", "-m", "attnlab", args.command]
@@ -134,25 +128,4 @@ def run_header(run_cfg: RunConfig, model: torch.nn.Module, args: argparse.Namesp
     choice = getattr(args, "thread_choice", None)
     if choice is not None:
         lines.append(choice.describe())
-    return "\n".join(lines)
-
-
-def final_report(state, run_cfg: RunConfig) -> str:
-    """The closing lines: metrics, where the files are, the loss plot, and the last sample.
-
-    The sample is the one the final evaluation drew (same model, same seed): it is labelled with
-    its step rather than printed again as if it were new."""
-    out = Path(run_cfg.train.out_dir)
-    metrics = {k: v for k, v in state.last_eval.items() if k != "sample"}
-    lines = [
-        f"\ntrained {state.step} steps; " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-        f"checkpoints and metrics in {out}",
-    ]
-    if (out / "metrics.jsonl").is_file():
-        from attnlab.viz.loss import load_metrics, plot_loss
-
-        lines.append(f"loss plot: {plot_loss(load_metrics(out), out / 'loss.png', str(out))}")
-    sample = state.last_eval.get("sample")
-    if sample is not None:
-        lines.append(f"\n--- sample from the evaluation at step {state.step} ---\n{sample}")
     return "\n".join(lines)

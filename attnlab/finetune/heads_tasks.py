@@ -12,7 +12,7 @@ calls `train_batch`, `n_targets`, `loss_sum`, `evaluate` and `sample`, and saves
 the model, the task and the run config to give `training.loop.train`.
 
 A quantized base (`attnlab quantize`) keeps its int8 / int4 Linears in the head model (QLoRA
-with a float head; `quantized_like`).
+with a float head; `quantize.handler.quantized_like`).
 
 An encoder reads `<cls>` first (the token its sequence head pools), when the tokenizer has one.
 Tagging aligns word tags to subword tokens with the first-subword rule (Devlin et al. 2019,
@@ -21,7 +21,6 @@ section 5.3): a word's first token carries its tag, every other token the loss's
 Shapes: B batch, T tokens, N labels.
 """
 
-import copy
 from collections import Counter
 from dataclasses import replace
 from typing import Literal
@@ -30,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.finetune.lora import is_quantized
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
 from attnlab.models.heads import copy_body
+from attnlab.quantize.handler import quantized_like
 from attnlab.tokenizer import Tokenizer
 from attnlab.training.checks import TASK_ARCH
 from attnlab.training.objectives import IGNORE_INDEX
@@ -290,19 +289,6 @@ class TagTask(HeadTask):
     def _describe(self, i: int, prediction: Tensor) -> str:
         words, tags = self.val[i]["tokens"], self._tags(i, prediction)
         return " ".join(f"{w}/{t}" for w, t in list(zip(words, tags))[:20])
-
-
-def quantized_like(model: nn.Module, base: nn.Module) -> nn.Module:
-    """`model` (a fresh head model) with a copy of each of `base`'s quantized Linears (int8,
-    int4: from `attnlab quantize`) in place of its float Linear of the same name, so that
-    `copy_body` then copies a quantized body as it is (QLoRA with a task head). The head
-    stays float."""
-    own = dict(model.named_modules())
-    for name, module in base.named_modules():
-        if name in own and is_quantized(module):
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner) if owner else model, attr, copy.deepcopy(module))
-    return model
 
 
 def build_head_task(

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 # IGNORE_INDEX: the label of a position that is not trained on (prompt, padding), -100 as in
 # `transformers` and `torch.nn.functional.cross_entropy`.
-from attnlab.finetune.lora import disable_adapters, lora_modules
+from attnlab.adapters.lora import disable_adapters, lora_modules
 from attnlab.training.objectives import IGNORE_INDEX
 
 Reduction = Literal["mean", "sum"]

@@ -45,7 +45,7 @@ embedding) as a Linear's weight is (`hf_placements`). DoRA and rsLoRA raise a Va
 
 A fresh task head is not written: LoRA with a fresh task head (`attnlab finetune --task
 classify|tag --lora.rank 8`) trains the head in full, and such a run is kept as an attnlab
-checkpoint only (head and adapters; `attnlab eval` and `cli.finetune.open_finetuned` read it);
+checkpoint only (head and adapters; `attnlab eval` and `open_checkpoint` read it);
 `save_peft` refuses a model whose head is trainable rather than write an adapter without it.
 Nothing here imports peft.
 """
@@ -59,7 +59,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from attnlab.finetune.lora import LoRALinear, add_lora, is_linear_like, lora_modules
+from attnlab.adapters.lora import LoRALinear, add_lora, is_linear_like, lora_modules
 from attnlab.interop.hf import converter_for
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig

@@ -18,6 +18,9 @@ from attnlab.checkpoint import open_checkpoint, resolve_checkpoint, save_pretrai
 from attnlab.interop.gguf import save_gguf
 from attnlab.interop.hf import common
 from attnlab.interop.hf.auto import save_hf
+from attnlab.quantize import Int4Linear, Int8Linear
+
+QUANTIZED = (Int8Linear, Int4Linear)
 
 Format = Literal["hf", "attnlab", "gguf"]
 FORMATS = ("hf", "attnlab", "gguf")
@@ -77,6 +80,13 @@ def convert(
     )
     if dst_format == "gguf":
         return save_gguf(loaded.model, loaded.config, dst, loaded.tokenizer, gguf_type)
+    quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, QUANTIZED)]
+    if quantized:  # neither hf nor attnlab records a scheme here: it would not open again
+        kind = type(loaded.model.get_submodule(quantized[0])).__name__
+        raise ValueError(
+            f"{str(src)!r} holds quantized weights ({quantized[0]} is an {kind}); convert "
+            "writes float weights: convert the float checkpoint it was quantized from"
+        )
     if dst_format == "attnlab":
         return save_pretrained(dst, loaded.model, loaded.config, loaded.tokenizer)
     return save_hf(loaded.model, loaded.config, dst, loaded.tokenizer)

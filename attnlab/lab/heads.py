@@ -206,11 +206,22 @@ def max_len(model: nn.Module) -> int:
     return min(limits) if limits else 1 << 16
 
 
+def own_corpus(run: dict) -> DataConfig | None:
+    """The corpus a training run read (its "data" section); None for a checkpoint without one:
+    an HF or model-only directory, or a fine-tuning run (whose data section names examples,
+    not a text corpus: finetune.config.FinetuneDataConfig)."""
+    try:
+        return from_dict(DataConfig, run["data"]) if "data" in run else None
+    except ValueError:
+        return None
+
+
 def load_data(loaded, source: str | None) -> tuple[np.ndarray, np.ndarray]:
     """The (train, val) token streams of the checkpoint's data, or of `source` through the
     checkpoint's tokenizer."""
-    data = from_dict(DataConfig, loaded.run["data"]) if "data" in loaded.run else DataConfig()
-    if source is not None or "data" not in loaded.run:
+    own = own_corpus(loaded.run)
+    data = own or DataConfig()
+    if source is not None or own is None:
         if loaded.tokenizer is None:
             raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read text with")
         tokenizer = loaded.path / "tokenizer.json"
@@ -280,7 +291,10 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     started, out, opts = time.perf_counter(), Path(out), opts.sized()
     loaded = open_checkpoint(opts.ckpt)
     model = loaded.model.eval()
-    L, H = head_shape(model)
+    try:
+        L, H = head_shape(model)
+    except ValueError as e:  # not a causal LM: say which checkpoint
+        raise ValueError(f"checkpoint {str(loaded.path)!r}: {e}") from None
     limit = max_len(model)
     vocab = model.embed.num_embeddings
     trained = loaded.run.get("train", {}).get("context", DEFAULT_CONTEXT)

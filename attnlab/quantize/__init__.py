@@ -11,6 +11,7 @@ from attnlab.quantize.handler import (
     make_scheme,
     quantize_model,
     quantize_state_dict,
+    quantized_like,
     read_scheme,
     swap_modules,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "quantize_int8",
     "quantize_model",
     "quantize_state_dict",
+    "quantized_like",
     "read_scheme",
     "swap_modules",
 ]

@@ -30,6 +30,7 @@ inside, and `open_checkpoint(path, scheme=...)` refuses a file whose scheme is n
 for.
 """
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -181,6 +182,19 @@ def quantize_model(
     state_dict = quantize_state_dict(model.state_dict(), scheme, group_size, names)
     swap_modules(model, scheme, group_size, names)
     return load_weights(model, state_dict)
+
+
+def quantized_like(model: nn.Module, base: nn.Module) -> nn.Module:
+    """`model` (a fresh model, e.g. one with a new task head) with a copy of each of `base`'s
+    quantized Linears (Int8Linear, Int4Linear) in place of its float Linear of the same name,
+    so that copying `base`'s weights in then keeps a quantized body as it is (QLoRA with a
+    task head). Modules `base` does not have (the head) stay float."""
+    own = dict(model.named_modules())
+    for name, module in base.named_modules():
+        if name in own and isinstance(module, (Int8Linear, Int4Linear)):
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, copy.deepcopy(module))
+    return model
 
 
 def scheme_metadata(scheme: QuantScheme, heads: bool = True) -> dict[str, str]:

@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from attnlab.adapters.lora import lora_modules
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.eval import evaluate_checkpoint
-from attnlab.cli.finetune import add_parser, configs_from_args, load_examples, open_finetuned
+from attnlab.cli.finetune import add_parser, configs_from_args
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
-from attnlab.finetune.lora import lora_modules
+from attnlab.finetune.run import build_finetune, load_examples
 from attnlab.finetune.tasks import SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
@@ -200,7 +201,7 @@ def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys)
 
 
 def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsys):
-    """--lora.* put attnlab.finetune.lora adapters on the targets; DPO's reference is then the
+    """--lora.* put attnlab.adapters.lora adapters on the targets; DPO's reference is then the
     policy with its adapters off (the first loss is log 2: B = 0), and the base weights in the
     checkpoint do not move."""
     out = tmp_path / "lora"
@@ -231,7 +232,7 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     extra = ("--train.steps=4", "--train.eval_every=4", "--lora.rank=4", "--lora.alpha=8")
     assert main(args(base, "sft", out, *extra, "--lora.targets=q_proj,v_proj")) == 0
     last = [r for r in records(out) if "val_loss" in r][-1]
-    loaded = open_finetuned(out)
+    loaded = open_checkpoint(out)
     assert not any("lora" in k for k in loaded.model.state_dict())  # merged: a plain model
     saved = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
     by_hand = {}
@@ -253,23 +254,32 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     assert capsys.readouterr().out.startswith("up ab:")
 
 
-def test_open_checkpoint_on_a_lora_run_names_open_finetuned_and_dpo_starts_from_it(
+def test_open_checkpoint_opens_a_lora_run_merged_or_kept_and_dpo_starts_from_it(
     base, tmp_path, capsys
 ):
-    """The library's loader (layer 5) cannot merge adapters (finetune.lora is layer 7.5): on a
-    LoRA run it says so in one line that names attnlab.open_finetuned, which opens it merged;
-    a DPO run from that LoRA SFT run (and `attnlab eval` of it, whose reference is that run)
-    opens it the same way."""
+    """The one loader opens a LoRA run (adapters.lora sits below it): merged by default (a
+    plain model, logits those of the adapters left on), or with the adapters kept when asked;
+    attnlab.open_finetuned is gone. A DPO run from that LoRA SFT run (and `attnlab eval` of
+    it, whose reference is that run) opens it the same way."""
     sft = tmp_path / "lora_sft"
     extra = ("--train.steps=2", "--train.eval_every=2", "--lora.rank=4")
     assert main(args(base, "sft", sft, *extra)) == 0
-    with pytest.raises(ValueError, match=r"LoRA fine-tuning checkpoint .*open_finetuned") as e:
-        open_checkpoint(sft)
-    assert "\n" not in str(e.value)
     import attnlab
 
-    assert attnlab.open_finetuned is open_finetuned
-    assert not any("lora" in k for k in attnlab.open_finetuned(sft).model.state_dict())
+    assert not hasattr(attnlab, "open_finetuned") and "open_finetuned" not in attnlab.__all__
+    merged = open_checkpoint(sft)
+    assert not any("lora" in k for k in merged.model.state_dict())
+    kept = open_checkpoint(sft, keep_adapters=True)
+    adapters = lora_modules(kept.model)
+    assert sorted(adapters) == ["blocks.0.self_attn.q_proj", "blocks.0.self_attn.v_proj"]
+    assert not any(m.merged for m in adapters.values())
+    assert any(m.lora_B.abs().max() > 0 for m in adapters.values())  # trained: B moved off 0
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(ids), kept.model(ids), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="LoRA fine-tuning run, but int8") as e:
+        open_checkpoint(sft, scheme="int8")
+    assert "\n" not in str(e.value)
     dpo = tmp_path / "dpo_from_lora_sft"
     argv = args(base, "dpo", dpo, "--train.steps=2", "--train.eval_every=2")
     argv[argv.index("--ckpt") + 1] = str(sft)
@@ -522,7 +532,7 @@ def test_qlora_on_an_int8_base_trains_and_reopens(base, tmp_path, capsys):
     text = capsys.readouterr().out
     lora_params = 4 * (64 + 64) + 4 * (64 + 32)  # q: A (4, 64), B (64, 4); v: A, B (32, 4)
     assert f"trained: LoRA rank 4 on q_proj,v_proj, {lora_params:,} parameters" in text
-    loaded = open_finetuned(out)
+    loaded = open_checkpoint(out)
     adapters = lora_modules(loaded.model)
     assert sorted(adapters) == ["blocks.0.self_attn.q_proj", "blocks.0.self_attn.v_proj"]
     assert all(type(m.base).__name__ == "Int8Linear" and not m.merged for m in adapters.values())
@@ -632,14 +642,11 @@ def test_dpo_keeps_a_frozen_reference_when_base_weights_train_beside_lora(base, 
     """DPO's reference under LoRA is the policy with its adapters off, unless biases or whole
     modules train too (they stay on with the adapters off): then a frozen copy, as without
     LoRA."""
-    import argparse
-
-    from attnlab.cli import finetune
-
     parser = argparse.ArgumentParser()
-    finetune.add_parser(parser)
+    add_parser(parser)
     argv = args(base, "dpo", Path("unused"), "--lora.rank=2", *extra)[1:]
-    model, task, _ = finetune.build_finetune(parser.parse_args(argv))
+    parsed = parser.parse_args(argv)
+    model, task, _ = build_finetune(configs_from_args(parsed), parsed.ckpt)
     assert (task.reference is not None) == copied
     if copied:
         assert task.reference is not model and not lora_modules(task.reference)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from attnlab.finetune.lora import add_lora, lora_modules
+from attnlab.adapters.lora import add_lora, lora_modules
 from attnlab.finetune.peft_format import hf_placements, load_peft, save_peft
 from attnlab.interop.hf import load_hf
 

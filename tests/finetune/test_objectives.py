@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.finetune.lora import add_lora, disable_adapters, merge_lora
+from attnlab.adapters.lora import add_lora, disable_adapters, merge_lora
 from attnlab.finetune.objectives import (
     IGNORE_INDEX,
     dpo_loss,

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attnlab.finetune.lora import add_lora, lora_modules
+from attnlab.adapters.lora import add_lora, lora_modules
 from attnlab.finetune.objectives import IGNORE_INDEX, dpo_loss, sequence_logps, sft_loss
 from attnlab.finetune.sequences import check_examples, pack_rows, pad_rows
 from attnlab.finetune.tasks import DPOTask, SFTTask

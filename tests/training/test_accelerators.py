@@ -6,7 +6,7 @@ import torch
 
 import attnlab.training.loop as loop
 from attnlab.accel.flat_adamw import FlatAdamW
-from attnlab.cli.train import accelerators_line
+from attnlab.cli.report import accelerators_line
 from attnlab.models.build import build_model
 from attnlab.training.config import TrainConfig
 from attnlab.training.loop import train

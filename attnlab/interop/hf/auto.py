@@ -121,7 +121,29 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         )
         hint = f" (found {others}: only the tokenizers-library format is read)" if others else ""
         raise ValueError(f"no {TOKENIZER} in {str(path)!r}{hint}")
-    return Tokenizer.from_file(file)
+    tokenizer = Tokenizer.from_pretrained(file.parent)
+    start = _decoder_start(file.parent)
+    if start is not None and tokenizer.token_id("<bos>") is None:
+        # attnlab's encoder-decoders start decoding from <bos>; T5 has none and starts from
+        # the token its config.json names (its pad), so that one is <bos> here.
+        tokenizer.special_ids["<bos>"] = start
+    return tokenizer
+
+
+def _decoder_start(directory: Path) -> int | None:
+    """The decoder_start_token_id of an encoder-decoder directory (T5: 0, its pad), from
+    config.json or generation_config.json (where newer transformers keep it), else None."""
+    found = {}
+    for name in ("generation_config.json", "config.json"):  # config.json's wins
+        file = directory / name
+        try:
+            data = json.loads(file.read_text()) if file.is_file() else {}
+        except json.JSONDecodeError:
+            data = {}
+        found.update(data if isinstance(data, dict) else {})
+    start = found.get("decoder_start_token_id")
+    seq2seq = found.get("is_encoder_decoder") or found.get("model_type") == "t5"
+    return start if isinstance(start, int) and seq2seq else None
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:

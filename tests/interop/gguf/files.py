@@ -190,3 +190,47 @@ def random_k_quant(rows: int, cols: int, kind: str, seed: int = 0) -> np.ndarray
         scale = rng.uniform(0.001, 0.01, (rows, cols // 256)).astype(np.float16)
         blocks[..., off : off + 2] = scale[..., None].view(np.uint8).reshape(rows, cols // 256, 2)
     return blocks.reshape(rows, -1)
+
+
+def sentencepiece_meta(vocab_size: int = 400) -> dict:
+    """Llama-style `tokenizer.ggml.*` metadata: <unk> <s> </s>, the 256 <0xNN> byte tokens, then
+    SentencePiece BPE pieces ("▁" for a space) trained on TEXTS, scored by rank."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(TEXTS * 4, vocab_size=vocab_size, show_progress=False)
+    learned = sp.get_vocab()
+    pieces = [t for t in sorted(learned, key=learned.get)]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]  # unknown, control, byte, normal
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": True,
+    }
+
+
+def write_sentencepiece_gguf(path: Path, meta: dict) -> Path:
+    """A GGUF holding only llama tokenizer metadata (enough for transformers' GGUF tokenizer)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -226,3 +226,34 @@ def test_missing_gguf_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ValueError, match=r"pip install 'attnlab\[gguf\]'"):
         open_checkpoint(path)
+
+
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
+    """tokenizer.ggml.model "llama": the ids of transformers' GGUF (SentencePiece) tokenizer.
+
+    Except on text that starts with a space: SentencePiece (add_dummy_prefix) and llama.cpp
+    always prepend "▁", so " x" is "▁▁x"; transformers 5's Metaspace(prepend_scheme="first")
+    skips the prefix when the text already starts with one. attnlab follows llama.cpp."""
+    from attnlab.interop.gguf.tokenizer import tokenizer_from_metadata
+    from tests.interop.gguf.files import sentencepiece_meta, write_sentencepiece_gguf
+
+    meta = sentencepiece_meta()
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf", meta)
+    ours = tokenizer_from_metadata(meta, "sp.gguf")
+    ref = T.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [*TEXTS, "Hello  world", "zebra quux ß ☃", "a\nb"]:
+        expected = ref(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text) == expected, text
+        assert ours.decode(ours.encode(text)) == ref.decode(expected), text
+    assert (ours.token_id("<bos>"), ours.token_id("<eos>")) == (1, 2)
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert [tokens[i] for i in ours.encode(" e")] == ["▁", "▁", "e"]  # llama.cpp's dummy prefix
+
+
+def test_every_ckpt_takes_a_gguf(tmp_path, tokenizer, hf_model, capsys):
+    from attnlab.cli.__main__ import main
+
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model, tokenizer)
+    args = ["generate", "--ckpt", str(path), "--prompt", "The quick", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("The quick")

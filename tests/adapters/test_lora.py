@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.finetune.lora import (
+from attnlab.adapters.lora import (
     LoRALinear,
     add_lora,
     count_parameters,
