@@ -62,7 +62,8 @@ def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "au
         raise ValueError(
             f"checkpoint {str(path)!r} holds no training run to evaluate (its config.json has "
             "a model and no data section: an HF directory or a model-only save); attnlab eval "
-            "rebuilds the validation data of the run that wrote a checkpoint"
+            "rebuilds the validation data of the run that wrote a checkpoint; --text FILE scores "
+            "it on a text of yours"
         )
     model, run = loaded.model, from_dict(RunConfig, loaded.run)
     task = build_task(run)
@@ -72,7 +73,7 @@ def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "au
 def evaluate_text(path: str, text: str, context: int | None = None, device: str = "auto") -> dict:
     """A decoder checkpoint's loss and perplexity on the text file `text`."""
     device = resolve_device(device)
-    loaded = open_finetuned(path, str(device))
+    loaded = open_checkpoint(path, str(device))  # a LoRA run's adapters merged
     if hasattr(loaded.model, "encode") or loaded.tokenizer is None:
         raise ValueError(f"--text scores a decoder LM with a tokenizer; {str(path)!r} is not one")
     context = context or min(loaded.config.max_seq_len, 2048)
