@@ -1,6 +1,6 @@
 """Chat with a checkpoint in the terminal, through its tokenizer's chat template.
 
-    attnlab chat --ckpt ~/.cache/attnlab/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    attnlab chat --ckpt SmolLM2-135M-Instruct.Q4_1.gguf --temperature 0
     attnlab chat --ckpt runs/finetune --system "Answer in one line." --temperature 0
 
 Each line typed is a user turn; the reply streams as it is generated and joins the history

@@ -5,7 +5,7 @@ overlap by one token, so every token after the first is predicted exactly once, 
 tokens before it in its window (as `transformers`' perplexity guide does with stride =
 context). Perplexity is exp(the mean cross-entropy over those N - 1 predictions).
 
-    ids  t0 t1 ... t_c | t_c ... t_2c | ...      window k: x = ids[kc : kc+c], y = ids[kc+1 : kc+c+1]
+    ids  t0 t1 ... t_c | t_c ... t_2c | ...    window k: x = ids[kc : kc+c], y = ids[kc+1 : kc+c+1]
 """
 
 import math
@@ -50,4 +50,6 @@ def text_perplexity(
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--text {str(path)!r} is not a file: give a UTF-8 text file to score")
-    return token_perplexity(model, tokenizer.encode(path.read_text(encoding="utf-8")), context, device)
+    return token_perplexity(
+        model, tokenizer.encode(path.read_text(encoding="utf-8")), context, device
+    )

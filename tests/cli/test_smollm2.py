@@ -46,7 +46,9 @@ def test_generate_chat_names_paris(capsys):
 
 def test_chat_in_a_terminal_answers_and_resets():
     flags = ["--temperature", "0", "--max-new-tokens", "24"]
-    first, cleared, again = chat_through_a_terminal(smollm2_gguf(), [QUESTION, "/reset", QUESTION], flags)
+    first, cleared, again = chat_through_a_terminal(
+        smollm2_gguf(), [QUESTION, "/reset", QUESTION], flags
+    )
     assert "Paris" in first and cleared == "(conversation cleared)" and again == first
 
 
@@ -92,7 +94,9 @@ def test_eval_perplexity_equals_transformers_on_the_same_tokens(held_out, capsys
 
 
 @pytest.mark.parametrize(("scheme", "bound"), [("int8", 0.02), ("int4", 0.25)])
-def test_quantized_perplexity_moves_within_a_stated_bound(scheme, bound, held_out, tmp_path, capsys):
+def test_quantized_perplexity_moves_within_a_stated_bound(
+    scheme, bound, held_out, tmp_path, capsys
+):
     """attnlab quantize of the dequantized model: the held-out perplexity changes by less than
     `bound` (relative; the measured changes are in docs/smollm2.md)."""
     gguf, out = str(smollm2_gguf()), str(tmp_path / scheme)
