@@ -71,20 +71,28 @@ def test_serve_answers_the_openai_clients_chat_completion():
     assert answer.choices[0].finish_reason == "stop"  # the template's end of turn
 
 
-def test_eval_perplexity_equals_transformers_on_the_same_tokens(held_out, capsys):
-    """attnlab eval --text on the dequantized GGUF against transformers' own GGUF loader,
-    fed the same token ids (one window: the paragraph is shorter than the context)."""
+@pytest.fixture(scope="module")
+def reference():
+    """SmolLM2 opened by transformers' own GGUF loader (fp32, eager attention)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
+    import torch
+
+    path = smollm2_gguf()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def test_eval_perplexity_equals_transformers_on_the_same_tokens(held_out, reference, capsys):
+    """attnlab eval --text on the dequantized GGUF against transformers' own GGUF loader,
+    fed the same token ids (one window: the paragraph is shorter than the context)."""
     import torch
 
     assert main(["eval", "--ckpt", str(smollm2_gguf()), "--text", str(held_out), *CPU]) == 0
     ours = metrics(capsys.readouterr().out)
     ids = open_smollm2().tokenizer.encode(HELD_OUT)
-    path = smollm2_gguf()
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    ref = reference
     with torch.no_grad():
         x = torch.tensor([ids])
         loss = ref(x, labels=x).loss.item()
@@ -107,3 +115,27 @@ def test_quantized_perplexity_moves_within_a_stated_bound(
     assert main(["eval", "--ckpt", out, "--text", str(held_out), *CPU]) == 0
     ppl = metrics(capsys.readouterr().out)["ppl"]
     assert abs(ppl / base - 1) < bound
+
+
+def test_attention_maps_equal_transformers_in_every_layer(reference):
+    """The probabilities viz attention and lab heads read (captured from the eager backend)
+    equal transformers' output_attentions on a repeated text, all 30 layers x 9 heads."""
+    import torch
+
+    from attnlab.viz.attention_maps import attention_grid, run_attention
+
+    loaded = open_smollm2()
+    ids = torch.tensor([loaded.tokenizer.encode("one two three four five six " * 3)])
+    ours = attention_grid(run_attention(loaded.model, ids), "decoder_self")  # (L, H, T, T)
+    with torch.no_grad():
+        theirs = reference(ids, output_attentions=True).attentions
+    assert ours.shape == (len(theirs), *theirs[0].shape[1:])
+    gap = max((torch.from_numpy(ours[i]) - a[0]).abs().max().item() for i, a in enumerate(theirs))
+    assert gap < 1e-4
+
+
+def test_viz_attention_draws_the_real_models_maps(tmp_path):
+    text = "one two three four five six " * 2
+    argv = ["viz", "attention", "--ckpt", str(smollm2_gguf()), "--out", str(tmp_path)]
+    assert main([*argv, "--text", text, "--layer", "4", "--head", "0"]) == 0
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.suffix == ".png")
