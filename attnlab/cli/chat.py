@@ -10,7 +10,6 @@ fields, each under two names (`--sampling.temperature` and `--temperature`), as 
 """
 
 import argparse
-import inspect
 import sys
 
 import torch
@@ -19,10 +18,11 @@ from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
 from attnlab.inference.chat import Chat
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.sampling import SamplingConfig
 
 SECTION = "sampling"
-DEFAULTS = {k: p.default for k, p in inspect.signature(Chat).parameters.items()}
+DEFAULTS = GenerationConfig()
 PROMPT = "> "
 RESET = "/reset"
 
@@ -33,11 +33,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        default=DEFAULTS["max_new_tokens"],
+        default=DEFAULTS.max_new_tokens,
         metavar="N",
         help="at most this many tokens a reply (default %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], metavar="S", help="sampling seed")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="S", help="sampling seed")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
     defaults = SamplingConfig()
@@ -61,14 +61,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = open_checkpoint(args.ckpt, device=device)
     if loaded.tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer to chat with")
-    chat = Chat(
-        loaded.model.eval(),
-        loaded.tokenizer,
-        args.system,
-        args.max_new_tokens,
-        configs[SECTION],
-        args.seed,
-    )
+    config = GenerationConfig(args.max_new_tokens, configs[SECTION], seed=args.seed)
+    chat = Chat(loaded.model.eval(), loaded.tokenizer, args.system, config)
     print(f"chatting with {args.ckpt} ({RESET} forgets the conversation, Ctrl-D leaves)")
     while True:
         try:

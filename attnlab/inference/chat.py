@@ -12,17 +12,18 @@ what the template writes after it, e.g. "<|im_end|>"), as a token when the marke
 token, else as a stop string cut from the reply. Each turn re-encodes the conversation and
 prefills it afresh (no cache kept between turns: simple, and cheap next to decoding).
 
-    chat = Chat(loaded.model, loaded.tokenizer, system="Be brief.")
+    chat = Chat(loaded.model, loaded.tokenizer, system="Be brief.")  # GenerationConfig()
     chat.reply("What is the capital of France?", on_text=print)
     chat.reset()
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from torch import nn
 
-from attnlab.inference.generate import DEFAULT_SAMPLING, generate_text
-from attnlab.inference.sampling import SamplingConfig
+from attnlab.inference.config import GenerationConfig
+from attnlab.inference.generate import generate_text
 
 _PROBE = "\x00probe\x00"  # a reply no template writes by itself
 
@@ -41,8 +42,8 @@ class Chat:
         model: a decoder LM (eval mode).
         tokenizer: an attnlab Tokenizer with a chat template.
         system: an optional system message, kept across `reset()`.
-        max_new_tokens: at most this many tokens a reply.
-        sampling, seed: how tokens are drawn (generate_text's meaning).
+        config: how each reply is generated (its length, sampling, seed); the template's end
+            of turn joins its stop tokens (or stop strings).
     """
 
     def __init__(
@@ -50,9 +51,7 @@ class Chat:
         model: nn.Module,
         tokenizer,
         system: str | None = None,
-        max_new_tokens: int = 256,
-        sampling: SamplingConfig = DEFAULT_SAMPLING,
-        seed: int | None = None,
+        config: GenerationConfig | None = None,
     ):
         if hasattr(model, "encode"):
             raise ValueError("chat needs a decoder LM; this model is an encoder-decoder")
@@ -62,11 +61,16 @@ class Chat:
                 "with; `attnlab generate --prompt` continues plain text instead"
             )
         self.model, self.tokenizer, self.system = model, tokenizer, system
-        self.max_new_tokens, self.sampling, self.seed = max_new_tokens, sampling, seed
         self.end = end_of_turn(tokenizer)
         end_ids = tokenizer.encode(self.end) if self.end else []
-        self.stop_tokens = end_ids if len(end_ids) == 1 else []
-        self.stop_strings = [self.end] if self.end and not self.stop_tokens else []
+        self.stop_tokens = tuple(end_ids) if len(end_ids) == 1 else ()
+        self.stop_strings = (self.end,) if self.end and not self.stop_tokens else ()
+        config = config or GenerationConfig(max_new_tokens=256)
+        self.config = replace(
+            config,
+            stop_tokens=config.stop_tokens + self.stop_tokens,
+            stop_strings=config.stop_strings + self.stop_strings,
+        )
         self.history: list[dict[str, str]] = []
         self.reset()
 
@@ -92,13 +96,9 @@ class Chat:
             self.model,
             self.tokenizer,
             self.prompt(message),
-            self.max_new_tokens,
-            self.sampling,
-            self.seed,
-            self.stop_strings,
+            self.config,
             on_text=on_text,
             on_notice=on_notice,
-            stop_tokens=self.stop_tokens,
         )
         if self.stop_strings and text.endswith(self.end):
             text = text[: -len(self.end)]

@@ -13,11 +13,12 @@ import pytest
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.inference.chat import Chat, end_of_turn
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
 from tests.serve.server_helpers import write_checkpoint
 
-GREEDY = SamplingConfig(temperature=0.0)
+GREEDY = GenerationConfig(max_new_tokens=6, sampling=SamplingConfig(temperature=0.0))
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
@@ -37,15 +38,13 @@ def test_each_reply_reads_the_whole_conversation_through_the_template(ckpt):
     reset forgets the turns and keeps the system message."""
     loaded = open_checkpoint(ckpt)
     tok = loaded.tokenizer
-    chat = Chat(loaded.model, tok, system="be brief", max_new_tokens=6, sampling=GREEDY)
-    assert chat.end == "<|end|>" and chat.stop_tokens == [tok.token_id("<|end|>")]
+    chat = Chat(loaded.model, tok, system="be brief", config=GREEDY)
+    assert chat.end == "<|end|>" and chat.config.stop_tokens == (tok.token_id("<|end|>"),)
     pieces = []
     first = chat.reply("hello cat", on_text=pieces.append)
     assert len(pieces) > 1 and "".join(pieces) == first
     turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello cat"}]
-    expected = generate_text(
-        loaded.model, tok, tok.apply_chat_template(turns), 6, GREEDY, stop_tokens=chat.stop_tokens
-    )
+    expected = generate_text(loaded.model, tok, tok.apply_chat_template(turns), chat.config)
     assert first == expected
     turns += [{"role": "assistant", "content": first.strip()}, {"role": "user", "content": "dog"}]
     assert chat.prompt("dog") == tok.apply_chat_template(turns, add_generation_prompt=True)
@@ -127,7 +126,7 @@ def test_chat_in_a_terminal_streams_replies_resets_and_leaves_on_ctrl_d(ckpt):
     typed = ["hello cat", "the dog", "/reset", "hello cat"]
     first, second, cleared, again = chat_through_a_terminal(ckpt, typed, flags)
     loaded = open_checkpoint(ckpt)
-    chat = Chat(loaded.model, loaded.tokenizer, "be brief", max_new_tokens=6, sampling=GREEDY)
+    chat = Chat(loaded.model, loaded.tokenizer, "be brief", GREEDY)
     assert first == chat.reply("hello cat")
     assert second == chat.reply("the dog")
     assert cleared == "(conversation cleared)"
