@@ -38,6 +38,7 @@ from torch import nn
 from attnlab.adapters.config import LoraConfig
 from attnlab.adapters.lora import add_lora, remove_lora
 from attnlab.configs import from_dict, to_dict
+from attnlab.interop.gguf import load_gguf
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
 from attnlab.interop.hub import is_hub_name, resolve_hub_name
 from attnlab.models.build import build_model
@@ -438,7 +439,12 @@ def open_checkpoint(
 
     Returns:
         Loaded(model, config, tokenizer, run, path).
+
+    A `.gguf` file (llama.cpp's format, llama family) is dequantized to fp32, or with
+    scheme="int4" keeps its Q4_1 matrices as Int4Linear (interop/gguf/reader.py).
     """
+    if str(path).endswith(".gguf"):
+        return _open_gguf(Path(path), device, scheme, group_size, layout, dtype)
     path = resolve_checkpoint(path)
     if not (path / CONFIG).is_file():
         raise ValueError(
@@ -521,6 +527,16 @@ def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Load
     run = _model_run({}, cfg)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
     return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+
+
+def _open_gguf(path: Path, device, scheme, group_size, layout, dtype) -> Loaded:
+    """A GGUF file through interop.gguf; run = {"model": ...}."""
+    if scheme is not None and group_size not in (None, 32):
+        raise ValueError(f"{str(path)!r}: Q4_1 is int4 at group_size 32, not {group_size}")
+    model, cfg, tokenizer, _ = load_gguf(path, layout=layout, scheme=scheme)
+    if dtype is not None:
+        model = model.to(dtype)
+    return Loaded(model.to(device).eval(), cfg, tokenizer, _model_run({}, cfg), path)
 
 
 def _open_attnlab(

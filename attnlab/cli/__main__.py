@@ -16,6 +16,7 @@ COMMANDS = {
     "finetune": "Fine-tune a decoder checkpoint: SFT or DPO, optionally with LoRA adapters.",
     "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
     "generate": "Generate text from a checkpoint: sampling, beam search, stop strings, streaming.",
+    "chat": "Chat with a checkpoint in the terminal through its chat template (streaming).",
     "embodied": "Answer a generated VQA/VLA scene with a checkpoint; draw where it looked.",
     "inspect": "Count a model's parameters, FLOPs per token and KV-cache bytes (no memory used).",
     "viz": "Draw attention maps (PNG and an HTML viewer), positions, masks and loss curves.",

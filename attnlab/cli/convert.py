@@ -1,7 +1,9 @@
-"""Convert a checkpoint directory between the HF and attnlab formats.
+"""Convert a checkpoint between the HF, attnlab and GGUF formats.
 
     attnlab convert --from hf ./tiny-llama --to attnlab ./ours
     attnlab convert --from attnlab ./ours --to hf ./exported      (transformers loads it)
+    attnlab convert --from gguf model.gguf --to hf ./exported     (dequantized to fp32)
+    attnlab convert --from attnlab ./ours --to gguf ours.gguf --gguf-type q8_0   (llama.cpp runs it)
 
 HF families: GPT-2, Llama/Mistral/Qwen2, BLOOM, BERT and T5 (attnlab/interop/hf/). Only
 safetensors are read and written; the tokenizer.json travels along when there is one.
@@ -11,6 +13,7 @@ import argparse
 import inspect
 
 from attnlab.interop.convert import FORMATS, convert
+from attnlab.interop.gguf.writer import TYPES
 from attnlab.interop.hf import ARCHITECTURES
 
 FAMILIES = ", ".join(sorted(ARCHITECTURES))  # the HF architectures config.json may name
@@ -24,7 +27,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         nargs=2,
         required=True,
         metavar=("FORMAT", "DIR"),
-        help=f"the input: a format ({' or '.join(FORMATS)}) and a directory (HF: {FAMILIES})",
+        help=f"the input: a format ({', '.join(FORMATS)}) and a directory or .gguf file "
+        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2)",
     )
     p.add_argument(
         "--to",
@@ -32,7 +36,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         nargs=2,
         required=True,
         metavar=("FORMAT", "DIR"),
-        help=f"the output: a format ({' or '.join(FORMATS)}) and a directory",
+        help=f"the output: a format ({', '.join(FORMATS)}) and a directory or .gguf file",
+    )
+    p.add_argument(
+        "--gguf-type",
+        choices=TYPES,
+        default=DEFAULTS["gguf_type"],
+        help="the matrices' type in a GGUF written (q4_1: from an int4 model at group size "
+        "32; default %(default)s)",
     )
     p.add_argument(
         "--layout",
@@ -51,6 +62,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     (src_format, src), (dst_format, dst) = args.src, args.dst
-    out = convert(src_format, src, dst_format, dst, layout=args.layout, overwrite=args.overwrite)
+    out = convert(
+        src_format,
+        src,
+        dst_format,
+        dst,
+        layout=args.layout,
+        overwrite=args.overwrite,
+        gguf_type=args.gguf_type,
+    )
     print(f"wrote {dst_format} checkpoint {out}")
     return 0

@@ -96,6 +96,11 @@ def quantize_checkpoint(
         raise ValueError(f"{str(ckpt)!r} is already quantized ({found}); quantize a float one")
     loaded = open_checkpoint(ckpt)
     model, cfg = loaded.model, loaded.config
+    if (ckpt / WEIGHTS).is_file():
+        float_bytes = (ckpt / WEIGHTS).stat().st_size
+    else:  # a file of another format (GGUF): the float tensors' own bytes
+        tensors = {t.data_ptr(): t for t in model.state_dict().values()}  # a tied head once
+        float_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     ids = random_inputs(cfg.vocab_size, n_inputs, min(seq_len, cfg.max_seq_len), seed)
     # An encoder-decoder reads the same ids as source and target.
     args = (ids, ids) if cfg.arch == "encoder_decoder" else (ids,)
@@ -109,7 +114,7 @@ def quantize_checkpoint(
     return QuantizeReport(
         str(s),
         error,
-        (ckpt / WEIGHTS).stat().st_size,
+        float_bytes,
         (Path(out) / WEIGHTS).stat().st_size,
         len(names),
         kept_float,

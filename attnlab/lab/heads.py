@@ -23,6 +23,7 @@ Shapes: L layers, H heads, B batch, T length, S keys, V vocab.
 
 import json
 import math
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -243,8 +244,11 @@ def load_data(loaded, source: str | None) -> tuple[np.ndarray, np.ndarray]:
     if source is not None or own is None:
         if loaded.tokenizer is None:
             raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read text with")
-        tokenizer = str(loaded.path / "tokenizer.json")
-        data = replace(data, source=source or data.source, tokenizer=tokenizer)
+        tokenizer = loaded.path / "tokenizer.json"
+        if not tokenizer.is_file():  # a GGUF file carries its tokenizer in its metadata
+            tokenizer = Path(tempfile.mkdtemp(prefix="attnlab-heads-")) / "tokenizer.json"
+            loaded.tokenizer.save(tokenizer)
+        data = replace(data, source=source or data.source, tokenizer=str(tokenizer))
     tokens = prepare_text_data(data)
     return tokens.train, tokens.val
 

@@ -1,0 +1,84 @@
+"""Chat with a checkpoint in the terminal, through its tokenizer's chat template.
+
+    attnlab chat --ckpt SmolLM2-135M-Instruct.Q4_1.gguf --temperature 0
+    attnlab chat --ckpt runs/finetune --system "Answer in one line." --temperature 0
+
+Each line typed is a user turn; the reply streams as it is generated and joins the history
+(`inference.chat.Chat`). `/reset` forgets the conversation (the --system message stays);
+Ctrl-D (end of input) or Ctrl-C at the prompt leaves. The sampling flags are SamplingConfig's
+fields, each under two names (`--sampling.temperature` and `--temperature`), as in generate.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.options import apply_config_flags
+from attnlab.configs import leaf_fields
+from attnlab.inference.chat import Chat
+from attnlab.inference.config import GenerationConfig
+from attnlab.inference.sampling import SamplingConfig
+
+SECTION = "sampling"
+DEFAULTS = GenerationConfig()
+PROMPT = "> "
+RESET = "/reset"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, metavar="PATH", help="a checkpoint (any --ckpt kind)")
+    p.add_argument("--system", metavar="TEXT", help="a system message that opens the chat")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULTS.max_new_tokens,
+        metavar="N",
+        help="at most this many tokens a reply (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="S", help="sampling seed")
+    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
+    group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
+    defaults = SamplingConfig()
+    for path, annotation in leaf_fields(SamplingConfig):
+        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        group.add_argument(
+            f"--{SECTION}.{path}",
+            f"--{path.replace('_', '-')}",
+            dest=f"{SECTION}.{path}",
+            default=None,
+            metavar="V",
+            help=f"{type_name} (default {getattr(defaults, path)})",
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    configs, _ = apply_config_flags({SECTION: SamplingConfig()}, args)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = open_checkpoint(args.ckpt, device=device)
+    if loaded.tokenizer is None:
+        raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer to chat with")
+    config = GenerationConfig(args.max_new_tokens, configs[SECTION], seed=args.seed)
+    chat = Chat(loaded.model.eval(), loaded.tokenizer, args.system, config)
+    print(f"chatting with {args.ckpt} ({RESET} forgets the conversation, Ctrl-D leaves)")
+    while True:
+        try:
+            message = input(PROMPT)
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if message.strip() == RESET:
+            chat.reset()
+            print("(conversation cleared)")
+            continue
+        if not message.strip():
+            continue
+        chat.reply(
+            message,
+            on_text=lambda text: print(text, end="", flush=True),
+            on_notice=lambda note: print(f"note: {note}", file=sys.stderr),
+        )
+        print()

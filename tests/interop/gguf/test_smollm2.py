@@ -1,0 +1,113 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF) through attnlab against transformers' GGUF loader.
+
+Slow tier: the real file (tests/realmodel.py finds it; skipped when absent, failed under CI).
+One attnlab model and one transformers model per module. Figures: docs/real-models.md.
+"""
+
+import pytest
+import torch
+
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.quantize.int4 import Int4Linear
+from tests.realmodel import open_smollm2, smollm2_gguf
+
+T = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytestmark = [pytest.mark.slow, pytest.mark.hf]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "def fibonacci(n):\n    ",
+    "The three laws of thermodynamics are",
+    "Écris une phrase en français sur les chats. 日本語も少し。",
+    "<|im_start|>user\nList three prime numbers above 100.<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY = SamplingConfig(temperature=0.0)
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return open_smollm2()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = smollm2_gguf()
+    model = T.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    tokenizer = T.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def kept():
+    """The Q4_1 matrices kept as Int4Linear, on their fp32 reference path for the test (the
+    fused CPU kernel runs in bf16), restored afterwards: the model is shared."""
+    loaded = open_smollm2(scheme="int4")
+    modules = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
+    before = [m.use_kernel for m in modules]
+    for m in modules:
+        m.use_kernel = False
+    yield loaded
+    for m, flag in zip(modules, before):
+        m.use_kernel = flag
+
+
+def ids_of(loaded, text):
+    return torch.tensor([loaded.tokenizer.encode(text)])
+
+
+def greedy(loaded, text):
+    eos = loaded.tokenizer.token_id("<eos>")
+    with torch.no_grad():
+        return generate(loaded.model, [loaded.tokenizer.encode(text)], NEW_TOKENS, GREEDY, [eos])[0]
+
+
+def test_config_and_tokenizer_from_the_metadata(dense, reference):
+    cfg = dense.config
+    assert (cfg.n_layers, cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads) == (30, 576, 9, 3)
+    assert (cfg.rope.theta, cfg.max_seq_len, cfg.vocab_size) == (100000.0, 8192, 49152)
+    tok, ref = dense.tokenizer, reference[1]
+    texts = [*PROMPTS, "x = 12345 + 0.5  # ünïcødé 🙂\n\tif a != b: return [1, 2]"]
+    for text in texts:
+        assert tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"], text
+    assert (tok.token_id("<bos>"), tok.token_id("<eos>"), tok.token_id("<pad>")) == (1, 2, 2)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_logits_equal_transformers_gguf_loader(dense, reference):
+    for text in PROMPTS:
+        ids = ids_of(dense, text)
+        with torch.no_grad():
+            gap = (dense.model(ids) - reference[0](ids).logits).abs().max().item()
+        assert gap < 1e-4, (text, gap)
+
+
+def test_greedy_generation_equals_transformers(dense, reference):
+    model, _ = reference
+    lengths = []
+    for text in PROMPTS[1:3]:  # the code and the prose prompts run all 64 tokens
+        ours = greedy(dense, text)
+        lengths.append(len(ours))
+        ids = ids_of(dense, text)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2)
+        assert ours == out[0, ids.shape[1] :].tolist(), text
+    assert max(lengths) == NEW_TOKENS
+
+
+def test_kept_int4_equals_its_dequantized_twin(dense, kept):
+    assert sum(isinstance(m, Int4Linear) for m in kept.model.modules()) == 210
+    for text in PROMPTS:
+        ids = ids_of(dense, text)
+        with torch.no_grad():
+            assert (kept.model(ids) - dense.model(ids)).abs().max().item() < 1e-4, text
+    text = PROMPTS[1]  # the reference path dequantizes every matrix per token: one prompt
+    ours = greedy(kept, text)
+    assert len(ours) == NEW_TOKENS and ours == greedy(dense, text)
