@@ -164,7 +164,7 @@ def patch_names(model: nn.Module, kind: str) -> list[str]:
 
 # --- direct logit attribution --------------------------------------------------------------------
 def attribution_names(model: nn.Module) -> list[str]:
-    """What `residual_stack` reads: the first stream, every hook_z and MLP output, the last stream."""
+    """What `residual_stack` reads: the first stream, each hook_z and MLP output, the last."""
     L = len(check_lm(model).blocks)
     names = ["blocks.0.hook_resid_pre", f"blocks.{L - 1}.hook_resid_post"]
     for i in range(L):
