@@ -8,6 +8,8 @@
     apply_final_norm(model, stack, cache)  each component through the final norm's frozen scale
     logit_attribution(model, cache, answer, wrong)   per head (L, H) and per layer (L, 2)
     logit_lens(model, cache, answer, wrong)          the metric read off each residual stream
+    patching_experiment(model, clean, corrupt, answer, wrong)   all of it for one pair of prompts
+    patch_lab(ckpt, clean, corrupt, answer, wrong, out)  `attnlab lab patch`: JSON and PNGs
 
 Activation patching ("causal tracing", Meng et al. 2022; TransformerLens' `patching` module):
 run the corrupted prompt, replace one activation by its value in the clean run, and see how much
@@ -29,14 +31,18 @@ component; the terms plus the norm's bias and the head's bias sum to the logit e
 Shapes: B batch, T positions, C d_model, H heads, D head_dim, L layers, V vocab, N components.
 """
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from attnlab.checkpoint import open_checkpoint
 from attnlab.components.hooks import HookPoint, hooks, run_with_cache
 from attnlab.components.norms import LayerNorm, RMSNorm
 from attnlab.models.decoder import DecoderLM
+from attnlab.viz.patching import plot_attribution, plot_patching
 
 Metric = Callable[[Tensor], Tensor]  # logits (B, T, V) -> a scalar tensor
 KINDS = {
@@ -337,3 +343,60 @@ def patching_experiment(
             "corrupt": logit_lens(model, corrupt_cache, answer, wrong),
         },
     }
+
+
+# --- one checkpoint, written out -----------------------------------------------------------------
+def to_json(result: dict, tokens: Sequence[str], answer: str, wrong: str | None) -> dict:
+    """`patching_experiment`'s result as plain lists (what patching.json holds)."""
+    dla = result["dla"]
+    return {
+        "tokens": list(tokens),
+        "answer": answer,
+        "wrong": wrong,
+        "metric": "logit_diff" if wrong is not None else "log_prob",
+        "clean": result["clean"],
+        "corrupt": result["corrupt"],
+        "patching": {k: v.tolist() for k, v in result["patching"].items()},
+        "dla": {
+            "heads": dla["heads"].tolist(),
+            "layers": dla["layers"].tolist(),
+            "embed": dla["embed"].item(),
+            "bias": dla["bias"].item(),
+            "total": dla["total"].item(),
+        },
+        "logit_lens": {k: v.tolist() for k, v in result["lens"].items()},
+    }
+
+
+def patch_lab(
+    ckpt: str | Path, clean: str, corrupt: str, answer: str, wrong: str | None, out: str | Path
+) -> dict:
+    """Open a checkpoint, run `patching_experiment` on two prompts (text, through the
+    checkpoint's tokenizer), write patching.json, patching.png and attribution.png under `out`.
+
+    Args:
+        answer, wrong: single-token words (e.g. " Paris"); wrong may be None (then the metric
+            is the answer's log-probability).
+
+    Returns:
+        The JSON dict, with "files": the paths written.
+    """
+    loaded = open_checkpoint(ckpt)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read the prompts with")
+    ids = [torch.tensor([tok.encode(text)]) for text in (clean, corrupt)]  # (1, T) each
+    a = token_id(tok, answer)
+    w = None if wrong is None else token_id(tok, wrong)
+    result = patching_experiment(loaded.model, ids[0], ids[1], a, w)
+    tokens = [tok.decode([i], skip_special=False) for i in ids[0][0].tolist()]
+    data = to_json(result, tokens, answer, wrong)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "patching.json", out / "patching.png", out / "attribution.png"]
+    files[0].write_text(json.dumps(data, indent=1))
+    title = f"{clean!r} vs {corrupt!r}: {answer!r}" + ("" if wrong is None else f" - {wrong!r}")
+    plot_patching(result["patching"], tokens, files[1], title)
+    dla = result["dla"]
+    plot_attribution(dla["heads"], dla["layers"], result["lens"], files[2], title)
+    return data | {"files": [str(f) for f in files]}
