@@ -108,3 +108,16 @@ def parse_steer(values: Sequence[str]) -> tuple[int, str, str, float]:
             f"--steer {' '.join(repr(v) for v in values)}: give LAYER (an int) TEXT_A TEXT_B "
             "SCALE (a number), e.g. --steer 6 ' Love' ' Hate' 4"
         ) from None
+
+
+def text_steers(model: nn.Module, tokenizer, specs: Sequence[Sequence[str]]) -> list[Steer]:
+    """Steers from `--steer LAYER TEXT_A TEXT_B SCALE` flags: each the difference vector of the
+    two texts (through `tokenizer`) at its layer, times its scale."""
+    if specs and not hasattr(model, "blocks"):
+        raise ValueError(f"steering takes a decoder LM; this model is a {type(model).__name__}")
+    steers = []
+    for spec in specs:
+        layer, a, b = parse_steer(spec)[:3]
+        vector = difference_vector(model, tokenizer.encode(a), tokenizer.encode(b), layer)
+        steers.append(Steer(layer, vector, parse_steer(spec)[3]))
+    return steers
