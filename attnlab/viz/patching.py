@@ -35,10 +35,15 @@ def plot_patching(
     """
     arrays = {k: np.asarray(v, dtype=np.float64) for k, v in maps.items()}
     limit = max(1.0, *(np.abs(a).max() for a in arrays.values()))
-    width = sum(1.5 + 0.45 * a.shape[1] for a in arrays.values())
+    cols = min(2, len(arrays))  # two maps a row: a long prompt stays readable
+    rows = -(-len(arrays) // cols)
+    cells = max(a.shape[1] for a in arrays.values())
     L = next(iter(arrays.values())).shape[0]
-    fig = Figure(figsize=(max(4.0, width), 1.8 + 0.35 * L))
-    for ax, (kind, a) in zip(fig.subplots(1, len(arrays), squeeze=False)[0], arrays.items()):
+    fig = Figure(figsize=(cols * (2.0 + 0.4 * cells), rows * (1.6 + 0.35 * L)))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[len(arrays) :]:
+        ax.set_visible(False)
+    for ax, (kind, a) in zip(axes, arrays.items()):
         _diverging(ax, a, fig, limit)
         ax.set_title(kind.replace("_", " "), fontsize=9)
         ax.set_ylabel("layer")
