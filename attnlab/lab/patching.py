@@ -386,6 +386,8 @@ def patch_lab(
     if tok is None:
         raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read the prompts with")
     ids = [torch.tensor([tok.encode(text)]) for text in (clean, corrupt)]  # (1, T) each
+    if ids[0].shape[1] == 0:
+        raise ValueError("--clean is empty; give the prompt whose answer is patched back")
     a = token_id(tok, answer)
     w = None if wrong is None else token_id(tok, wrong)
     result = patching_experiment(loaded.model, ids[0], ids[1], a, w)
