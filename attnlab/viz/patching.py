@@ -35,11 +35,12 @@ def plot_patching(
     """
     arrays = {k: np.asarray(v, dtype=np.float64) for k, v in maps.items()}
     limit = max(1.0, *(np.abs(a).max() for a in arrays.values()))
-    cols = min(2, len(arrays))  # two maps a row: a long prompt stays readable
-    rows = -(-len(arrays) // cols)
     cells = max(a.shape[1] for a in arrays.values())
+    cols = min(len(arrays), 4 if cells <= 12 else 2)  # a long prompt: two maps a row
+    rows = -(-len(arrays) // cols)
     L = next(iter(arrays.values())).shape[0]
-    fig = Figure(figsize=(cols * (2.0 + 0.4 * cells), rows * (1.6 + 0.35 * L)))
+    height = 1.6 + min(0.35 * L, 7.0)  # a 30-layer model stays on a page
+    fig = Figure(figsize=(cols * (2.2 + 0.4 * cells), rows * height), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax in axes[len(arrays) :]:
         ax.set_visible(False)
@@ -57,7 +58,7 @@ def plot_patching(
                 ax.set_xticklabels([repr(t)[1:-1] for t in tokens], rotation=90, fontsize=7)
     if title:
         fig.suptitle(title)
-    return finish(fig, out)
+    return finish(fig, out, tight=False)  # constrained layout leaves room for the title
 
 
 def plot_attribution(
@@ -71,8 +72,8 @@ def plot_attribution(
     """
     heads, layers = np.asarray(heads, np.float64), np.asarray(layers, np.float64)
     L, H = heads.shape
-    fig = Figure(figsize=(5 + 0.4 * H, 1.8 + 0.35 * L))
-    ax_h, ax_l, ax_lens = fig.subplots(1, 3, gridspec_kw={"width_ratios": [max(H, 2), 2, 4]})
+    fig = Figure(figsize=(5 + 0.4 * H, 1.8 + min(0.35 * L, 7.0)), layout="constrained")
+    ax_h, ax_l, ax_lens = fig.subplots(1, 3, gridspec_kw={"width_ratios": [max(H, 2), 2, 5]})
     limit = max(1e-6, np.abs(heads).max(), np.abs(layers).max())
     for ax, a, xlabel, ticks in (
         (ax_h, heads, "head", [str(h) for h in range(H)]),
@@ -87,10 +88,10 @@ def plot_attribution(
     ax_l.set_title("per layer", fontsize=9)
     for run, values in lens.items():
         ax_lens.plot(range(-1, L), np.asarray(values, np.float64), marker="o", ms=3, label=run)
-    ax_lens.set_xlabel("after block (-1 = embeddings)")
+    ax_lens.set_xlabel("after block (-1: embeddings)", fontsize=8)
     ax_lens.set_title("logit lens", fontsize=9)
     ax_lens.axhline(0, color="k", lw=0.5)
     ax_lens.legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    return finish(fig, out)
+    return finish(fig, out, tight=False)
