@@ -58,6 +58,28 @@ from attnlab.tokenizer import Tokenizer
 LATEST = "latest"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the chat template, beside tokenizer.json (HF's place)
 REQUIRED_FILES = ("config.json", "model.safetensors", "trainer_state.json")
+# What a save writes: a checkpoint directory's other entries are a user's, never deleted.
+CHECKPOINT_FILES = frozenset(
+    {*REQUIRED_FILES, "optimizer.pt", "rng.pt", "tokenizer.json", TOKENIZER_CONFIG}
+)
+
+
+def check_output_dir(path: str | Path, overwrite: bool) -> None:
+    """Refuse an output directory that already holds something, unless `overwrite`.
+
+    Raises:
+        ValueError: `path` is a file, or a non-empty directory and `overwrite` is False.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"the output {str(path)!r} is a file, not a directory")
+    names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if names and not overwrite:
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise ValueError(
+            f"the output directory {str(path)!r} is not empty ({shown}): choose a new one, or"
+            " pass --overwrite to replace the checkpoint files in it (nothing else is deleted)"
+        )
 
 
 # Every write and rename of a save goes through these three functions (the fault-injection
@@ -137,12 +159,15 @@ def save_checkpoint(
     return _write_dir(Path(path), files)
 
 
-def _write_dir(path: Path, files: dict) -> Path:
+def _write_dir(path: Path, files: dict, keep_others: bool = False) -> Path:
     """Write the directory `path` atomically: `files` ({name: write(file_path)}) into
     `path.tmp`, each synced to disk, then renamed in. An existing `path` is replaced in three
     steps, each leaving a complete directory findable: rename it aside to `path.old`, rename
-    the new one in, delete `path.old`. On an OSError (a full disk, a read-only directory) the
-    unfinished `path.tmp` is removed and the error raised; `path` is untouched."""
+    the new one in, delete `path.old`. With `keep_others`, every entry of the old `path` that
+    is not a checkpoint file (CHECKPOINT_FILES) moves into the new one before step 3 (a save
+    never deletes what it did not write; killed there, the rest is still in `path.old`). On an
+    OSError (a full disk, a read-only directory) the unfinished `path.tmp` is removed and the
+    error raised; `path` is untouched."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,6 +187,10 @@ def _write_dir(path: Path, files: dict) -> Path:
         _rename(path, old)  # 1. the old one aside: recovery renames it back if we stop here
     _rename(tmp, path)  # 2. the new one in
     _sync_dir(path.parent)
+    if keep_others and old.exists():
+        for entry in sorted(old.iterdir()):
+            if entry.name not in CHECKPOINT_FILES and not (path / entry.name).exists():
+                _rename(entry, path / entry.name)  # the user's own files stay
     if old.exists():
         _remove(old)  # 3. only now the old one goes
     return path
@@ -499,7 +528,10 @@ def _open_attnlab(
 ) -> Loaded:
     """Build the model of `run` on meta (with the task head its config names; the quantized
     Linears of `scheme`), then assign the tensors of model.safetensors."""
-    cfg = from_dict(ModelConfig, run["model"])
+    try:
+        cfg = from_dict(ModelConfig, run["model"])
+    except ValueError as e:  # a field of the wrong type: say which file holds it
+        raise ValueError(f"{str(path / CONFIG)!r}: {e}") from None
     if cfg.head is None and "n_labels" in run:  # written before heads were in the config
         cfg = replace(cfg, head=HeadConfig("sequence", run["n_labels"]))
     with torch.device("meta"):
@@ -557,7 +589,8 @@ def save_pretrained(
     with a task head, "n_labels"; model.safetensors stores a tied tensor once
     (under its first name, as save_checkpoint does), with `metadata` (a quantized model's
     scheme); tokenizer.json is written when given. Written atomically, as a training
-    checkpoint is (`_write_dir`).
+    checkpoint is (`_write_dir`); an existing directory's other files (not CHECKPOINT_FILES)
+    stay. Refusing a non-empty `path` is the caller's choice (`check_output_dir`).
     """
     run = _model_run(run or {}, config_with_head(config, model))
     weights = without_tied_names(model.state_dict(), model)  # a tied matrix stored once
@@ -567,4 +600,4 @@ def save_pretrained(
         files[TOKENIZER] = tokenizer.save
         if tokenizer.chat_template is not None:  # read back by Tokenizer.from_file
             files[TOKENIZER_CONFIG] = tokenizer.save_config
-    return _write_dir(Path(path), files)
+    return _write_dir(Path(path), files, keep_others=True)

@@ -33,6 +33,10 @@ def from_dict(cls: type[C], data: dict) -> C:
         sub = _dataclass_in(hints[key])
         if sub and isinstance(value, dict):
             kwargs[key] = from_dict(sub, value)
+        elif sub and isinstance(value, str):  # text is never read as a section
+            raise ValueError(
+                f"{cls.__name__}.{key} must be a mapping of {sub.__name__} fields, got {value!r}"
+            )
         else:
             kwargs[key] = _read_text(cls, key, hints[key], value)
     return cls(**kwargs)

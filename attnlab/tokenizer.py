@@ -401,10 +401,10 @@ def _compile_template(template: str):
     return env.from_string(template)
 
 
-def _specials(extra: Iterable[str]) -> list[str]:
-    """SPECIAL_TOKENS followed by the user's `extra` ones, each once and non-empty."""
+def _specials(extra: Iterable[str], fixed: bool = True) -> list[str]:
+    """SPECIAL_TOKENS (if `fixed`) followed by the user's `extra` ones, each once and non-empty."""
     extra = list(extra)
-    seen = set(SPECIAL_TOKENS)
+    seen = set(SPECIAL_TOKENS if fixed else ())
     for t in extra:
         if not isinstance(t, str) or not t:
             raise ValueError(f"a special token must be a non-empty string, got {t!r}")
@@ -414,7 +414,7 @@ def _specials(extra: Iterable[str]) -> list[str]:
                 "list each once"
             )
         seen.add(t)
-    return SPECIAL_TOKENS + extra
+    return (SPECIAL_TOKENS if fixed else []) + extra
 
 
 def train_char_tokenizer(
@@ -440,6 +440,7 @@ def train_bpe_tokenizer(
     vocab_size: int,
     special_tokens: Iterable[str] = (),
     chat_template: str | None = None,
+    fixed_specials: bool = True,
 ) -> Tokenizer:
     """Byte-level BPE with `vocab_size` tokens (specials included), GPT-2 style.
 
@@ -450,13 +451,15 @@ def train_bpe_tokenizer(
             given ids right after the 7 fixed ones; each encodes as one id.
         chat_template: stored with the tokenizer (None: DEFAULT_CHAT_TEMPLATE when the
             specials include CHAT_TOKENS).
+        fixed_specials: False: only `special_tokens` (GPT-2 style: just "<|endoftext|>"),
+            without the 7 fixed ones; byte-level BPE needs no <unk> (every byte is a token).
     """
-    specials = _specials(special_tokens)
+    specials = _specials(special_tokens, fixed_specials)
     if vocab_size < 256 + len(specials):
         raise ValueError(
             f"byte-level BPE needs vocab_size >= {256 + len(specials)}, got {vocab_size}"
         )
-    backend = HFTokenizer(models.BPE(unk_token="<unk>"))
+    backend = HFTokenizer(models.BPE(unk_token="<unk>" if fixed_specials else None))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

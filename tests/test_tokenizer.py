@@ -82,3 +82,17 @@ def test_tokenizer_json_written_by_transformers_loads(tmp_path, bpe):
 def test_missing_tokenizer_file_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json"):
         Tokenizer.from_file(tmp_path)
+
+
+def test_bpe_with_only_the_users_special_tokens():
+    """fixed_specials=False: GPT-2 style, <|endoftext|> the one special (id 0), no fixed seven;
+    the default keeps them first (issue 31)."""
+    corpus = ["the cat sat on the mat. " * 20, "héllo wörld 🙂 " * 5]
+    gpt2 = train_bpe_tokenizer(corpus, 300, ["<|endoftext|>"], fixed_specials=False)
+    vocab = gpt2.backend.get_vocab()
+    assert vocab["<|endoftext|>"] == 0 and not set(SPECIAL_TOKENS) & set(vocab)
+    assert 257 < gpt2.vocab_size <= 300  # 1 special + 256 bytes + merges
+    ids = gpt2.encode("the cat<|endoftext|>🙂 new")
+    assert 0 in ids and gpt2.decode(ids, skip_special=False) == "the cat<|endoftext|>🙂 new"
+    default = train_bpe_tokenizer(corpus, 300, ["<|endoftext|>"])
+    assert [default.backend.id_to_token(i) for i in range(8)] == [*SPECIAL_TOKENS, "<|endoftext|>"]

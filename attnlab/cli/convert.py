@@ -41,10 +41,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="RoPE layout of the attnlab model made from an HF Llama-family "
         "checkpoint (default %(default)s, HF's own)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty output directory (its checkpoint files are replaced, "
+        "nothing else)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     (src_format, src), (dst_format, dst) = args.src, args.dst
-    out = convert(src_format, src, dst_format, dst, layout=args.layout)
+    out = convert(src_format, src, dst_format, dst, layout=args.layout, overwrite=args.overwrite)
     print(f"wrote {dst_format} checkpoint {out}")
     return 0

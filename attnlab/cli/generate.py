@@ -141,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
             f"checkpoint {args.ckpt!r} is {kind} with no LM head to generate "
             "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
         )
+    if loaded.config.arch == "encoder":  # an MLM head fills masks; it does not continue text
+        raise ValueError(
+            f"{args.ckpt!r} holds an encoder model; attnlab generate needs a decoder-only or "
+            "encoder-decoder language model checkpoint"
+        )
     task = saved.get("data", {}).get("task")
     if task in ("vqa", "vla"):
         raise ValueError(

@@ -23,6 +23,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out (its checkpoint files are replaced, nothing else)",
+    )
+    p.add_argument(
         "--float-heads",
         dest="heads",
         action="store_false",
@@ -32,7 +37,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = quantize_checkpoint(
-        args.ckpt, args.out, args.scheme, args.group_size, heads=args.heads
+        args.ckpt,
+        args.out,
+        args.scheme,
+        args.group_size,
+        heads=args.heads,
+        overwrite=args.overwrite,
     )
     e = report.error
     kept = "embeddings stay float" if args.heads else "embeddings and the LM head stay float"

@@ -33,10 +33,23 @@ SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 API_KEY_ENV = "ATTNLAB_API_KEY"
 
 
+def port_number(text: str) -> int:
+    """--port's value: an int in [0, 65535] (argparse prints the message on one line)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: choose one in [0, 65535]")
+    return port
+
+
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="DIR", help="a decoder checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0: any free)")
+    p.add_argument(
+        "--port", type=port_number, default=8000, help="port (default %(default)s; 0: any free)"
+    )
     p.add_argument(
         "--engine",
         choices=("batched", "sequential"),

@@ -23,7 +23,7 @@ from attnlab.models.config import ModelConfig
 from attnlab.models.presets import PRESETS, get_preset
 from attnlab.training import distributed
 from attnlab.training.config import DataConfig, RunConfig, TrainConfig
-from attnlab.training.loop import train
+from attnlab.training.loop import sigterm_as_ctrl_c, train
 from attnlab.training.tasks import build_task
 
 DEFAULT_PRESET = "llama-char"
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(run_cfg.model)
     if main_rank:
         print(run_header(run_cfg, model, args))
-    state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
+    with sigterm_as_ctrl_c():  # SIGTERM saves the last step, as Ctrl-C does
+        state = train(model, task, run_cfg, resume=args.resume, overwrite=args.overwrite)
     distributed.stop()  # leave torchrun's process group (nothing to do for one process)
     if not main_rank:
         return 0

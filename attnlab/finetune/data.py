@@ -461,25 +461,31 @@ def load_jsonl(path: str | Path, kind: TaskKind) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no JSONL file at {str(path)!r}")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{str(path)!r} is not a UTF-8 text file (byte {e.start}: {e.reason}); give "
+            "--data.source a JSONL file, one JSON object per line"
+        ) from None
     examples = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {n}: expected a JSON object with {FIELDS[kind]}")
-            for field in FIELDS[kind]:
-                _check_field(path, n, kind, row, field)
-            if kind == "tag":
-                text, spans = spans_from_words(row["tokens"], row["tags"])
-                row = {"text": text, "spans": spans}
-            elif kind == "classify":
-                row = {**row, "label": str(row["label"])}
-            examples.append(row)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}, line {n}: expected a JSON object with {FIELDS[kind]}")
+        for field in FIELDS[kind]:
+            _check_field(path, n, kind, row, field)
+        if kind == "tag":
+            text, spans = spans_from_words(row["tokens"], row["tags"])
+            row = {"text": text, "spans": spans}
+        elif kind == "classify":
+            row = {**row, "label": str(row["label"])}
+        examples.append(row)
     if not examples:
         raise ValueError(f"{path} holds no examples (one JSON object per line)")
     return examples

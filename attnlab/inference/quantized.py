@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnlab.checkpoint import WEIGHTS, open_checkpoint, resolve_checkpoint, save_pretrained
+from attnlab.checkpoint import (
+    WEIGHTS,
+    check_output_dir,
+    open_checkpoint,
+    resolve_checkpoint,
+    save_pretrained,
+)
 from attnlab.configs import from_dict
 from attnlab.models.config import ModelConfig
 from attnlab.quantize.handler import (
@@ -73,14 +79,17 @@ def quantize_checkpoint(
     seq_len: int = 64,
     seed: int = 0,
     heads: bool = True,
+    overwrite: bool = False,
 ) -> QuantizeReport:
     """Quantize a float checkpoint directory into `out`, measuring the logit error.
 
     The error is measured on `n_inputs` random sequences of min(seq_len, max_seq_len) tokens.
+    A non-empty `out` is refused unless `overwrite` (then only its checkpoint files change).
     """
     ckpt = resolve_checkpoint(ckpt)
     if Path(out).resolve() == ckpt.resolve():
         raise ValueError(f"--out must differ from --ckpt (both {str(ckpt)!r})")
+    check_output_dir(out, overwrite)
     s = make_scheme(scheme, group_size)
     found = read_scheme(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
     if found is not None:

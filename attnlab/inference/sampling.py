@@ -66,6 +66,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
     # Drop a token when the tokens before it already reach p (so the crossing token stays).
     drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p - ROUNDING_TOL
+    drop_sorted[:, 0] = False  # the most likely token always stays (p below the tolerance)
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 

@@ -12,7 +12,12 @@ and back are what `attnlab convert` runs.
 from pathlib import Path
 from typing import Literal
 
-from attnlab.checkpoint import open_checkpoint, resolve_checkpoint, save_pretrained
+from attnlab.checkpoint import (
+    check_output_dir,
+    open_checkpoint,
+    resolve_checkpoint,
+    save_pretrained,
+)
 from attnlab.interop.hf import common
 from attnlab.interop.hf.auto import save_hf
 from attnlab.quantize import Int4Linear, Int8Linear
@@ -37,7 +42,12 @@ def detect_format(path: str | Path) -> Format:
 
 
 def convert(
-    src_format: Format, src: str | Path, dst_format: Format, dst: str | Path, layout: str = "half"
+    src_format: Format,
+    src: str | Path,
+    dst_format: Format,
+    dst: str | Path,
+    layout: str = "half",
+    overwrite: bool = False,
 ) -> Path:
     """Convert a checkpoint directory between the attnlab and HF formats.
 
@@ -46,6 +56,8 @@ def convert(
         src, dst: directories (src may be a run directory: its latest checkpoint).
         layout: the RoPE layout of the attnlab model read from or written to an HF Llama-family
             checkpoint (the q/k rows are permuted; HF itself is always "half").
+        overwrite: write into a non-empty dst (refused otherwise); only the files a
+            checkpoint is made of are replaced there, nothing else is deleted.
 
     Returns:
         dst.
@@ -59,6 +71,7 @@ def convert(
         raise ValueError(f"{str(src)!r} is an {found} checkpoint, not {src_format}")
     if Path(dst).resolve() == Path(src).resolve():
         raise ValueError(f"the output directory is the input directory ({str(src)!r})")
+    check_output_dir(dst, overwrite)
     loaded = open_checkpoint(src, layout=layout if src_format == "hf" else "half")
     quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, QUANTIZED)]
     if quantized:  # neither format written here records a scheme: it would not open again

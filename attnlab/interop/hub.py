@@ -82,7 +82,7 @@ def download(repo: str, revision: str | None = None, progress: bool = True) -> P
             unreachable with nothing cached, a malformed name).
     """
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
         from huggingface_hub.utils import (
             are_progress_bars_disabled,
             disable_progress_bars,
@@ -94,6 +94,7 @@ def download(repo: str, revision: str | None = None, progress: bool = True) -> P
         ) from None
 
     endpoint = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
+    constants.HF_HUB_OFFLINE = is_offline()  # huggingface_hub read it once, at its import
     shown = not are_progress_bars_disabled()
     if not progress:
         disable_progress_bars()

@@ -209,7 +209,12 @@ ROUTES = {
 
 # --- reading --------------------------------------------------------------------------------------
 async def read_body(request: Request) -> dict:
-    """The request body as a JSON object; a 400 for one too large, malformed or not an object."""
+    """The request body as a JSON object; a 400 for one too large, malformed or not an object,
+    a 415 for one declared as another media type (text/plain)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind != "application/json" and not kind.endswith("+json"):
+        message = f"the request body must be JSON (Content-Type: application/json), got {kind!r}"
+        raise APIError(415, message, code="unsupported_media_type")
     declared = int(request.headers.get("content-length") or 0)
     chunks, seen = [], 0
     if declared <= wire.MAX_BODY_BYTES:
@@ -247,6 +252,13 @@ def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, c
     names = ["<eos>", "<|end|>"] if chat else ["<eos>"]
     stops = tuple(i for i in map(tokenizer.token_id, names) if i is not None)
     choices: list[Choice] = []
+    wanted, room = len(prompts) * n, engine.max_queue
+    if wanted > room:  # refused at every retry, even on an idle server: say so (not a 429)
+        message = (
+            f"this request needs {wanted} sequences ({len(prompts)} prompts x n={n}); this "
+            f"server queues at most {room} (--max-queue), so it can never fit: send fewer"
+        )
+        raise APIError(400, message, "n" if n > 1 else "prompt")
     try:
         for i, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
             ids = prompts[p]
@@ -451,26 +463,40 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+STREAM_GRACE = 5.0  # s after stop_timeout for cancelled streams to send their last chunks
+
+
 def run_server(app: FastAPI, sock: socket.socket, stop_timeout: float = 10.0) -> None:
-    """Serve `app` on `sock` until SIGINT/SIGTERM: uvicorn stops accepting, lets open requests
-    finish for up to `stop_timeout` s, then the lifespan stops the engine (`engine.stop`)."""
+    """Serve `app` on `sock` until SIGINT/SIGTERM: uvicorn stops accepting, and the engine
+    stops at once (`engine.stop`): open requests finish for up to `stop_timeout` s, then the
+    engine cancels the rest, so each open stream ends with its error chunk and [DONE] (not
+    cut at the connection) before uvicorn's own deadline, STREAM_GRACE s later."""
     import signal
     import threading
 
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            stopping = asyncio.create_task(asyncio.to_thread(app.state.engine.stop, stop_timeout))
+            await super().shutdown(sockets)
+            await stopping
+
     config = uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=stop_timeout, access_log=False
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=stop_timeout + STREAM_GRACE,
+        access_log=False,
     )
     if threading.current_thread() is not threading.main_thread():
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
         return
     # uvicorn re-raises the signal that stopped it once it is done; by then the shutdown was
     # clean, so the re-raised signal is ignored and the process exits 0.
     signals = (signal.SIGINT, signal.SIGTERM)
     before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

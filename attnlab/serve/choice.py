@@ -40,6 +40,7 @@ class Choice:
         self.logprobs: list[float | None] = []
         self.top: list[dict[int, float] | None] = []
         self.prompt_logprobs: tuple[float | None, ...] | None = None
+        self.prompt_top: tuple[dict[int, float] | None, ...] | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # decoded so far (cut before a stop string once one is found)
@@ -54,6 +55,7 @@ class Choice:
         """Record an event; True when the choice has finished (a stop string counts)."""
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_top = event.prompt_top
         if event.token_id is not None:
             self.tokens.append(event.token_id)
             self.logprobs.append(event.logprob)

@@ -43,7 +43,14 @@ from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingConfig, sample
 from attnlab.inference.steps import decoder_of
 from attnlab.serve.scheduler import Scheduler, Sequence
-from attnlab.serve.types import DEFAULT_ENGINE, EngineConfig, EngineStopped, Request, TokenEvent
+from attnlab.serve.types import (
+    DEFAULT_ENGINE,
+    EngineConfig,
+    EngineStopped,
+    Request,
+    TokenEvent,
+    prompt_scores,
+)
 
 OnEvent = Callable[[TokenEvent], None]
 
@@ -84,6 +91,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, c.max_batch, c.max_queue, c.prefill_chunk, c.prefix_caching
         )
+        self.max_queue = c.max_queue  # the server refuses a request that needs more
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
@@ -272,10 +280,12 @@ class Engine:
         if want_all:  # logits[i] scores token start + i + 1 of the prompt
             if start == 0:
                 seq.prompt_logprobs.append(None)
+                seq.prompt_top.append(None)
             m = min(n, seq.n_prompt - 1 - start)  # positions whose next token is in the prompt
             targets = ids.new_tensor(seq.tokens[start + 1 : start + 1 + m])  # (m,)
-            logp = torch.log_softmax(logits[:m].float(), dim=-1)  # (m, V)
-            seq.prompt_logprobs += logp.gather(1, targets[:, None])[:, 0].tolist()
+            lps, tops = prompt_scores(logits[:m], targets, seq.request.params.logprobs)
+            seq.prompt_logprobs += lps
+            seq.prompt_top += tops
         seq.cached += n
         if self.scheduler.prefix_caching:
             self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached)
@@ -286,10 +296,13 @@ class Engine:
         """Choose seq's next token from seq.logits and send it. Returns whether seq goes on."""
         p = seq.request.params
         first = seq.n_generated == 0
-        prompt_lp = tuple(seq.prompt_logprobs) if first and p.prompt_logprobs else None
+        scored = first and p.prompt_logprobs
+        prompt_lp = tuple(seq.prompt_logprobs) if scored else None
+        prompt_top = tuple(seq.prompt_top) if scored else None
         if p.max_tokens == 0:  # only the prompt's log-probabilities were asked for
+            event = TokenEvent(seq.id, None, None, None, "length", prompt_lp, prompt_top=prompt_top)
             with self._cond:
-                self._finish(seq, "length", prompt_logprobs=prompt_lp)
+                self._finish(seq, "length", event=event)
             return False
         logits = seq.logits
         if not bool(torch.isfinite(logits).all()):
@@ -312,7 +325,8 @@ class Engine:
             self._counters["time_to_first_token_seconds_sum"] += seq.first_token - seq.submitted
             self._counters["time_to_first_token_seconds_count"] += 1
         self._counters["generation_tokens_total"] += 1
-        event = TokenEvent(seq.id, token, float(logits[token] - log_z), top, reason, prompt_lp)
+        lp = float(logits[token] - log_z)
+        event = TokenEvent(seq.id, token, lp, top, reason, prompt_lp, prompt_top=prompt_top)
         if reason is not None:
             with self._cond:
                 self._finish(seq, reason, event=event)

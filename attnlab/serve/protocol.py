@@ -27,6 +27,7 @@ class APIError(Exception):
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        415: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }
@@ -69,6 +70,8 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # json.loads recurses once per level of nesting
+        raise APIError(400, "the request body is nested too deeply to read as JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -90,11 +93,33 @@ def field_of(body: dict, name: str, kind: type, default, check=None, rule: str =
 
 
 def check_model(body: dict, settings: Settings) -> None:
-    """A request naming another model is a 400 (a missing name means the one served)."""
+    """A request naming another model is a 404, as OpenAI and vLLM answer (a missing name
+    means the one served)."""
     model = body.get("model", settings.model_name)
     if model != settings.model_name:
         message = f"model {model!r} is not served here: use {settings.model_name!r}"
-        raise APIError(400, message, "model", "model_not_found")
+        raise APIError(404, message, "model", "model_not_found")
+
+
+# Accepted by OpenAI or vLLM, not implemented here: a value other than the one that changes
+# nothing is a 400 naming the parameter, never silently ignored.
+UNSUPPORTED = {
+    "logit_bias": lambda v: not v,
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "top_k": lambda v: v in (-1, 0),
+    "ignore_eos": lambda v: v is False,
+    "min_tokens": lambda v: v == 0,
+}
+
+
+def check_unsupported(body: dict) -> None:
+    """A 400 for the first parameter of UNSUPPORTED that would change the output."""
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not neutral(value):
+            message = f"{name} is not supported by this server (got {value!r}): leave it out"
+            raise APIError(400, message, name)
 
 
 def token_ids(value, settings: Settings, param: str) -> list[int]:
@@ -183,6 +208,7 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams from the request; max_tokens is -1 where the request leaves it to the
     server (resolved per prompt by `max_tokens_for`)."""
+    check_unsupported(body)
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     limit = settings.context - 1
     low = 0 if prompt_logprobs else 1  # 0: score the prompt only (echo + logprobs)
@@ -276,13 +302,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def echo_logprobs(c: Choice) -> tuple[list[int], list, list]:
     """The prompt's part of an echo: each token's log p given those before it (None for the
-    first). The engine reports no alternatives for prompt tokens, so each position's
-    top_logprobs holds the prompt token alone."""
+    first), and its top_logprobs: the model's most likely tokens there and the prompt token
+    (as vLLM: lm-eval's is_greedy compares the token with the best of these)."""
     ids = list(c.echo_ids)
     lps = list(c.prompt_logprobs or [None] * len(ids))
+    tops = list(c.prompt_top or [None if lp is None else {t: lp} for t, lp in zip(ids, lps)])
     if len(lps) == len(ids) - 1:
-        lps = [None, *lps]
-    return ids, lps, [None if lp is None else {t: lp} for t, lp in zip(ids, lps)]
+        lps, tops = [None, *lps], [None, *tops]
+    return ids, lps, tops
 
 
 def completion_choice(tokenizer, c: Choice, k: int | None) -> dict:

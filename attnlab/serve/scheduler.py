@@ -66,6 +66,7 @@ class Sequence:
     cached: int = 0
     prefix_hits: int = 0
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top: list[dict[int, float] | None] = field(default_factory=list)
     logits: torch.Tensor | None = None
     first_token: float | None = None
 

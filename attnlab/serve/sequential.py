@@ -30,6 +30,7 @@ from attnlab.serve.types import (
     QueueFull,
     Request,
     TokenEvent,
+    prompt_scores,
 )
 
 OnEvent = Callable[[TokenEvent], None]
@@ -200,14 +201,14 @@ class SequentialEngine:
         p, rid = request.params, request.request_id
         ids = torch.tensor([request.prompt_ids], device=self.device)  # (1, T0)
         self._stats["prompt_tokens_total"] += ids.shape[1]
-        prompt_lp = None
+        prompt_lp = prompt_top = None
         if p.prompt_logprobs:  # a full forward (the cached prefill keeps only the last logits)
-            logits = self.model(ids)[0].float()  # (T0, V)
-            logp = torch.log_softmax(logits[:-1], dim=-1)  # (T0 - 1, V)
-            picked = logp.gather(1, ids[0, 1:, None])[:, 0]  # (T0 - 1,)
-            prompt_lp = (None, *picked.tolist())
+            logits = self.model(ids)[0]  # (T0, V)
+            lps, tops = prompt_scores(logits[:-1], ids[0, 1:], p.logprobs)
+            prompt_lp, prompt_top = (None, *lps), (None, *tops)
         if p.max_tokens == 0:
-            on_event(TokenEvent(rid, None, None, None, "length", prompt_logprobs=prompt_lp))
+            final = TokenEvent(rid, None, None, None, "length", prompt_lp, prompt_top=prompt_top)
+            on_event(final)
             return _NO_FINAL
         sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
         gen = None
@@ -229,7 +230,9 @@ class SequentialEngine:
                 self._stats["time_to_first_token_seconds_sum"] += time.perf_counter() - arrived
                 self._stats["time_to_first_token_seconds_count"] += 1
             self._stats["generation_tokens_total"] += 1
-            on_event(TokenEvent(rid, t, lp, top, reason, prompt_lp if i == 0 else None))
+            first = i == 0
+            scored = (prompt_lp, prompt_top) if first else (None, None)
+            on_event(TokenEvent(rid, t, lp, top, reason, scored[0], prompt_top=scored[1]))
             if reason is not None:
                 return _NO_FINAL
             logits = decode_step(

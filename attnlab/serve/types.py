@@ -3,6 +3,9 @@
 
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -66,6 +69,9 @@ class TokenEvent:
     finish_reason: str | None  # None while running; "stop" | "length" | "cancelled" | "error"
     prompt_logprobs: tuple[float | None, ...] | None = None  # on the first event only, if asked
     error: str | None = None  # with finish_reason "error": one line
+    # With prompt_logprobs: each prompt position's top `logprobs` alternatives and its own token
+    # ({id: log p}; None for the first), as vLLM returns them (lm-eval reads is_greedy here).
+    prompt_top: tuple[dict[int, float] | None, ...] | None = None
 
 
 class QueueFull(Exception):
@@ -74,3 +80,22 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """submit() after stop() began -> HTTP 503."""
+
+
+def prompt_scores(
+    logits: Tensor, targets: Tensor, k: int | None
+) -> tuple[list[float], list[dict[int, float]]]:
+    """Score prompt tokens: logits (m, V) at the positions before targets (m,).
+
+    Returns:
+        each target's log p, and per position {id: log p} of the k most likely tokens and the
+        target itself (the model's real alternatives, not the prompt token alone).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (m, V)
+    picked = logp.gather(1, targets[:, None])[:, 0].tolist()  # (m,)
+    values, ids = logp.topk(min(k or 0, logp.shape[-1]), dim=-1)  # (m, k)
+    tops = [
+        dict(zip(i, v)) | {t: lp}
+        for i, v, t, lp in zip(ids.tolist(), values.tolist(), targets.tolist(), picked)
+    ]
+    return picked, tops

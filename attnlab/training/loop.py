@@ -130,6 +130,9 @@ def train(
                 _set_rng_state(r.unapplied, r.data_gen)
             r.optimizer.zero_grad(set_to_none=True)
             r.saver.save(r)
+        if ranks.main and r.saver.saved_step > 0:
+            where = Path(cfg.out_dir) / "checkpoints"
+            print(f"saved step {r.saver.saved_step} in {where}: continue with --resume")
         raise
     return state
 
@@ -336,6 +339,8 @@ def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> 
     check_same_model(saved["model"], to_dict(run.model), path)
     ranks.load_checkpoint_state(model, optimizer, files.get("weights"), files.get("optimizer"))
     ranks.set_rng_state(rng, data_gen, run.train.seed)
+    if ranks.main:
+        print(f"resuming from step {trainer['step']} ({path})")
     return TrainState(
         step=trainer["step"], best_val=trainer["best_val"], last_eval=trainer["last_eval"]
     )
@@ -361,19 +366,36 @@ def _set_rng_state(rng: dict, data_gen: torch.Generator) -> None:
 
 
 @contextmanager
-def _interrupts_deferred():
-    """Hold Ctrl-C (SIGINT) until the block is done; then raise KeyboardInterrupt. Only Python's
-    own handler is replaced (not one a caller installed), and only in the main thread."""
+def sigterm_as_ctrl_c():
+    """SIGTERM (what schedulers and containers send) stops a run as Ctrl-C does: the last
+    completed step is saved. Only the default handler is replaced, only in the main thread."""
     main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    caught = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def _interrupts_deferred():
+    """Hold Ctrl-C (SIGINT, and SIGTERM under `sigterm_as_ctrl_c`) until the block is done;
+    then raise KeyboardInterrupt. Only Python's own handler is replaced (not one a caller
+    installed), and only in the main thread."""
+    main = threading.current_thread() is threading.main_thread()
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if main]
+    held = [s for s in held if signal.getsignal(s) is signal.default_int_handler]
+    caught = []
+    for s in held:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s in held:
+            signal.signal(s, signal.default_int_handler)
     if caught:
         raise KeyboardInterrupt
 

@@ -268,6 +268,69 @@ CASES = [
         "tokenizer.json",
     ),
 ]
+
+
+def config_edit(section: str, key: str, value):
+    def edit(copy: Path) -> None:
+        run = json.loads((copy / "config.json").read_text())
+        run[section][key] = value
+        (copy / "config.json").write_text(json.dumps(run))
+
+    return edit
+
+
+def wrong_type(t: Path, c: Path, key: str, value) -> list[str]:
+    broken = broken_copy(c, t, config_edit("model", key, value))
+    return ["generate", f"--ckpt={broken}", "--prompt=to", "--max-new-tokens=2"]
+
+
+CASES += [  # issue 31: each was a traceback, or a line that did not name the file
+    (
+        "generate on a BERT MLM checkpoint",
+        lambda t, c: [
+            "generate",
+            f"--ckpt={make_checkpoint(t / 'bert', 'bert-tiny')}",
+            "--prompt=a",
+        ],
+        None,
+        2,
+        "holds an encoder model; attnlab generate needs a decoder-only or encoder-decoder",
+    ),
+    (
+        "serve on port 99999",
+        lambda t, c: ["serve", f"--ckpt={c}", "--port=99999"],
+        None,
+        2,
+        "99999",
+    ),
+    (
+        "config.json field of a wrong type",
+        lambda t, c: wrong_type(t, c, "d_model", [64]),
+        None,
+        2,
+        "broken/config.json': ModelConfig.d_model",
+    ),
+    (
+        "config.json text for a section",
+        lambda t, c: wrong_type(t, c, "rope", "x"),
+        None,
+        2,
+        "broken/config.json': ModelConfig.rope must be a mapping",
+    ),
+    (
+        "binary finetune --data.source",
+        lambda t, c: [
+            "finetune",
+            f"--ckpt={c}",
+            "--task=sft",
+            f"--data.source={binary(t)}",
+            f"--train.out_dir={t / 'ft'}",
+        ],
+        None,
+        2,
+        "program.bin' is not a UTF-8 text file",
+    ),
+]
 if not torch.cuda.is_available():
     CASES.append(
         (

@@ -21,7 +21,7 @@ import attnlab.checkpoint as ckpt
 from attnlab.checkpoint import CheckpointDir, is_complete, read_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.models.build import build_model
-from attnlab.training.loop import TrainingDiverged, _interrupts_deferred, train
+from attnlab.training.loop import TrainingDiverged, _interrupts_deferred, sigterm_as_ctrl_c, train
 from attnlab.training.tasks import build_task
 
 SMALL = dict(model={"dropout": 0.1}, sample_tokens=0)  # dropout: the RNG state matters
@@ -434,6 +434,31 @@ def test_ctrl_c_saves_the_last_completed_step(make_run, when):
     assert CheckpointDir(root).latest() == root / "step_000003"
     assert_tidy(root)
     assert_resumes_exactly(run, reference)
+
+
+def sigterm_after(step: int):
+    def callback(state, record):
+        if state.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return callback
+
+
+def test_sigterm_saves_the_last_completed_step_and_says_so(make_run, capsys):
+    """SIGTERM (schedulers, containers) stops a run as Ctrl-C does: step 3 is saved, the run
+    says where, and --resume says which step it continues from (issue 31)."""
+    kw = dict(SMALL, steps=6, ckpt_every=1000)
+    run = make_run(**kw)
+    reference = uninterrupted(make_run(out="reference", **kw))
+    model, task = fresh(run)
+    with pytest.raises(KeyboardInterrupt), sigterm_as_ctrl_c():
+        train(model, task, run, callbacks=(sigterm_after(3),))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    root = Path(run.train.out_dir) / "checkpoints"
+    assert CheckpointDir(root).latest() == root / "step_000003"
+    assert f"saved step 3 in {root}: continue with --resume" in capsys.readouterr().out
+    assert_resumes_exactly(run, reference)
+    assert "resuming from step 3" in capsys.readouterr().out
 
 
 def test_ctrl_c_during_the_update_waits_until_it_is_applied():

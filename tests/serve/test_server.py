@@ -2,6 +2,8 @@
 streaming, n, stop, seeds and logprobs, each checked against attnlab's own `generate` and the
 model's full forward (not against the server itself)."""
 
+from unittest.mock import Mock
+
 import httpx
 import openai
 import pytest
@@ -10,6 +12,7 @@ import torch
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.serve.types import QueueFull
 from tests.serve.server_helpers import Server, engines, write_checkpoint
 
 GREEDY = SamplingConfig(temperature=0)
@@ -168,6 +171,27 @@ def test_echo_logprobs_score_the_prompt(server, client):
     )
 
 
+def test_echoed_prompt_top_logprobs_are_the_models_top_tokens(server, client):
+    """lm-eval's is_greedy reads these: each echoed position's best entry is the argmax of a
+    full forward there (not the prompt's own token), with the prompt token beside it."""
+    from attnlab.serve.protocol import token_text
+
+    ids = server.tokenizer.encode("the dog ate the bone")
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    with torch.no_grad():
+        logp = torch.log_softmax(server.model(torch.tensor([ids]))[0].float(), dim=-1)  # (T, V)
+    best = logp.argmax(-1).tolist()  # best[i - 1]: the model's top token at prompt position i
+    assert lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        top = lp.top_logprobs[i]
+        first = max(top, key=top.get)
+        assert first == token_text(server.tokenizer, best[i - 1])
+        assert top[first] == pytest.approx(logp[i - 1].max().item(), abs=1e-4)
+        assert token_text(server.tokenizer, ids[i]) in top
+    assert any(best[i - 1] != ids[i] for i in range(1, len(ids)))  # the prompt is not greedy
+
+
 def test_chat_logprobs(server, client):
     r = client.chat.completions.create(
         model="tiny",
@@ -212,7 +236,6 @@ BAD_REQUESTS = {
     "temperature < 0": {"model": "tiny", "prompt": "a", "temperature": -0.5},
     "top_p 0": {"model": "tiny", "prompt": "a", "top_p": 0},
     "top_p > 1": {"model": "tiny", "prompt": "a", "top_p": 1.5},
-    "unknown model": {"model": "gpt-17", "prompt": "a"},
     "token id outside the vocabulary": {"model": "tiny", "prompt": [1, 2, 10**6]},
     "negative token id": {"model": "tiny", "prompt": [[1, -3]]},
     "prompt longer than the context": {"model": "tiny", "prompt": list(range(200))},
@@ -239,8 +262,13 @@ def test_bad_input_is_a_400_the_client_raises(server, client, body, monkeypatch)
 
 @pytest.mark.parametrize(
     "content",
-    [b"{not json", b"[1, 2]", b'{"model": "tiny", "prompt": "' + b"a" * (10 * 2**20) + b'"}'],
-    ids=["malformed JSON", "not an object", "a 10 MB prompt"],
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"model": "tiny", "prompt": "' + b"a" * (10 * 2**20) + b'"}',
+        b'{"model": "tiny", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+    ],
+    ids=["malformed JSON", "not an object", "a 10 MB prompt", "nested 3000 deep"],
 )
 def test_unreadable_bodies_are_400(server, content):
     r = httpx.post(
@@ -251,6 +279,80 @@ def test_unreadable_bodies_are_400(server, content):
     )
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# Accepted by OpenAI or vLLM, not implemented here: refused by name (issue 31), not ignored.
+UNSUPPORTED = {
+    "logit_bias": {"5": 100},
+    "frequency_penalty": 0.5,
+    "presence_penalty": -1.0,
+    "top_k": 5,
+    "ignore_eos": True,
+    "min_tokens": 4,
+}
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_unsupported_parameters_are_a_400_naming_them(server, client, name, route, monkeypatch):
+    submitted = []
+    monkeypatch.setattr(server.engine, "submit", lambda *a: submitted.append(a))
+    extra = {name: UNSUPPORTED[name]}
+    with pytest.raises(openai.BadRequestError) as e:
+        if route == "chat":
+            messages = [{"role": "user", "content": "hi"}]
+            client.chat.completions.create(model="tiny", messages=messages, extra_body=extra)
+        else:
+            client.completions.create(model="tiny", prompt="a", extra_body=extra)
+    assert e.value.body["param"] == name and name in e.value.body["message"]
+    assert not submitted
+
+
+def test_unsupported_parameters_at_their_neutral_value_are_accepted(client):
+    neutral = dict(logit_bias={}, frequency_penalty=0, presence_penalty=0, top_k=-1)
+    neutral |= dict(ignore_eos=False, min_tokens=0)
+    r = client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body=neutral)
+    assert r.choices
+
+
+def test_an_unknown_model_is_a_404_the_client_raises(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-17", prompt="a")
+    assert e.value.body["code"] == "model_not_found" and "gpt-17" in e.value.body["message"]
+
+
+def test_a_tiny_top_p_samples_the_top_token(server, client):
+    """top_p=1e-6 (inside (0, 1]) keeps only the most likely token: greedy, not a 500."""
+    ids = server.tokenizer.encode("the mat")
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=4, top_p=1e-6, seed=1)
+    assert r.choices[0].text == server.tokenizer.decode(reference(server, ids, 4))
+
+
+def test_a_text_plain_body_is_a_415(server):
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"model": "tiny", "prompt": "a"}',
+        headers={"content-type": "text/plain"},
+    )
+    assert r.status_code == 415 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("engine_cls", engines(), ids=lambda c: c.__name__)
+def test_more_choices_than_the_queue_holds_is_a_400_not_a_429(ckpt, engine_cls):
+    """prompts x n > --max-queue could never be admitted, even idle: a 400 saying so (a 429
+    would be retried forever); exactly --max-queue is served."""
+    s = Server(ckpt, engine_cls, max_queue=8)
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="can never fit") as e:
+            client.completions.create(model="tiny", prompt="a", max_tokens=1, n=9)
+        assert e.value.body["param"] == "n"
+        with pytest.raises(openai.BadRequestError, match="3 prompts x n=3"):
+            client.completions.create(model="tiny", prompt=["a", "b", "c"], max_tokens=1, n=3)
+        r = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=1, n=4)
+        assert len(r.choices) == 8
+    finally:
+        s.close()
 
 
 def test_bad_chat_messages_are_400(client):
@@ -281,12 +383,14 @@ def test_api_key(ckpt):
         s.close()
 
 
-def test_a_full_queue_is_429_and_a_stopping_engine_503(ckpt):
-    s = Server(ckpt, max_queue=0)  # no room to wait: every request is turned away
+def test_a_full_queue_is_429_and_a_stopping_engine_503(ckpt, monkeypatch):
+    s = Server(ckpt, max_queue=1)
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="-", max_retries=0)
-        with pytest.raises(openai.RateLimitError) as e:
-            client.completions.create(model="tiny", prompt="a", max_tokens=2)
+        with monkeypatch.context() as m:  # the one waiting place is taken
+            m.setattr(s.engine, "submit", Mock(side_effect=QueueFull("the queue is full")))
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model="tiny", prompt="a", max_tokens=2)
         assert e.value.body["type"] == "rate_limit_error"
         s.engine.stop(1)
         with pytest.raises(openai.InternalServerError) as e:

@@ -89,3 +89,42 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(tmp_path, engine):
     assert "attnlab serve: stopped" in proc.stdout.read()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")
+
+
+@pytest.mark.parametrize(
+    "engine", ["sequential" if e is SequentialEngine else "batched" for e in engines()]
+)
+def test_sigterm_past_the_stop_timeout_ends_streams_with_an_error_chunk_and_done(tmp_path, engine):
+    """A stream that outlives --stop-timeout ends with the 503-style error chunk and [DONE],
+    not cut at the connection, and no traceback reaches stderr (issue 31)."""
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    proc, url = start(ckpt, "--engine", engine, "--stop-timeout", "1", "--max-context", "4096")
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4000, "stream": True}
+    body |= {"temperature": 0, "stop_token_ids": []}
+    chunks, first, errors = [], threading.Event(), []
+    try:
+
+        def read():
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            chunks.append(line[6:])
+                            first.set()
+            except httpx.HTTPError as e:  # cut at the connection
+                errors.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(60), "no first token"
+        proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert not errors and chunks[-1] == "[DONE]", (errors, chunks[-3:])
+    last = json.loads(chunks[-2])
+    assert "error" in last and "stopping" in last["error"]["message"], last
+    assert "Traceback" not in stderr, stderr

@@ -222,13 +222,17 @@ class RoPE(PositionScheme):
 
         Args:
             q_pos: (T,) or (B, T) positions of the new tokens (their queries and keys).
-            k_pos: (S,) or (B, S) positions of every key (only dynamic NTK looks at them).
+            k_pos: (S,) or (B, S) positions of every key, or of every cache slot (unused: the
+                keys a layer rotates are the new ones, at q_pos).
             bound: every position is below this, or None.
 
         Returns:
             RotaryTerms with cos/sin (T, R), or (B, 1, T, R) for 2-D positions.
         """
-        cos, sin = self.tables_for(self._length(q_pos, k_pos, bound))  # (N, R) each
+        # The current length is the newest query's position + 1, as in transformers: with a
+        # preallocated cache, k_pos also holds the slots not written yet, and dynamic NTK would
+        # rescale from the prefill on for a length the sequence has not reached.
+        cos, sin = self.tables_for(self._length(q_pos, q_pos, bound))  # (N, R) each
         cos, sin = _gather(cos, sin, q_pos)
         return RotaryTerms(cos=cos, sin=sin, layout=self.layout)
 

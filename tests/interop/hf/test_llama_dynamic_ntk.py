@@ -12,6 +12,11 @@ import pytest
 import torch
 
 from attnlab.components.positions.rope_scaling import RopeScaling
+from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
+from attnlab.inference.steps import fill_cache, left_pad
 from attnlab.interop.hf import llama, load_hf, save_hf
 from attnlab.models.build import build_model
 from tests.interop.helpers import ATOL, TINY_LLAMA, max_diff
@@ -72,3 +77,61 @@ def test_our_dynamic_ntk_exports_with_our_logits(length, tmp_path):
     ids = torch.randint(3, cfg.vocab_size, (2, length))
     assert hf.config.max_position_embeddings == 16
     assert max_diff(hf_logits(hf, ids), our_logits(ours, ids)) <= ATOL
+
+
+# --- cached generation: the cache is preallocated past the original length ---------------------
+# The cache holds prompt + N_NEW slots (9 + 40 = 49 > 32): dynamic NTK must follow the real
+# current length (the newest position + 1, as transformers does), not every preallocated slot,
+# so the prefill and the first decode steps (all below 32) are unscaled and the later ones scale.
+N_NEW = 40
+GEN_PROMPTS = [[5, 9, 17, 3, 44, 21, 8, 30, 11], [7, 8, 60, 2], [60, 2, 33, 71, 12, 90, 4]]
+
+
+@pytest.fixture(scope="module")
+def dynamic_pair(tmp_path_factory):
+    """(the transformers model with dynamic NTK, ours loaded from its save_pretrained dir)."""
+    path = tmp_path_factory.mktemp("dynamic")
+    hf = hf_dynamic_model()
+    hf.generation_config.eos_token_id = hf.generation_config.bos_token_id = None
+    hf.save_pretrained(path)
+    ours, _ = load_hf(path)
+    return hf, ours
+
+
+@torch.no_grad()
+def hf_generate(hf, prompts, **kwargs):
+    """transformers' generate on left-padded prompts: the new tokens, (B * n, N_NEW)."""
+    ids, mask = left_pad(prompts, pad_id=0)
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=N_NEW,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        **kwargs,
+    )
+    return out[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("prompts", [GEN_PROMPTS[:1], GEN_PROMPTS], ids=["one", "left-padded"])
+def test_cached_greedy_generation_with_dynamic_ntk_equals_transformers(dynamic_pair, prompts):
+    hf, ours = dynamic_pair
+    got = generate(ours, prompts, GenerationConfig(N_NEW, SamplingConfig(temperature=0.0)))
+    assert got == hf_generate(hf, prompts)
+
+
+def test_beam_search_with_dynamic_ntk_equals_transformers(dynamic_pair):
+    hf, ours = dynamic_pair
+    hyps = beam_search(ours, GEN_PROMPTS, GenerationConfig(N_NEW, num_beams=3))
+    assert [h[0].tokens for h in hyps] == hf_generate(hf, GEN_PROMPTS, num_beams=3)
+
+
+def test_prefill_below_the_original_length_is_unscaled_however_large_the_cache(dynamic_pair):
+    """The first token's logits of a 9-token prompt equal a plain forward's, with 49 slots."""
+    hf, ours = dynamic_pair
+    ids = torch.tensor(GEN_PROMPTS[:1])
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits[:, -1]  # (1, V)
+        got, _, _ = fill_cache(ours, ids, torch.ones_like(ids, dtype=torch.bool), N_NEW)
+    assert max_diff(got, want) <= ATOL
