@@ -2,7 +2,6 @@
 exported to HF (interop save_hf) and opened offline by TransformerLens' TransformerBridge (the
 4.x successor of HookedTransformer, here without weight processing)."""
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -34,12 +33,13 @@ TOL = 1e-4
 def pair(tmp_path_factory):
     from transformer_lens.model_bridge import TransformerBridge
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched: the model is local
     model = tiny_lm("gpt2-tiny", n_layers=3)
     path = tmp_path_factory.mktemp("gpt2")
     save_hf(model, replace(get_preset("gpt2-tiny"), n_layers=3), path)
     hf = T.GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager").eval()
-    bridge = TransformerBridge.boot_transformers(str(path), hf_model=hf)
+    with pytest.MonkeyPatch.context() as env:  # nothing is fetched: the model is local
+        env.setenv("HF_HUB_OFFLINE", "1")
+        bridge = TransformerBridge.boot_transformers(str(path), hf_model=hf)
     return model, bridge
 
 
