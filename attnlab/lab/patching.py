@@ -153,10 +153,8 @@ def patch(
     out = torch.zeros(len(names), cells)
     for layer, name in enumerate(names):
         for c in range(cells):
-            fn = _patch_at(
-                clean_cache[name], None if kind == "head" else c, c if kind == "head" else None
-            )
-            with hooks(model, [(name, fn)]):
+            pos, head = (None, c) if kind == "head" else (c, None)
+            with hooks(model, [(name, _patch_at(clean_cache[name], pos, head))]):
                 out[layer, c] = metric(model(corrupt)).float()
     return out
 
