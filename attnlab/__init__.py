@@ -21,6 +21,7 @@ _HOMES = {
     "open_checkpoint": "attnlab.checkpoint",
     "save_pretrained": "attnlab.checkpoint",
     "beam_search": "attnlab.inference.beam",
+    "GenerationConfig": "attnlab.inference.config",
     "generate": "attnlab.inference.generate",
     "generate_text": "attnlab.inference.generate",
     "stream_tokens": "attnlab.inference.generate",

@@ -379,8 +379,8 @@ def read_chat_template(directory: str | Path) -> str | None:
 @functools.lru_cache(maxsize=16)
 def _compile_template(template: str):
     """A Jinja template in the environment `transformers` renders chat templates in, compiled
-    once per template text, as transformers caches its own (compiled on every call, it took
-    ~2.4 ms a call here: 85% of `apply_chat_template`'s time)."""
+    once per template text, as transformers caches its own: compiling is most of what
+    rendering a chat costs (the figure: benchmarks/README.md)."""
     import jinja2  # torch depends on it, so it is there wherever attnlab is
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

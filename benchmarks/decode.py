@@ -69,6 +69,7 @@ from torch import nn  # noqa: E402
 
 from attnlab.accel.fast_linear import choose_fast_linear, enable_fast_linear  # noqa: E402
 from attnlab.inference.compiled_step import compile_decode_step  # noqa: E402
+from attnlab.inference.config import GenerationConfig  # noqa: E402
 from attnlab.inference.generate import generate, stream_tokens  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
 from attnlab.models.build import build_model  # noqa: E402
@@ -119,12 +120,17 @@ def run_recompute(model: nn.Module, prompt: list[int], n_new: int) -> list[int]:
 
 
 def run_cached(model: nn.Module, prompt: list[int], n_new: int) -> list[int]:
-    return generate(model, [prompt], n_new, GREEDY)[0]
+    return generate(model, [prompt], GenerationConfig(n_new, GREEDY))[0]
 
 
 def run_stream(model: nn.Module, prompt: list[int], n_new: int, step_fn=None) -> list[int]:
     with torch.no_grad():
-        return [int(t) for t in stream_tokens(model, [prompt], n_new, GREEDY, step_fn=step_fn)]
+        return [
+            int(t)
+            for t in stream_tokens(
+                model, [prompt], GenerationConfig(n_new, GREEDY), step_fn=step_fn
+            )
+        ]
 
 
 def run_hf(hf_model: nn.Module, prompt: list[int], n_new: int) -> list[int]:

@@ -64,6 +64,7 @@ from _timing import cpu_name, use_all_cores  # noqa: E402
 from attnlab.accel.fast_linear import enable_fast_linear  # noqa: E402
 from attnlab.accel.host_memory import keep_freed_memory  # noqa: E402
 from attnlab.checkpoint import open_checkpoint, save_pretrained  # noqa: E402
+from attnlab.inference.config import GenerationConfig  # noqa: E402
 from attnlab.inference.generate import generate  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
 from attnlab.models.build import build_model  # noqa: E402
@@ -192,7 +193,9 @@ def baseline(ckpt: Path, requests, args) -> tuple[list[Result], float]:
     if args.fast_linear:
         enable_fast_linear(loaded.model)  # the same Linears as the server's
     eos = loaded.tokenizer.token_id("<eos>")
-    generate(loaded.model, [requests[0][0]], 2, SamplingConfig(temperature=0))  # warm-up
+    generate(
+        loaded.model, [requests[0][0]], GenerationConfig(2, SamplingConfig(temperature=0))
+    )  # warm-up
     results, start = [], time.perf_counter()
     for prompt, max_tokens in requests:
         if time.perf_counter() - start > args.max_seconds:
@@ -205,9 +208,7 @@ def baseline(ckpt: Path, requests, args) -> tuple[list[Result], float]:
         generate(
             loaded.model,
             [prompt],
-            max_tokens,
-            SamplingConfig(temperature=0),
-            [eos],
+            GenerationConfig(max_tokens, SamplingConfig(temperature=0), stop_tokens=[eos]),
             on_token=arrived,
         )
         results.append(result)

@@ -1,11 +1,13 @@
-"""Every `attnlab ...` command line in README.md's bash blocks runs, as a user would type it.
+"""Every `attnlab ...` command line in the bash blocks of README.md and of the docs pages it links
+(PAGES) runs, as a user would type it.
 
-The commands are read from whatever README.md holds now (so the test follows the README), and run
-in order in one scratch folder, the way a reader goes down the page: `train` writes runs/default,
-which `eval`, `generate` and `viz` then open. To keep them fast, OVERRIDES below appends a few
-flags per command (tiny sizes, the text fixture instead of a download) and `setup_for` prepares
-what a line takes as already there (a local stand-in for a download); nothing else is changed. A
-command whose words and flags were already run is not run twice.
+The commands are read from whatever those pages hold now (so the test follows them), and run in
+order in one scratch folder, README first, the way a reader goes down the pages: `train` writes
+runs/default, which `eval`, `generate` and `viz` then open. To keep them fast, OVERRIDES below
+appends a few flags per command (tiny sizes, the text fixture instead of a download) and
+`setup_for` prepares what a line takes as already there (a local stand-in for a download, a run
+that a later line makes); nothing else is changed. A command whose words and flags were already
+run is not run twice.
 """
 
 import re
@@ -21,6 +23,10 @@ from tests.data import SHAKESPEARE
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# The pages whose commands and Python blocks run here, in reading order (docs/tutorial/ has its
+# own test, tests/test_tutorial.py).
+DOCS = ("finetuning", "serving", "experiments", "interop", "performance")
+PAGES = [README, *(REPO / "docs" / f"{name}.md" for name in DOCS)]
 
 TINY_TRAIN = [
     "--train.steps=2",
@@ -78,7 +84,7 @@ def readme_commands(text: str) -> list[list[str]]:
     return unique
 
 
-COMMANDS = readme_commands(README.read_text())
+COMMANDS = readme_commands("\n".join(page.read_text() for page in PAGES))
 
 
 def overridden(argv: list[str]) -> list[str]:
@@ -111,6 +117,10 @@ def _maker(run: str) -> list[str]:
     return ["train"]
 
 
+# Lines that setup_for already ran to make a run another line reads: their own test passes.
+MADE: set[tuple[str, ...]] = set()
+
+
 def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
     """Whatever a README line takes as already there (beyond what earlier lines made)."""
     if argv[:2] == ["data", "get"]:
@@ -126,6 +136,7 @@ def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
         maker = _maker(argv[argv.index("--ckpt") + 1])
         setup_for(maker, ws, monkeypatch)
         assert main(overridden(maker)) == 0
+        MADE.add(tuple(maker))
     if argv[0] == "train" and "--resume" in argv:
         # --resume continues a run: the first time, there is none to continue, so start it.
         plain = [a for a in overridden(argv) if a != "--resume"]
@@ -136,6 +147,17 @@ def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
 def test_the_readme_shows_commands():
     assert COMMANDS, "no `attnlab ...` line found in README.md's bash blocks"
     assert ["train"] in COMMANDS
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=lambda p: p.name)
+def test_each_docs_page_is_linked_from_the_readme(page):
+    assert f"]({page.relative_to(REPO).as_posix()})" in README.read_text(), page
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_pages_links_resolve(page):
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+        assert (page.parent / target).exists(), f"{page.name} links {target}, which is missing"
 
 
 # The fine-tuning block's lines (and what reads their runs) and the experiments take seconds
@@ -157,6 +179,8 @@ README_PARAMS = [
 def test_readme_command_runs(argv, workspace, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
     monkeypatch.setenv("ATTNLAB_DATA", str(workspace / "no_downloads"))
+    if tuple(argv) in MADE:
+        return  # run (and checked) already, to make a run that an earlier line reads
     setup_for(argv, workspace, monkeypatch)
     try:
         code = main(overridden(argv))
@@ -186,13 +210,18 @@ SERVED_AT = "http://127.0.0.1:8000"  # the README's server address; the test ser
 
 
 def test_the_readme_python_example_runs(workspace, monkeypatch, capsys):
-    """The README's Python block, as written, after the main job (tiny) made runs/default."""
+    """The Python blocks of README.md and its docs pages, as written, after the main job (tiny)
+    made runs/default."""
     monkeypatch.chdir(workspace)
     if not (workspace / "runs" / "default").is_dir():
         assert main(overridden(["train"])) == 0
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README.md shows no Python example"
-    for code in blocks:
+    assert re.search(r"```python\n", README.read_text()), "README.md shows no Python example"
+    blocks = [
+        (page, code)
+        for page in PAGES
+        for code in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    ]
+    for page, code in blocks:
         if SERVED_AT in code:  # a client of `attnlab serve --ckpt runs/default --api-key s3cret`
             pytest.importorskip("openai")
             from tests.serve.server_helpers import Server
@@ -200,9 +229,9 @@ def test_the_readme_python_example_runs(workspace, monkeypatch, capsys):
             server = Server(workspace / "runs" / "default", api_key="s3cret", model_name="default")
             try:
                 served = code.replace(SERVED_AT, server.url)
-                exec(compile(served, str(README), "exec"), {"__name__": "readme"})
+                exec(compile(served, str(page), "exec"), {"__name__": "readme"})
             finally:
                 server.close()
             continue
-        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+        exec(compile(code, str(page), "exec"), {"__name__": "readme"})
     assert "torch.Size([2, 16, 256])" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import argparse
 from attnlab.checkpoint import open_checkpoint
 from attnlab.configs import from_dict
 from attnlab.finetune.run import evaluate_finetuned, is_finetune_run
+from attnlab.models.heads import task_head_kind
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
 from attnlab.training.tasks import build_task
@@ -33,9 +34,9 @@ def evaluate_checkpoint(path: str, batches: int | None = None, device: str = "au
     loaded = open_checkpoint(path, str(device))  # a LoRA run's adapters merged
     if is_finetune_run(loaded.run):  # its own metrics (accuracy, F1, exact match, preferences)
         return evaluate_finetuned(loaded, device)
-    if "n_labels" in loaded.run:
+    if (kind := task_head_kind(loaded.config)) is not None:
         raise ValueError(
-            f"checkpoint {str(path)!r} is a sequence classifier ({loaded.run['n_labels']} labels); "
+            f"checkpoint {str(path)!r} is {kind}; "
             "attnlab eval scores the LM, MLM and seq2seq tasks of a training run and has no "
             "labelled data for it"
         )

@@ -9,7 +9,7 @@ and generation stops at the template's end of turn; only the reply is printed. A
 fine-tuning checkpoint opens with its adapters merged (`open_checkpoint`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
-`--top-k`); their defaults live in the dataclass, the others in `generate_text`'s signature.
+`--top-k`); their defaults live in the dataclass, the others in GenerationConfig's.
 An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint trained on
 generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
@@ -17,7 +17,6 @@ generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 """
 
 import argparse
-import inspect
 import sys
 
 import torch
@@ -26,11 +25,13 @@ from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import apply_config_flags
 from attnlab.configs import leaf_fields
 from attnlab.finetune.sequences import ChatFormat
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.models.heads import task_head_kind
 
 SECTION = "sampling"
-DEFAULTS = {k: p.default for k, p in inspect.signature(generate_text).parameters.items()}
+DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -54,14 +55,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        default=DEFAULTS["max_new_tokens"],
+        default=DEFAULTS.max_new_tokens,
         metavar="N",
         help="at most this many new tokens (default %(default)s)",
     )
     p.add_argument(
         "--seed",
         type=int,
-        default=DEFAULTS["seed"],
+        default=DEFAULTS.seed,
         metavar="S",
         help="seed of the sampling generator (default: unseeded)",
     )
@@ -76,14 +77,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-beams",
         type=int,
-        default=DEFAULTS["num_beams"],
+        default=DEFAULTS.num_beams,
         metavar="W",
         help="beam search with W beams instead of sampling (default %(default)s)",
     )
     p.add_argument(
         "--length-penalty",
         type=float,
-        default=DEFAULTS["length_penalty"],
+        default=DEFAULTS.length_penalty,
         metavar="A",
         help="beam search: score / length**A (default %(default)s)",
     )
@@ -123,13 +124,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
     loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
-    head = loaded.config.head  # a task head (attnlab finetune --task classify|tag, HF)
-    if head is not None or "n_labels" in saved:
-        token = head is not None and head.task == "token"
-        kind = "a token classifier" if token else "a sequence classifier"
-        n = head.num_labels if head is not None else saved["n_labels"]
+    kind = task_head_kind(loaded.config)  # a task head (attnlab finetune --task classify|tag, HF)
+    if kind is not None:
         raise ValueError(
-            f"checkpoint {args.ckpt!r} is {kind} ({n} labels) with no LM head to generate "
+            f"checkpoint {args.ckpt!r} is {kind} with no LM head to generate "
             "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
         )
     task = saved.get("data", {}).get("task")
@@ -165,15 +163,17 @@ def run(args: argparse.Namespace) -> int:
         model,
         tokenizer,
         prompt,
-        args.max_new_tokens,
-        configs[SECTION],
-        args.seed,
-        stop,
-        args.num_beams,
-        args.length_penalty,
+        GenerationConfig(
+            args.max_new_tokens,
+            configs[SECTION],
+            seed=args.seed,
+            stop_strings=stop,
+            num_beams=args.num_beams,
+            length_penalty=args.length_penalty,
+            stop_tokens=stop_tokens,
+        ),
         on_text=show if args.stream else None,
         on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
-        stop_tokens=stop_tokens,
     )
     if not args.stream:
         show(args.prompt + text if echo else text)

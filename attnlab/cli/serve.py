@@ -12,7 +12,6 @@ requests finish for up to --stop-timeout seconds, then exits.
 
 import argparse
 import dataclasses
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -23,13 +22,13 @@ from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.checkpoint import Loaded, open_checkpoint
 from attnlab.inference.steps import decoder_of, prefix_length
+from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
+from attnlab.serve.types import DEFAULT_ENGINE, EngineConfig
 
-ENGINE_DEFAULTS = {
-    k: p.default for k, p in inspect.signature(SequentialEngine.__init__).parameters.items()
-}
+ENGINE_DEFAULTS = DEFAULT_ENGINE
 SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 API_KEY_ENV = "ATTNLAB_API_KEY"
 
@@ -47,14 +46,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch",
         type=int,
-        default=ENGINE_DEFAULTS["max_batch"],
+        default=ENGINE_DEFAULTS.max_batch,
         metavar="N",
         help="requests decoded together (batched engine; default %(default)s)",
     )
     p.add_argument(
         "--max-queue",
         type=int,
-        default=ENGINE_DEFAULTS["max_queue"],
+        default=ENGINE_DEFAULTS.max_queue,
         metavar="N",
         help="requests that may wait; more get HTTP 429 (default %(default)s)",
     )
@@ -137,14 +136,16 @@ def run(args: argparse.Namespace) -> int:
         enable_fast_linear(model)
     max_context = args.max_context or loaded.config.max_seq_len
     context = context_length(model, max_context)
-    options = dict(max_batch=args.max_batch, max_queue=args.max_queue, max_context=context)
+    options = EngineConfig(args.max_batch, max_queue=args.max_queue, max_context=context)
     if Engine is SequentialEngine:
         if args.compile_attention:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
-        engine = Engine(model, tokenizer, **options)
+        engine = Engine(model, tokenizer, options)
     else:
-        options |= dict(threads=threads, compile_attention=args.compile_attention)
-        engine = Engine(model, tokenizer, **options)
+        options = dataclasses.replace(
+            options, threads=threads, compile_attention=args.compile_attention
+        )
+        engine = Engine(model, tokenizer, options)
         try:
             engine.start()  # prepared (compiled) before the port opens; the app's start: no-op
         except RuntimeError as err:
@@ -171,8 +172,8 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
             f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
             "language model checkpoint"
         )
-    if "n_labels" in loaded.run:
-        raise ValueError(f"{ckpt!r} is a sequence classifier: it has no LM head to serve")
+    if (kind := task_head_kind(loaded.config)) is not None:
+        raise ValueError(f"{ckpt!r} is {kind}: it has no LM head to serve")
     if loaded.tokenizer is None:
         raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
     return loaded

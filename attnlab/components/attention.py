@@ -3,6 +3,7 @@
     x ──q_proj──> q (B, H, T, D) ─┐
     x ──k_proj──> k (B, K, S, D) ─┼─ ctx.positions.rotate_qk ─> backend(q, k, v, mask, bias) ─> out
     x ──v_proj──> v (B, K, S, D) ─┘      (cross attention: k and v come from `memory`)
+                                               out (B, H, T, D) ─concat heads─> o_proj ─> (B, T, C)
 
 n_kv_heads = n_heads is MHA (Vaswani et al. 2017), 1 is MQA (Shazeer 2019), anything between that
 divides n_heads is GQA (Ainslie et al. 2023). The model prepares the position scheme's terms once
@@ -17,9 +18,8 @@ from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
 from attnlab.components.context import NO_CONTEXT, AttentionContext
-from attnlab.components.flex import dense_terms
+from attnlab.components.hooks import HookPoint, attend_heads
 from attnlab.components.kv_cache import KVCache
-from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
 
 
@@ -83,11 +83,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
-        self.capture_weights = False  # set to keep the probabilities (B, H, T, S) in .weights
-        self.weights: Tensor | None = None
-        # (H,) gate on each head's output before o_proj (Michel et al. 2019); None = no gate.
-        # A plain attribute, not a buffer: an experiment's setting, never saved with the weights.
-        self.head_mask: Tensor | None = None
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_scores, self.hook_pattern = HookPoint(), HookPoint()  # seen only when hooked
+        self.hook_z, self.hook_out = HookPoint(), HookPoint()
 
     def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
         """Attend from `x` to itself (or to `ctx.memory` for cross attention).
@@ -97,13 +95,12 @@ class Attention(nn.Module):
             ctx: the forward's AttentionContext (components/context.py). Self-attention reads
                 its mask, is_causal, positions and slots; cross attention its memory and
                 memory_mask.
-            cache: self-attention: a KVCache (or a paged cache's layer view) written at
-                `ctx.slots`; cross-attention: a CrossKV that keeps the memory's keys and values
-                after the first call.
+            cache: self-attention: a LayerCache (a KVCache, or a paged cache's layer view)
+                written at `ctx.slots`; cross-attention: a CrossKV that keeps the memory's keys
+                and values after the first call.
 
         Returns:
-            (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.
-            With `head_mask` set, head h's output is multiplied by head_mask[h] before o_proj.
+            (B, T, C). Each activation passes a hook point (components/hooks.py).
         """
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
@@ -114,45 +111,23 @@ class Attention(nn.Module):
                 k, v = self.project_kv(ctx.memory)  # (B, K, M, D)
             else:
                 k, v = cache.get(lambda: self.project_kv(ctx.memory))  # computed once per source
+            cache = None  # nothing more to write
         else:
             mask, bias, is_causal = ctx.mask, ctx.positions.bias, ctx.is_causal
             k, v = self.project_kv(x)  # (B, K, T, D)
             q, k = ctx.positions.rotate_qk(q, k)  # the new keys sit at the queries' positions
-            if getattr(cache, "attend_rows", None) and not self.capture_weights:
-                # A paged cache's rows have their own lengths: it writes the new keys, then has
-                # each group of rows of similar length attend to keys gathered only as far as
-                # its longest row (components/paged_kv_cache.py).
-                def attend_rows(q, k, v, mask, bias):  # one group's (b, H, T, D)
-                    return self.attend(q, k, v, mask=mask, bias=bias, scale=self.scale)[0]
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if cache is None:
+            z = attend_heads(self, q, k, v, mask, bias, is_causal)  # (B, H, T, D)
+        else:  # the cache writes the new keys, then attends to all it holds (kv_cache.py)
+            z = cache.attend(q, k, v, ctx.slots, mask, bias, self.attend_to, self.scale)
+        z = self.hook_z(z)  # (B, H, T, D): each head's output
+        out = self.o_proj(z.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
+        return self.hook_out(out)
 
-                out = cache.attend_rows(q, k, v, ctx.slots, mask, bias, attend_rows, self.scale)
-                return self.output(out)
-            if cache is not None:
-                k, v = cache.update(k, v, ctx.slots)  # (B, K, S_max, D)
-        if mask is not None:
-            check_mask(mask, B, H, T, k.shape[2])
-        args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=self.scale)
-        dropout = self.dropout if self.training else 0.0
-        # The flash backend recomputes the probabilities from its saved log-sum-exp.
-        from_flash = self.capture_weights and self.backend == "flash"
-        out, weights = self.attend(q, k, v, dropout=dropout, return_weights=from_flash, **args)
-        if self.capture_weights and weights is None:
-            # Recomputed on the eager path, so the output above stays on the fast path (a flex
-            # layer's mask_mod / score_mod become the dense tensors eager takes).
-            args["mask"], args["bias"] = dense_terms(mask, args["bias"], B, H, T, k.shape[2])
-            weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
-        if self.capture_weights:
-            self.weights = weights  # (B, H, T, S)
-        return self.output(out)
-
-    def output(self, out: Tensor) -> Tensor:
-        """The heads' outputs (B, H, T, D) -> (B, T, C): gated by `head_mask`, concatenated,
-        projected by o_proj."""
-        B, H, T, D = out.shape
-        if self.head_mask is not None:
-            out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
-        return self.o_proj(out)  # (B, T, C)
+    def attend_to(self, q, k, v, mask=None, bias=None) -> Tensor:
+        """This layer's attention of q (B, H, T, D) to cached k, v (B, K, S, D) -> (B, H, T, D)."""
+        return attend_heads(self, q, k, v, mask, bias)
 
     def project_kv(self, source: Tensor | None) -> tuple[Tensor, Tensor]:
         """Keys and values of `source` (B, S, C_kv) -> each (B, K, S, D)."""

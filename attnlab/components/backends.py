@@ -74,9 +74,32 @@ def eager_attention(
     Returns:
         out: (B, H, T, D); weights: (B, H, T, S) fp32 probabilities, or None.
     """
+    scores, mask = attention_scores(q, k, mask, bias, is_causal, scale)  # (B, H, T, S), fp32
+    probs = attention_probs(scores, mask)  # (B, H, T, S)
+    attn = F.dropout(probs, p=dropout) if dropout > 0 else probs
+    v = repeat_kv(v, q.shape[1] // v.shape[1])  # (B, H, S, D)
+    out = (attn @ v.float()).to(q.dtype)  # (B, H, T, D)
+    return out, (probs if return_weights else None)
+
+
+def attention_scores(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The eager path's first half: Q K^T * scale + bias, -inf where the mask says no.
+
+    Args: as `eager_attention`.
+
+    Returns:
+        scores (B, H, T, S) fp32, and the mask applied (with the causal part), or None.
+    """
     H, T, D = q.shape[1], q.shape[2], q.shape[3]
     S = k.shape[2]
-    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])  # (B, H, S, D)
+    k = repeat_kv(k, H // k.shape[1])  # (B, H, S, D)
     scale = D**-0.5 if scale is None else scale
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, S), fp32
     if bias is not None:
@@ -85,13 +108,16 @@ def eager_attention(
         mask = _with_causal(mask, T, S, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # (B, H, T, S); a fully masked row is all NaN here
+    return scores, mask
+
+
+def attention_probs(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """The eager path's softmax: scores (B, H, T, S) -> probabilities, masked entries exactly 0."""
+    probs = torch.softmax(scores, dim=-1)  # a fully masked row is all NaN here
     if mask is not None:
         # exp(-inf) everywhere gives 0/0: such a row attends to nothing, so it reads nothing.
         probs = probs.masked_fill(~mask, 0.0)
-    attn = F.dropout(probs, p=dropout) if dropout > 0 else probs
-    out = (attn @ v.float()).to(q.dtype)  # (B, H, T, D)
-    return out, (probs if return_weights else None)
+    return probs
 
 
 def sdpa_attention(

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from attnlab.components.attention import Attention
 from attnlab.components.context import NO_CONTEXT, AttentionContext
+from attnlab.components.hooks import HookPoint
 
 Placement = Literal["pre", "post"]
 
@@ -64,6 +65,10 @@ class DecoderBlock(nn.Module):
             raise ValueError(f"this block has {expected} sublayers but got {len(norms)} norms")
         self.self_attn, self.cross_attn, self.ffn = self_attn, cross_attn, ffn
         self.residuals = nn.ModuleList(Residual(n, placement, dropout) for n in norms)
+        # The residual stream before the block and after each sublayer (components/hooks.py).
+        self.hook_resid_pre, self.hook_resid_mid = HookPoint(), HookPoint()
+        self.hook_resid_cross = HookPoint() if cross_attn is not None else None
+        self.hook_resid_post = HookPoint()
 
     def forward(
         self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None, cross_cache=None
@@ -76,10 +81,11 @@ class DecoderBlock(nn.Module):
             cache: the self-attention's cache.  cross_cache: the cross-attention's CrossKV.
         """
         res = iter(self.residuals)
-        x = next(res)(x, lambda h: self.self_attn(h, ctx, cache))
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(next(res)(x, lambda h: self.self_attn(h, ctx, cache)))
         if self.cross_attn is not None:
-            x = next(res)(x, lambda h: self.cross_attn(h, ctx, cross_cache))
-        return next(res)(x, self.ffn)  # (B, T, C)
+            x = self.hook_resid_cross(next(res)(x, lambda h: self.cross_attn(h, ctx, cross_cache)))
+        return self.hook_resid_post(next(res)(x, self.ffn))  # (B, T, C)
 
 
 class EncoderBlock(DecoderBlock):

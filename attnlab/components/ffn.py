@@ -16,6 +16,8 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.components.hooks import HookPoint
+
 
 def gelu_tanh(x: Tensor) -> Tensor:
     """GPT-2's GELU ("gelu_new"): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
@@ -67,9 +69,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
+        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()  # components/hooks.py
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.drop(self.act(self.up_proj(x))))  # (B, T, F) -> (B, T, C)
+        h = self.hook_hidden(self.act(self.up_proj(x)))  # (B, T, F)
+        return self.hook_out(self.down_proj(self.drop(h)))  # (B, T, C)
 
 
 class GatedMLP(nn.Module):
@@ -96,7 +100,8 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
+        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()  # components/hooks.py
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x)  # (B, T, F)
-        return self.down_proj(self.drop(h))  # (B, T, C)
+        h = self.hook_hidden(self.act(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F)
+        return self.hook_out(self.down_proj(self.drop(h)))  # (B, T, C)

@@ -182,7 +182,7 @@ def dense_terms(
 
     A BlockMask's mask_mod and a score_mod are evaluated on every (b, h, i, j) by broadcasting
     index tensors, which builds what the flex path never does: (B, H, T, S) tensors. So only
-    `capture_weights` (attention maps, at picture sizes) calls this.
+    a watched `hook_pattern` (attention maps, at picture sizes; components/hooks.py) calls this.
 
     Returns:
         (mask bool (B, H, T, S) or as given, bias float (B, H, T, S) or as given).

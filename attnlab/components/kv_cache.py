@@ -17,15 +17,75 @@ compressed latent c_kv (r numbers) and the one rope key shared by all heads (R n
 heads of keys and values. Each attention layer builds its own cache (`make_cache`), so
 `ModelCache` never asks which kind of attention it is caching for.
 
+Two small interfaces are shared with the paged cache (components/paged_kv_cache.py), so that a
+layer and the model ask every kind of cache the same questions and never which kind it is:
+
+    LayerCache.attend(q, k, v, slots, mask, bias, attend)   one layer: write, then attend
+    StepCache.positions_and_mask(slots, window)             one forward: each row's positions
+                                                            and what each new token may see
+
 Shapes: B batch, K kv heads, S_max slots, T new tokens, M memory length, D head_dim,
 r kv_lora_rank, R qk_rope_head_dim.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.masks import cached_attention_mask
 
-class KVCache(nn.Module):
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None], Tensor]
+"""(q, k, v, mask, bias) -> (B, H, T, D): a layer's attention over the keys it is given."""
+
+
+class LayerCache:
+    """What a self-attention layer asks of its cache: keep the new keys, attend to all of them."""
+
+    def update(self, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new keys/values (B, K, T, D) at `slots`; return every key and value."""
+        raise NotImplementedError
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        slots: Tensor,
+        mask: Tensor | None,
+        bias: Tensor | None,
+        attend: Attend,
+        scale: float | None = None,
+    ) -> Tensor:
+        """Write the new keys and values at `slots`, then attend `q` to every cached key.
+
+        Args:
+            q: (B, H, T, D).  k, v: (B, K, T, D) the new tokens'.  slots: where they go.
+            mask, bias: for the cached keys (the model's context).  attend: the layer's.
+            scale: the layer's score scale (a cache that attends on its own needs it).
+
+        Returns:
+            (B, H, T, D).
+        """
+        k, v = self.update(k, v, slots)  # (B, K, S, D)
+        return attend(q, k, v, mask, bias)
+
+
+class StepCache:
+    """What a model asks of a whole cache for one forward (the layers read `layers`, `cross`)."""
+
+    layers: list
+    cross: list | None
+
+    def positions_and_mask(
+        self, slots: Tensor, window: int | None
+    ) -> tuple[Tensor, Tensor, int, Tensor]:
+        """(pos, k_pos, bound, mask): the new tokens' positions (B, T), the keys' (B, S), a
+        bound above every position, and the bool (B, 1, T, S) mask of what each may see."""
+        raise NotImplementedError
+
+
+class KVCache(LayerCache, nn.Module):
     """One self-attention layer's preallocated key/value buffers.
 
     Args:
@@ -110,7 +170,7 @@ class CrossKV(nn.Module):
         return self.k, self.v
 
 
-class ModelCache(nn.Module):
+class ModelCache(StepCache, nn.Module):
     """All layers' caches for one generation, plus what every layer needs to read them.
 
     Args:
@@ -146,6 +206,14 @@ class ModelCache(nn.Module):
         ]
         crosses = [CrossKV() for _ in decoder.blocks] if cross else None
         return cls(layers, crosses, key_valid)
+
+    def positions_and_mask(
+        self, slots: Tensor, window: int | None
+    ) -> tuple[Tensor, Tensor, int, Tensor]:
+        """As StepCache's, for new tokens at `slots` (T,) of the preallocated buffers."""
+        k_pos = self.pos  # (B, S_max)
+        bound = k_pos.shape[1]  # a row's positions never exceed its slots
+        return k_pos[:, slots], k_pos, bound, cached_attention_mask(slots, self.key_valid, window)
 
     def layout(self) -> tuple:
         """What a compiled decode step specializes on: each buffer's shape, dtype and device,

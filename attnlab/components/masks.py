@@ -12,13 +12,19 @@ those with `and_masks` / `or_masks` from `torch.nn.attention.flex_attention`.
     # # . .           # # . .             # # . .                # # # .
     # # # .           . # # .             # # # .                # # # .
     # # # #           . . # #             # # # #                # # # .
+
+What a model builds from these once per forward (the decoder and the encoder share them):
+`self_attention_mask` (causal, windowed, padded), `custom_attention_mask` and `mask_from_mod`
+(a caller's mask, a tensor or a mask_mod), `cached_attention_mask` (against a static cache).
 """
 
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
+
+from attnlab.components.flex import block_mask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """(b, h, i, j) -> True where query i of row b, head h may attend to key j (0-d tensors)."""
@@ -189,6 +195,151 @@ def permutation_mask_mod(order: Tensor, include_self: bool = False) -> MaskMod:
         return (rank[j] <= rank[i]) if include_self else (rank[j] < rank[i])
 
     return permutation
+
+
+def self_attention_mask(
+    T: int, S: int, attention_mask: Tensor | None, window: int | None, device
+) -> tuple[Tensor | None, bool]:
+    """The causal self-attention mask of a decoder, and whether SDPA may use is_causal instead.
+
+    Args:
+        T: new query tokens.  S: key positions (cached + new); queries are the last T of them.
+        attention_mask: (B, S) True = real token, or None (no padding).
+        window: sliding window, or None.
+
+    Returns:
+        (mask, is_causal): mask bool (T, S) or (B, 1, T, S), or None with is_causal=True.
+    """
+    if attention_mask is None and window is None:
+        return None, True
+    mask = (
+        causal_mask(T, S, device) if window is None else sliding_window_mask(T, window, S, device)
+    )
+    if attention_mask is not None:
+        mask = mask & padding_mask(attention_mask)  # (B, 1, T, S)
+    return mask, False
+
+
+def custom_attention_mask(
+    attn_mask: Tensor, B: int, T: int, attention_mask: Tensor | None
+) -> Tensor:
+    """A caller's (T, T) or (B, T, T) self-attention mask, checked, with the padding mask.
+
+    Args:
+        attn_mask: bool (T, T) or (B, T, T), True = query i may attend to key j.
+        B, T: batch and length of the ids.  attention_mask: (B, T) True = real token, or None.
+
+    Returns:
+        bool (T, T) or (B, 1, T, T).
+    """
+    shapes = ((T, T), (B, T, T))
+    if attn_mask.dtype != torch.bool or tuple(attn_mask.shape) not in shapes:
+        raise ValueError(
+            f"attn_mask must be a bool tensor of shape {shapes[0]} or {shapes[1]} (True = may "
+            f"attend), got {attn_mask.dtype} {tuple(attn_mask.shape)}"
+        )
+    mask = attn_mask if attn_mask.dim() == 2 else attn_mask[:, None]  # (T, T) or (B, 1, T, T)
+    if attention_mask is not None:
+        mask = mask & padding_mask(attention_mask)  # (B, 1, T, T)
+    return mask
+
+
+def evaluate_mask_mod(mask_mod: MaskMod, B: int, T: int, device=None) -> Tensor:
+    """A mask_mod's dense (B, T, T) bool mask, evaluated at every (b, i, j) by broadcasting.
+
+    The head index is 0: a mask given to a model is the same for every head.
+
+    Returns:
+        bool (B, T, T), True = query i may attend to key j.
+    """
+    b = torch.arange(B, device=device).view(B, 1, 1)  # (B, 1, 1)
+    h = torch.zeros((), dtype=torch.long, device=device)
+    i = torch.arange(T, device=device).view(1, T, 1)  # (1, T, 1)
+    j = torch.arange(T, device=device).view(1, 1, T)  # (1, 1, T)
+    try:
+        mask = torch.as_tensor(mask_mod(b, h, i, j))
+    except (IndexError, RuntimeError) as err:
+        raise ValueError(
+            f"attn_mask: the mask_mod failed on a batch of B={B}, T={T} ({err}); it must take "
+            "(b, h, i, j) index tensors of that batch and length"
+        ) from err
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"attn_mask: a mask_mod must return bool (True = may attend), got {mask.dtype}"
+        )
+    shape = tuple(mask.shape)
+    if len(shape) > 3 or any(n not in (1, m) for n, m in zip(shape[::-1], (T, T, B))):
+        raise ValueError(
+            f"attn_mask: the mask_mod returned shape {shape}, which does not "
+            f"broadcast to (B, T, T) = {(B, T, T)}; index it with (b, h, i, j) only"
+        )
+    return mask.expand(B, T, T)
+
+
+def mask_from_mod(
+    mask_mod: MaskMod, B: int, T: int, attention_mask: Tensor | None, flex: bool, device
+) -> Tensor | BlockMask:
+    """A caller's mask_mod as what the layers' backend takes, built once per forward.
+
+    Args:
+        mask_mod: (b, h, i, j) -> bool, True = query i of row b may attend to key j.
+        B, T: batch and length of the ids.  attention_mask: (B, T) True = real token, or None.
+        flex: every self-attention layer uses the "flex" backend: build a BlockMask.
+
+    Returns:
+        A BlockMask of shape (B, 1, T, T) (flex), else bool (B, 1, T, T).
+    """
+    if not flex:
+        return custom_attention_mask(
+            evaluate_mask_mod(mask_mod, B, T, device), B, T, attention_mask
+        )
+    mod = mask_mod
+    if attention_mask is not None:
+        valid = attention_mask.bool()  # (B, T)
+
+        def mod(b, h, i, j):
+            return mask_mod(b, h, i, j) & valid[b, j]
+
+    try:
+        return block_mask(mod, B, None, T, T, device)
+    except (IndexError, RuntimeError) as err:
+        raise ValueError(
+            f"attn_mask: the mask_mod failed on a batch of B={B}, T={T} ({err}); it must take "
+            "(b, h, i, j) indices of that batch and length"
+        ) from err
+
+
+def cached_attention_mask(slots: Tensor, key_valid: Tensor, window: int | None) -> Tensor:
+    """The self-attention mask against a preallocated cache.
+
+    Query at slot s sees slots <= s (unwritten later slots stay hidden), within the window, that
+    hold real tokens.
+
+    Args:
+        slots: (T,) slots of the new tokens.  key_valid: (B, S_max) False for padding.
+
+    Returns:
+        (B, 1, T, S_max) bool.
+    """
+    q = slots[:, None]  # (T, 1)
+    k = torch.arange(key_valid.shape[1], device=slots.device)[None, :]  # (1, S_max)
+    mask = k <= q  # (T, S_max)
+    if window is not None:
+        mask = mask & (k > q - window)
+    return mask & key_valid[:, None, None, :]  # (B, 1, T, S_max)
+
+
+def is_mask_mod(attn_mask) -> bool:
+    """Whether a model's `attn_mask` argument is a mask_mod (a function) rather than a tensor."""
+    return callable(attn_mask) and not isinstance(attn_mask, Tensor)
+
+
+def uses_flex(model: nn.Module) -> bool:
+    """Whether every self-attention layer of `model` runs on the "flex" backend."""
+    backends = [
+        m.backend for m in model.modules() if hasattr(m, "backend") and not getattr(m, "cross", 0)
+    ]
+    return bool(backends) and all(b == "flex" for b in backends)
 
 
 def check_mask(mask: Tensor | BlockMask, B: int, H: int, T: int, S: int) -> None:

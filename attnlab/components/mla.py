@@ -34,8 +34,8 @@ from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend
 from attnlab.components.context import NO_CONTEXT, AttentionContext
+from attnlab.components.hooks import HookPoint, attend_heads
 from attnlab.components.kv_cache import LatentCache
-from attnlab.components.masks import check_mask
 from attnlab.components.norms import RMSNorm
 
 
@@ -94,9 +94,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(r, norm_eps)
         self.kv_b_proj = nn.Linear(r, H * (Dn + Dv), bias=False)  # W_UK and W_UV, per head
         self.o_proj = nn.Linear(H * Dv, d_model, bias=out_bias)
-        self.capture_weights = False  # set to keep the probabilities (B, H, T, S) in .weights
-        self.head_mask: Tensor | None = None  # (H,) gate on each head's output, as in Attention
-        self.weights: Tensor | None = None
+        # Hook points as Attention's (components/hooks.py); q, k, v in the form attended:
+        # plain (B, H, *, Dn + R) / (B, H, S, Dv), or absorbed against the latent.
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_scores, self.hook_pattern = HookPoint(), HookPoint()
+        self.hook_z, self.hook_out = HookPoint(), HookPoint()
 
     def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
         """Attend from `x` to itself; arguments as `Attention.forward` (no cross attention).
@@ -108,7 +110,7 @@ class MultiHeadLatentAttention(nn.Module):
             cache: a `LatentCache` written at `ctx.slots` (T,).
 
         Returns:
-            (B, T, C). With `capture_weights` set, the probabilities are left in `self.weights`.
+            (B, T, C). Each activation passes a hook point (components/hooks.py).
         """
         if ctx.memory is not None:
             raise ValueError("MultiHeadLatentAttention is self-attention only (memory was given)")
@@ -122,23 +124,14 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = k_pe[:, 0]  # (B, T, R): one rope key per token, shared by every head
         if cache is not None:
             c_kv, k_pe = cache.update(c_kv, k_pe, ctx.slots)  # (B, S_max, r), (B, S_max, R)
-        if ctx.mask is not None:
-            check_mask(ctx.mask, B, H, T, c_kv.shape[1])
-        args = dict(
-            mask=ctx.mask, bias=ctx.positions.bias, is_causal=ctx.is_causal, scale=self.scale
-        )
         q, k, v = (self.absorbed_qkv if self.absorb else self.plain_qkv)(q_nope, q_pe, c_kv, k_pe)
-        dropout = self.dropout if self.training else 0.0
-        out, _ = self.attend(q, k, v, dropout=dropout, **args)  # (B, H, T, Dv or r)
-        if self.capture_weights:
-            # Recomputed on the eager path, so the output above stays on the fast path.
-            self.weights = BACKENDS["eager"](q, k, v, return_weights=True, **args)[1]
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        out = attend_heads(self, q, k, v, ctx.mask, ctx.positions.bias, ctx.is_causal)
         if self.absorb:
             out = torch.einsum("bhtr,hdr->bhtd", out, self._up_weights()[1])  # (B, H, T, Dv)
-        if self.head_mask is not None:
-            out = out * self.head_mask.to(out.dtype).view(1, H, 1, 1)  # (B, H, T, Dv)
-        out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)  # (B, T, H*Dv)
-        return self.o_proj(out)  # (B, T, C)
+        z = self.hook_z(out)  # (B, H, T, Dv): each head's output
+        out = self.o_proj(z.transpose(1, 2).reshape(B, T, H * self.v_head_dim))  # (B, T, C)
+        return self.hook_out(out)
 
     def project_q(self, x: Tensor) -> Tensor:
         """Queries of x (B, T, C) -> (B, T, H * (Dn + R)), through the q latent if there is one."""

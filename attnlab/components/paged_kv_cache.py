@@ -43,7 +43,8 @@ Rows of one step have their own lengths, and gathering every row as far as the l
 spend most of a step's copying and attention on padding when one long request decodes beside
 many short ones. So a step sorts its rows by length and splits them into a few groups of similar
 length (`row_groups`); each group gathers its keys only as far as its own longest row and
-attends on its own (`PagedLayerView.attend_rows`, which the Attention layer calls):
+attends on its own (`PagedLayerView.attend`, which the Attention layer calls as it calls the
+static cache's: kv_cache.py's `LayerCache`):
 
     rows' blocks 2 2 3 9 10 -> groups [2 2 3] gathering 3 blocks and [9 10] gathering 10:
     3*3 + 2*10 = 29 blocks' worth of keys per layer instead of 5*10 = 50
@@ -64,6 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.attention import Attention
+from attnlab.components.kv_cache import Attend, LayerCache, StepCache
 
 
 class NoFreeBlocks(RuntimeError):
@@ -213,9 +215,9 @@ class PagedLayer(nn.Module):
         self.v[index] = 0
 
 
-class PagedLayerView:
+class PagedLayerView(LayerCache):
     """What one attention layer sees as its cache for one step: `update` as KVCache's, with
-    per-row slots, and `attend_rows`, which attends each group of rows on its own."""
+    per-row slots, and `attend`, which attends each group of rows on its own."""
 
     def __init__(self, layer: PagedLayer, step: "PagedStep"):
         self.layer, self.step = layer, step
@@ -226,7 +228,7 @@ class PagedLayerView:
         self.layer.write(k, v, slots)
         return self.layer.gather(self.step.key_slots)
 
-    def attend_rows(
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -234,7 +236,7 @@ class PagedLayerView:
         slots: Tensor,
         mask: Tensor,
         bias: Tensor | None,
-        attend: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor],
+        attend: Attend,
         scale: float | None = None,
     ) -> Tensor:
         """Write the new keys/values, then attend each of the step's row groups to its own keys,
@@ -268,7 +270,7 @@ class PagedLayerView:
         return out
 
 
-class PagedStep:
+class PagedStep(StepCache):
     """One forward over a paged cache: the `cache` argument of `DecoderLM.forward`.
 
     Attributes:
@@ -309,6 +311,12 @@ class PagedStep:
         self.slots, self.pos = slots, pos
         self.bound = N * block_size
         self.key_pos = torch.arange(self.bound, device=pos.device).expand(B, self.bound)
+
+    def positions_and_mask(
+        self, slots: Tensor, window: int | None
+    ) -> tuple[Tensor, Tensor, int, Tensor]:
+        """As StepCache's: the step's own positions (its `slots` are `self.slots`)."""
+        return self.pos, self.key_pos, self.bound, self.attention_mask(window)
 
     def attention_mask(self, window: int | None = None) -> Tensor:
         """Query at position p sees keys j <= p (within `window`): bool (B, 1, T, S).

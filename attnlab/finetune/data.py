@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import random
-import sysconfig
 import tokenize
 from collections import Counter
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Literal
 
 from attnlab.finetune.signatures import all_args, corrupt_signature, functions, signature
 from attnlab.finetune.tagging import spans_from_words, tag_spans, windows
+from attnlab.training.data import stdlib_files, stdlib_root  # the "stdlib" corpus's files
 
 TaskKind = Literal["tag", "classify", "sft", "dpo"]
 SPLITS = ("train", "val", "test")
@@ -46,17 +46,6 @@ FIELDS = {  # a user's JSONL: the fields of each line, by task
     "sft": ("prompt", "response"),
     "dpo": ("prompt", "chosen", "rejected"),
 }
-# The same files as training/data.py's "stdlib" corpus (that layer sits beside this one, so
-# the skip list is repeated; tests/finetune/test_data.py checks the two agree).
-STDLIB_SKIP = (
-    "site-packages",
-    "dist-packages",
-    "test",
-    "tests",
-    "idlelib",
-    "lib2to3",
-    "turtledemo",
-)
 # Eight packages present in every CPython since 3.10 (not tkinter: distributions ship it apart),
 # each with 5+ files and about 100+ functions of 3+ lines, so every split holds each of them.
 CLASSIFY_PACKAGES = (
@@ -73,20 +62,6 @@ SFT_PROMPT = "Write the signature of the function documented as: {doc}"
 
 
 # --- files and splits ---------------------------------------------------------------------------
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files (sorted), without tests, site-packages and the like."""
-    root = stdlib_root()
-    return [
-        p
-        for p in sorted(root.rglob("*.py"))
-        if not any(part in STDLIB_SKIP for part in p.relative_to(root).parts)
-    ]
-
-
 def module_name(path: Path) -> str:
     """ "email.utils" for .../email/utils.py, "email" for .../email/__init__.py."""
     parts = list(path.relative_to(stdlib_root()).with_suffix("").parts)

@@ -35,7 +35,7 @@ from attnlab.finetune.heads_tasks import ClassifyTask, TagTask, build_head_task
 from attnlab.finetune.tagging import words_from_spans
 from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.config import ModelConfig
-from attnlab.models.heads import head_modules
+from attnlab.models.heads import head_modules, task_head_kind
 from attnlab.training.config import TrainConfig
 from attnlab.training.distributed import resolve_device
 
@@ -142,8 +142,9 @@ def open_base(path: str | Path, task: str) -> Loaded:
     """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer. A LoRA
     fine-tuning run (say, the SFT run that DPO starts from) opens with its adapters merged."""
     loaded = open_checkpoint(path)
-    if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or "n_labels" in loaded.run):
-        kind = "a classifier" if "n_labels" in loaded.run else f"an {loaded.config.arch} model"
+    head = task_head_kind(loaded.config)
+    if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or head is not None):
+        kind = head or f"an {loaded.config.arch} model"
         raise ValueError(
             f"--ckpt {path!r} is {kind}; --task {task} fine-tunes a decoder LM (a GPT-2 or "
             "Llama-family checkpoint)"

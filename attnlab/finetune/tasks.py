@@ -40,6 +40,7 @@ from attnlab.finetune.sequences import (
     pack_rows,
     pad_rows,
 )
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 
@@ -113,10 +114,12 @@ class _PromptTask:
             rows = generate(
                 model,
                 ids,
-                min(max_new_tokens, room),
-                GREEDY,
-                stop_tokens=fmt.stop_tokens,
-                stop_strings=[fmt.end],
+                GenerationConfig(
+                    min(max_new_tokens, room),
+                    GREEDY,
+                    stop_tokens=fmt.stop_tokens,
+                    stop_strings=[fmt.end],
+                ),
                 decode=lambda t: self.tokenizer.decode(t, skip_special=False),
             )
             out += [fmt.response_of(row) for row in rows]

@@ -30,12 +30,12 @@ Shapes: B prompts, W = num_beams, K candidates per prompt, V vocab_size.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.components.embedding import check_token_ids
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.steps import (
     decode_step,
     decoder_of,
@@ -57,54 +57,37 @@ class Hypothesis:
     score: float  # sum of log-probabilities / len(tokens) ** length_penalty
 
 
-def _check(num_beams, num_return_sequences, max_new_tokens, early_stopping) -> None:
-    if num_beams < 1:
-        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    if not 1 <= num_return_sequences <= num_beams:
-        raise ValueError(
-            f"num_return_sequences must be in [1, num_beams={num_beams}], "
-            f"got {num_return_sequences}"
-        )
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-
-
 @torch.no_grad()
 def beam_search(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
-    num_beams: int,
-    max_new_tokens: int,
-    eos_ids: Sequence[int] = (),
-    length_penalty: float = 1.0,
-    early_stopping: bool | Literal["never"] = False,
-    num_return_sequences: int = 1,
+    config: GenerationConfig,
+    *,
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """The best `num_return_sequences` hypotheses of each prompt, best first.
+    """The best `config.num_return_sequences` hypotheses of each prompt, best first.
 
     Args:
         prompts: token ids per prompt (decoder-only; left-padded together), or the decoder start
             tokens per source (encoder-decoder).
-        num_beams: W >= 1 (1 is greedy).  eos_ids: tokens that finish a hypothesis.
-        length_penalty: exponent of the length in the score (> 0 favours longer outputs).
-        early_stopping: True: stop as soon as W hypotheses are finished; False: also once no
-            running beam can beat them at its current length; "never": ... at max_new_tokens.
-        num_return_sequences: hypotheses returned per prompt (<= num_beams).
+        config: num_beams W >= 1 (1 is greedy), max_new_tokens, stop_tokens (they finish a
+            hypothesis), length_penalty (> 0 favours longer outputs), early_stopping (True: stop
+            as soon as W hypotheses are finished; False: also once no running beam can beat
+            them at its current length; "never": ... at max_new_tokens), num_return_sequences.
+            Sampling and the context crop do not apply.
         source, source_mask: (B, M) encoder input and mask, for encoder-decoder models.
 
     Returns:
         B lists of `num_return_sequences` Hypothesis, highest score first.
     """
-    _check(num_beams, num_return_sequences, max_new_tokens, early_stopping)
+    max_new_tokens, length_penalty = config.max_new_tokens, config.length_penalty
+    early_stopping = config.early_stopping
     decoder = decoder_of(model)
     device = decoder.head.weight.device
     ids, mask = left_pad(prompts, device=device)  # (B, T0)
     check_token_ids(ids, decoder.head.out_features)
-    (B, T0), W = ids.shape, num_beams
+    (B, T0), W = ids.shape, config.num_beams
     limit = decoder.positions.max_positions
     if limit is not None and prefix_length(model) + T0 + max_new_tokens > limit:
         raise ValueError(
@@ -121,7 +104,7 @@ def beam_search(
     scores = torch.zeros(B, W, device=device)  # running beams' sums of log-probabilities
     scores[:, 1:] = NO_BEAM  # one live beam per prompt at first: the others would repeat it
     beams = torch.zeros(B, W, 0, dtype=torch.long, device=device)  # (B, W, step) their tokens
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    eos = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
     K = min(max(2, 1 + len(eos)) * W, W * V)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # W best per prompt, best first
     is_open = [True] * B
@@ -152,7 +135,7 @@ def beam_search(
         token = beams[:, :, -1].reshape(B * W, 1)  # (B*W, 1)
         logits = decode_step(model, token, torch.tensor([slot], device=device), cache, memory_mask)
         slot += 1
-    return [f[:num_return_sequences] for f in finished]
+    return [f[: config.num_return_sequences] for f in finished]
 
 
 def _gather(seqs: Tensor, index: Tensor) -> Tensor:

@@ -17,12 +17,14 @@ Shapes: B batch, T0 longest prompt, N new tokens, S_max cache slots, V vocab_siz
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.sampling import SamplingConfig, sample
 from attnlab.inference.steps import (
     decode_step,
@@ -32,8 +34,10 @@ from attnlab.inference.steps import (
     left_pad,
     prefix_length,
 )
+from attnlab.inference.text import IncrementalDecoder, StopStrings, shortest_with_stop
 
 DEFAULT_SAMPLING = SamplingConfig()  # frozen, so one shared default instance is safe
+DEFAULT_GENERATION = GenerationConfig()
 
 
 class ContextCropWarning(UserWarning):
@@ -89,137 +93,121 @@ def plan_crop(
 def stream_tokens(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: SamplingConfig = DEFAULT_SAMPLING,
-    stop_tokens: Sequence[int] = (),
-    seed: int | None = None,
+    config: GenerationConfig = DEFAULT_GENERATION,
+    *,
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
     step_fn: Callable | None = None,
-    max_context: int | None = None,
-    crop_to: int | None = None,
     on_notice: Callable[[str], None] | None = None,
 ) -> Iterator[Tensor]:
     """Yield each step's new tokens (B,) as soon as they are chosen: the one generation loop.
 
-    Rows that produced a stop token are finished: they keep yielding that stop token, and the
-    loop ends when every row is finished or after `max_new_tokens`.
+    A row that produced one of `config.stop_tokens` keeps yielding it; the loop ends when every
+    row has, or after `config.max_new_tokens`. Stop strings are the callers' (`generate`).
 
     Args:
         prompts: token ids per row (decoder-only), or the decoder start per row (encoder-decoder).
+        config: what to generate (sampling, seed, stop tokens, max_context, crop_to, ...).
         source, source_mask: (B, M) encoder input and its mask (encoder-decoder models), or
             (B, C_in, H, W) images and None (vision-language models).
-        step_fn: replaces `decode_step` (e.g. a torch.compile'd one, such as
-            `attnlab.inference.compiled_step.compile_decode_step(model)`), same signature.
-        max_context: feed the model at most this many tokens (default: its position table,
-            unlimited without one); see the module docstring for the crop.
-        crop_to: when the text outgrows the window, continue from its last `crop_to` tokens
-            (1 <= crop_to <= window; default the window, as nanoGPT).
-        on_notice: called with a one-line notice when the position table forces a crop (default:
-            a ContextCropWarning).
+        step_fn: replaces `decode_step`, same signature (`compiled_step.compile_decode_step`).
+        on_notice: gets the one-line notice of a crop the position table forces (default: a
+            ContextCropWarning).
     """
     decoder = decoder_of(model)
     device = decoder.head.weight.device
     ids, mask = left_pad(prompts, device=device)  # (B, T0); rejects empty prompts first
     check_token_ids(ids, decoder.head.out_features)  # padding is id 0, always valid
     B, T0 = ids.shape
-    window, keep, notice = plan_crop(model, T0, max_new_tokens, max_context, crop_to)
-
-    def notify() -> None:  # the crop notice, once
-        nonlocal notice
-        if notice is not None:
-            if on_notice is None:
-                warnings.warn(notice, ContextCropWarning, stacklevel=3)
-            else:
-                on_notice(notice)
-            notice = None
-
+    n_new = config.new_tokens_for(T0)
+    window, keep, notice = plan_crop(model, T0, n_new, config.max_context, config.crop_to)
+    notice = _Notice(notice, on_notice)
     memory = encode_source(model, source, source_mask)  # (B, M, C) or None
     history = torch.where(mask, ids, ids[:, -1:])  # (B, T0) padding -> a token already there
     seen = mask  # (B, T) False = left padding
     if window is not None and T0 > window:
         ids, mask = ids[:, -keep:], mask[:, -keep:]
-        notify()
-    room = max_new_tokens if window is None else window - ids.shape[1]
+        notice.give()
+    room = n_new if window is None else window - ids.shape[1]
     logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
-    S_max = cache.key_valid.shape[1]
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
-    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    stops = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
+    gen = None if config.seed is None else torch.Generator(device=device).manual_seed(config.seed)
     step = step_fn or decode_step
-    for i in range(max_new_tokens):
-        token = sample(logits, sampling, history, gen)  # (B,)
+    for i in range(n_new):
+        token = sample(logits, config.sampling, history, gen)  # (B,)
         if len(stops):
             token = torch.where(done, history[:, -1], token)
             done = done | torch.isin(token, stops)
         history = torch.cat([history, token[:, None]], dim=1)  # (B, T0 + i + 1)
         seen = torch.cat([seen, seen.new_ones(B, 1)], dim=1)
         yield token
-        if (len(stops) and bool(done.all())) or i == max_new_tokens - 1:
+        if (len(stops) and bool(done.all())) or i == n_new - 1:
             return
-        if slot < S_max:
+        if slot < cache.key_valid.shape[1]:  # room left in the cache
             at = torch.tensor([slot], device=device)
             logits = step(model, token[:, None], at, cache, source_mask)  # (B, V)
             slot += 1
         else:  # the cache is full: refill it from the last `keep` tokens
-            notify()
+            notice.give()
             logits, cache, slot = fill_cache(
                 model, history[:, -keep:], seen[:, -keep:], window - keep, memory, source_mask
             )
+
+
+class _Notice:
+    """The crop notice, given once: to `on_notice`, or as a ContextCropWarning."""
+
+    def __init__(self, message: str | None, on_notice: Callable[[str], None] | None):
+        self.message, self.on_notice = message, on_notice
+
+    def give(self) -> None:
+        if self.message is None:
+            return
+        if self.on_notice is None:
+            warnings.warn(self.message, ContextCropWarning, stacklevel=3)
+        else:
+            self.on_notice(self.message)
+        self.message = None
 
 
 @torch.no_grad()
 def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: SamplingConfig = DEFAULT_SAMPLING,
-    stop_tokens: Sequence[int] = (),
-    stop_strings: Sequence[str] = (),
+    config: GenerationConfig = DEFAULT_GENERATION,
+    *,
     decode: Callable[[list[int]], str] | None = None,
-    seed: int | None = None,
-    max_total_len: int | None = None,
     source: Tensor | None = None,
     source_mask: Tensor | None = None,
     on_token: Callable[[Tensor], None] | None = None,
     step_fn: Callable | None = None,
-    max_context: int | None = None,
-    crop_to: int | None = None,
     on_notice: Callable[[str], None] | None = None,
 ) -> list[list[int]]:
-    """Generate up to `max_new_tokens` per prompt and return only the new tokens of each row.
+    """Generate up to `config.max_new_tokens` per prompt and return only the new tokens of each
+    row. A row ends at (and keeps) the first of `config.stop_tokens`; with `decode` (ids ->
+    text), also once its text contains one of `config.stop_strings`, its tokens cut after the
+    one that completes it (strings may span tokens).
 
     Args:
-        stop_tokens: a row ends at (and keeps) the first of these.
-        stop_strings: with `decode` (ids -> text), a row ends once its text contains one; the
-            tokens are cut where the text first contains it (strings may span tokens).
-        max_total_len: also stop when prompt + new tokens reach this length.
+        decode: token ids -> text, for stop strings (detokenized incrementally, text.py).
         on_token: called with each step's (B,) tokens as they come (streaming).
-        source, source_mask, step_fn, max_context, crop_to, on_notice: see `stream_tokens`.
+        source, source_mask, step_fn, on_notice: see `stream_tokens`.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if stop_strings and decode is None:
+    if config.stop_strings and decode is None:
         raise ValueError("stop_strings need a `decode` function (token ids -> text)")
-    if max_total_len is not None:
-        max_new_tokens = min(max_new_tokens, max_total_len - max(len(p) for p in prompts))
-        if max_new_tokens < 1:
-            raise ValueError(f"max_total_len={max_total_len} leaves no room after the prompt")
+    texts = [IncrementalDecoder(decode) for _ in prompts] if config.stop_strings else None
+    stops = [StopStrings(config.stop_strings) for _ in prompts]
     rows: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     stream = stream_tokens(
         model,
         prompts,
-        max_new_tokens,
-        sampling,
-        stop_tokens,
-        seed,
-        source,
-        source_mask,
-        step_fn,
-        max_context,
-        crop_to,
-        on_notice,
+        config,
+        source=source,
+        source_mask=source_mask,
+        step_fn=step_fn,
+        on_notice=on_notice,
     )
     for token in stream:
         if on_token is not None:
@@ -228,112 +216,88 @@ def generate(
             if finished[b]:
                 continue
             rows[b].append(t)
-            finished[b] = t in stop_tokens or _cut_at_stop_string(rows[b], stop_strings, decode)
+            finished[b] = t in config.stop_tokens
+            if texts is not None and not finished[b]:
+                texts[b].push(t)
+                if stops[b].find(texts[b].text) is not None:  # cut after the completing token
+                    finished[b] = shortest_with_stop(rows[b], config.stop_strings, decode)
         if all(finished):
             break
     return rows
-
-
-def _cut_at_stop_string(row: list[int], stop_strings: Sequence[str], decode) -> bool:
-    """If the row's text contains a stop string, drop the tokens after the one completing it."""
-    if not stop_strings:
-        return False
-    if not any(s in decode(row) for s in stop_strings):
-        return False
-    while len(row) > 1 and any(s in decode(row[:-1]) for s in stop_strings):
-        row.pop()  # the string was already complete without the last token
-    return True
 
 
 def generate_text(
     model: nn.Module,
     tokenizer,
     prompt: str,
-    max_new_tokens: int = 200,
-    sampling: SamplingConfig = DEFAULT_SAMPLING,
-    seed: int | None = None,
-    stop_strings: Sequence[str] = (),
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
+    config: GenerationConfig = DEFAULT_GENERATION,
+    *,
+    max_new_tokens: int | None = None,
     on_text: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
-    stop_tokens: Sequence[int] = (),
 ) -> str:
     """Text in, text out: encode `prompt`, generate, and return only the new text.
 
     Decoder-only models continue the prompt. Encoder-decoder models read it as the source
     (encoded + <eos>, as Seq2SeqTask trains them) and decode from <bos>. Generation ends at the
-    tokenizer's <eos>, after a stop string, or after `max_new_tokens`.
+    tokenizer's <eos> or one of `config.stop_tokens` (a chat template's end of turn), after the
+    token that completes a stop string (kept in the text), or after `config.max_new_tokens`.
+    `config.num_beams` > 1 runs beam search (deterministic: leave `config.sampling` alone).
 
     Args:
         tokenizer: attnlab.tokenizer.Tokenizer (encode, decode, token_id).
-        sampling, seed: how tokens are drawn (num_beams == 1).
-        num_beams: > 1 runs beam search (deterministic: leave `sampling` at its defaults).
-        length_penalty: beam search's length exponent.
-        on_text: called with each new piece of text as it comes (streaming; num_beams == 1).
+        max_new_tokens: shorthand for `config.max_new_tokens` (the one setting most calls
+            change: `generate_text(model, tok, "def ", max_new_tokens=60)`).
+        on_text: called with each new piece of text as it comes (streaming; num_beams == 1);
+            the pieces add up to the result.
         on_notice: called with a one-line notice if the context is cropped (see
             `stream_tokens`; default a ContextCropWarning).
-        stop_tokens: more token ids that end generation besides <eos> (a chat template's end
-            of turn).
 
     Returns:
         the generated text, special tokens left out.
     """
-    eos, bos = tokenizer.token_id("<eos>"), tokenizer.token_id("<bos>")
-    stop_tokens = ([] if eos is None else [eos]) + list(stop_tokens)
-    ids = tokenizer.encode(prompt)
-    source = source_mask = None
-    if hasattr(model, "encode"):  # encoder-decoder: the prompt is the source
-        if eos is None or bos is None:
-            raise ValueError("an encoder-decoder model needs <bos> and <eos> in the tokenizer")
-        device = decoder_of(model).head.weight.device
-        source = torch.tensor([ids + [eos]], device=device)  # (1, M)
-        source_mask = torch.ones_like(source, dtype=torch.bool)
-        ids = [bos]
-    if num_beams != 1:
-        if sampling != DEFAULT_SAMPLING or on_text is not None:
+    ids, source, source_mask = text_prompt(model, tokenizer, prompt)
+    eos = tokenizer.token_id("<eos>")
+    config = replace(config, stop_tokens=(() if eos is None else (eos,)) + config.stop_tokens)
+    if max_new_tokens is not None:
+        config = replace(config, max_new_tokens=max_new_tokens)
+    if config.num_beams != 1:
+        if config.sampling != DEFAULT_SAMPLING or on_text is not None:
             raise ValueError(
-                f"beam search (num_beams={num_beams}) is deterministic and returns "
+                f"beam search (num_beams={config.num_beams}) is deterministic and returns "
                 "its best hypothesis at the end: no sampling settings, no streaming"
             )
-        tokens = beam_search(
-            model,
-            [ids],
-            num_beams,
-            max_new_tokens,
-            stop_tokens,
-            length_penalty,
-            source=source,
-            source_mask=source_mask,
-        )[0][0].tokens
-        _cut_at_stop_string(tokens, stop_strings, tokenizer.decode)  # shortest prefix with one
+        best = beam_search(model, [ids], config, source=source, source_mask=source_mask)
+        tokens = best[0][0].tokens
+        shortest_with_stop(tokens, config.stop_strings, tokenizer.decode)
         return tokenizer.decode(tokens)
-    streamed: list[int] = []
-    shown = ""
+    text, stops = IncrementalDecoder(tokenizer.decode), StopStrings(config.stop_strings)
 
-    def show(token: Tensor) -> None:
-        nonlocal shown
-        streamed.append(int(token[0]))
-        text = tokenizer.decode(streamed)
-        if not text.endswith("\ufffd"):  # wait until a multi-byte character is complete
-            on_text(text[len(shown) :])
-            shown = text
+    def show(piece: str) -> None:
+        if piece and on_text is not None:
+            on_text(piece)
 
-    rows = generate(
-        model,
-        [ids],
-        max_new_tokens,
-        sampling,
-        stop_tokens,
-        stop_strings,
-        tokenizer.decode,
-        seed,
-        source=source,
-        source_mask=source_mask,
-        on_token=None if on_text is None else show,
-        on_notice=on_notice,
-    )
-    text = tokenizer.decode(rows[0])
-    if on_text is not None and text != shown:
-        on_text(text[len(shown) :])  # whatever a stop string or an unfinished character held back
-    return text
+    for token in stream_tokens(
+        model, [ids], config, source=source, source_mask=source_mask, on_notice=on_notice
+    ):
+        t = int(token[0])
+        show(text.push(t))
+        if t in config.stop_tokens or stops.find(text.text) is not None:
+            break
+    show(text.flush())  # whatever an unfinished character held back
+    return text.text
+
+
+def text_prompt(model: nn.Module, tokenizer, prompt: str) -> tuple[list[int], Tensor, Tensor]:
+    """(decoder prompt ids, source, source_mask) of a text prompt: a decoder-only model's
+    prompt is its text's ids (source None); an encoder-decoder's source is the text + <eos>
+    (B=1, M) and its decoder starts from <bos>."""
+    ids = tokenizer.encode(prompt)
+    if not hasattr(model, "encode"):
+        return ids, None, None
+    eos, bos = tokenizer.token_id("<eos>"), tokenizer.token_id("<bos>")
+    if eos is None or bos is None:
+        raise ValueError("an encoder-decoder model needs <bos> and <eos> in the tokenizer")
+    device = decoder_of(model).head.weight.device
+    source = torch.tensor([ids + [eos]], device=device)  # (1, M)
+    return [bos], source, torch.ones_like(source, dtype=torch.bool)

@@ -56,7 +56,7 @@ VIEWER_TOKENS = 32  # the viewer shows a text of this many tokens, twice (induct
 
 # --- head masks ----------------------------------------------------------------------------------
 def head_layers(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a decoder LM, in layer order (each has `head_mask`)."""
+    """The self-attention modules of a decoder LM, in layer order (each has `hook_z`)."""
     if not isinstance(model, DecoderLM):
         raise ValueError(
             f"the heads experiments take a causal LM (DecoderLM), got {type(model).__name__}; "
@@ -71,8 +71,29 @@ def head_shape(model: nn.Module) -> tuple[int, int]:
     return len(layers), layers[0].n_heads
 
 
+class HeadGate:
+    """A hook on an attention layer's `hook_z` (components/hooks.py): head h's output times
+    gate[h], before o_proj (Michel et al. 2019).
+
+    Args:
+        gate: (H,) gates; a view of a tensor that requires grad gives dL/d gate.
+    """
+
+    def __init__(self, gate: Tensor):
+        self.gate = gate
+
+    def __call__(self, z: Tensor, hook=None) -> Tensor:
+        return z * self.gate.to(z.dtype).view(1, -1, 1, 1)  # (B, H, T, D)
+
+
+def head_gates(attn: nn.Module) -> list[HeadGate]:
+    """The HeadGates installed on one attention layer."""
+    return [fn for fn in attn.hook_z.fns if isinstance(fn, HeadGate)]
+
+
 def set_head_mask(model: nn.Module, mask: Tensor | None) -> None:
-    """Gate every head's output before its layer's o_proj (Michel et al. 2019).
+    """Gate every head's output before its layer's o_proj (Michel et al. 2019), as a HeadGate
+    hook on each self-attention layer's `hook_z` (replacing any gate set before).
 
     Args:
         model: a DecoderLM.
@@ -80,18 +101,17 @@ def set_head_mask(model: nn.Module, mask: Tensor | None) -> None:
             that requires grad gives dL/d gate), or None to remove every gate.
     """
     layers = head_layers(model)
-    if mask is None:
-        for attn in layers:
-            attn.head_mask = None
-        return
-    shape = (len(layers), layers[0].n_heads)
-    if tuple(mask.shape) != shape:
+    if mask is not None and tuple(mask.shape) != (len(layers), layers[0].n_heads):
+        shape = (len(layers), layers[0].n_heads)
         raise ValueError(
             f"head mask of shape {tuple(mask.shape)} for a model of {shape[0]} layers x "
             f"{shape[1]} heads; give shape {shape}"
         )
-    for attn, row in zip(layers, mask):
-        attn.head_mask = row  # (H,), a view: gradients flow back to `mask`
+    for i, attn in enumerate(layers):
+        for gate in head_gates(attn):
+            attn.hook_z.remove(gate)
+        if mask is not None:
+            attn.hook_z.add(HeadGate(mask[i]))  # (H,), a view: gradients flow back to `mask`
 
 
 # --- loss, importance, pruning -------------------------------------------------------------------

@@ -8,9 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.context import AttentionContext
-from attnlab.components.masks import MaskMod, padding_mask
+from attnlab.components.hooks import HookPoint
+from attnlab.components.masks import (
+    MaskMod,
+    custom_attention_mask,
+    is_mask_mod,
+    mask_from_mod,
+    padding_mask,
+    uses_flex,
+)
 from attnlab.components.positions.base import PositionScheme
-from attnlab.models.decoder import custom_attention_mask, is_mask_mod, mask_from_mod, uses_flex
 
 
 class Encoder(nn.Module):
@@ -40,6 +47,7 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = norm
         self.drop = nn.Dropout(dropout)
+        self.hook_embed, self.hook_final_norm = HookPoint(), HookPoint()  # components/hooks.py
 
     def forward(
         self,
@@ -68,14 +76,14 @@ class Encoder(nn.Module):
             mask=mask,
             positions=self.positions.prepare(pos, pos, bound=T),
         )
-        x = self.positions.embed(self.embed(ids), pos)  # (B, T, C)
+        x = self.positions.embed(self.hook_embed(self.embed(ids)), pos)  # (B, T, C)
         if self.type_embed is not None:
             types = torch.zeros_like(ids) if token_type_ids is None else token_type_ids
             x = x + self.type_embed(types)
         x = self.drop(self.embed_norm(x))
         for block in self.blocks:
             x = block(x, ctx)  # (B, T, C)
-        return self.norm(x)  # (B, T, C)
+        return self.hook_final_norm(self.norm(x))  # (B, T, C)
 
 
 class MLMHead(nn.Module):

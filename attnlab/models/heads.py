@@ -26,6 +26,16 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import Encoder, EncoderForClassification
 
 
+def task_head_kind(cfg: ModelConfig) -> str | None:
+    """None for a language model (its LM or masked-LM head in place); otherwise what the model
+    is instead, as a phrase for one-line errors: "a sequence classifier (3 labels)". The one
+    test of "can this checkpoint generate / be served / be scored as an LM" (a loaded
+    checkpoint's config carries its head, old "n_labels" runs included: checkpoint.py)."""
+    if cfg.head is None:
+        return None
+    return f"a {cfg.head.task} classifier ({cfg.head.num_labels} labels)"
+
+
 def last_token_index(
     ids: Tensor, attention_mask: Tensor | None = None, pad_token_id: int | None = None
 ) -> Tensor:

@@ -67,7 +67,7 @@ class VisionEncoderDecoder(nn.Module):
     """(a) A ViT and a DecoderLM whose blocks cross-attend to the image features.
 
     `encode(images)` has the signature of `EncoderDecoder.encode`, so cached decoding works
-    unchanged: `attnlab.inference.generate.generate(model, prompts, n, source=images)`.
+    unchanged: `attnlab.inference.generate.generate(model, prompts, config, source=images)`.
     """
 
     def __init__(self, encoder: VisionEncoder, decoder: DecoderLM):

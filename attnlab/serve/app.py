@@ -72,110 +72,139 @@ class Guard:
 
 def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
     """The app serving `engine`; its lifespan starts the engine and, at shutdown, stops it
-    (`engine.stop(settings.stop_timeout)`)."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        yield
-        await asyncio.to_thread(engine.stop, settings.stop_timeout)
-
+    (`engine.stop(settings.stop_timeout)`). The routes below read the engine, tokenizer and
+    settings from `request.app.state`."""
     app = FastAPI(title="attnlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
-    counts: dict[int, int] = {}
-    app.add_middleware(Guard, settings=settings, counts=counts)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": settings.model_name, "object": "model", "created": settings.created}
-        card |= {"owned_by": "attnlab", "max_model_len": settings.context}
-        return {"object": "list", "data": [card]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(wire.prometheus_text(engine.stats(), counts))
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        ids = {k: tokenizer.token_id(v) for k, v in SPECIAL_NAMES.items()}
-        info = {k: None if i is None else wire.token_text(tokenizer, i) for k, i in ids.items()}
-        return info | {
-            "chat_template": tokenizer.chat_template,
-            "model_max_length": settings.context,
-        }
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        prompt = (await read_body(request)).get("prompt")
-        if not isinstance(prompt, str):
-            raise APIError(400, "prompt must be a string", "prompt")
-        tokens = await encode(tokenizer, prompt)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": settings.context}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        tokens = wire.token_ids((await read_body(request)).get("tokens"), settings, "tokens")
-        return {"prompt": tokenizer.decode(tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read_body(request)
-        wire.check_model(body, settings)
-        prompts = [await prompt_ids(p, tokenizer, settings) for p in wire.raw_prompts(body)]
-        echo = wire.field_of(body, "echo", bool, False, rule="a boolean")
-        rule = f"in [0, {wire.MAX_LOGPROBS}]"
-        k = wire.field_of(body, "logprobs", int, None, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
-        scored = echo and k is not None  # the prompt's log-probs come back too
-        params = wire.sampling_params(
-            body, settings, logprobs=k, prompt_logprobs=scored, chat=False
-        )
-        n, stream = wire.choices_per_prompt(body), wire.streamed(body)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = submit(app, rid, prompts, params, n, echo, chat=False)
-        if stream:
-            return sse(stream_completion(app, rid, choices, body, k, echo), app, choices)
-        if not await wait_all(request, app, choices):
-            return Response(status_code=GONE)
-        out = [wire.completion_choice(tokenizer, c, k) for c in choices]
-        return wire.envelope(rid, "text_completion", settings, out, usage_of(choices, prompts))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await read_body(request)
-        wire.check_model(body, settings)
-        try:
-            text = tokenizer.apply_chat_template(wire.chat_messages(body))
-        except ValueError as e:  # no chat template
-            raise APIError(400, str(e), "messages") from None
-        prompts = [wire.check_prompt_length(await encode(tokenizer, text), settings, "messages")]
-        want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
-        rule = f"in [0, {wire.MAX_LOGPROBS}]"
-        k = wire.field_of(body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
-        k = k if want else None
-        params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
-        n, stream = wire.choices_per_prompt(body), wire.streamed(body)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = submit(app, rid, prompts, params, n, False, chat=True)
-        if stream:
-            return sse(stream_chat(app, rid, choices, body, want), app, choices)
-        if not await wait_all(request, app, choices):
-            return Response(status_code=GONE)
-        out = [wire.chat_choice(tokenizer, c, want) for c in choices]
-        return wire.envelope(rid, "chat.completion", settings, out, usage_of(choices, prompts))
-
+    app.state.counts = {}  # responses by status code, for /metrics
+    app.add_middleware(Guard, settings=settings, counts=app.state.counts)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for path, endpoint in ROUTES["GET"].items():
+        app.add_api_route(path, endpoint, methods=["GET"])
+    for path, endpoint in ROUTES["POST"].items():
+        app.add_api_route(path, endpoint, methods=["POST"])
     return app
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    engine = app.state.engine
+    engine.start()
+    yield
+    await asyncio.to_thread(engine.stop, app.state.settings.stop_timeout)
+
+
+async def api_error(request: Request, e: APIError):
+    return JSONResponse(e.body(), e.status)
+
+
+async def http_error(request: Request, e: StarletteHTTPException):
+    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+
+# --- the small routes -----------------------------------------------------------------------------
+async def health():
+    return {"status": "ok"}
+
+
+async def models(request: Request):
+    settings = request.app.state.settings
+    card = {"id": settings.model_name, "object": "model", "created": settings.created}
+    card |= {"owned_by": "attnlab", "max_model_len": settings.context}
+    return {"object": "list", "data": [card]}
+
+
+async def metrics(request: Request):
+    state = request.app.state
+    return PlainTextResponse(wire.prometheus_text(state.engine.stats(), state.counts))
+
+
+async def tokenizer_info(request: Request):
+    tokenizer, settings = request.app.state.tokenizer, request.app.state.settings
+    ids = {k: tokenizer.token_id(v) for k, v in SPECIAL_NAMES.items()}
+    info = {k: None if i is None else wire.token_text(tokenizer, i) for k, i in ids.items()}
+    return info | {"chat_template": tokenizer.chat_template, "model_max_length": settings.context}
+
+
+async def tokenize(request: Request):
+    tokenizer, settings = request.app.state.tokenizer, request.app.state.settings
+    prompt = (await read_body(request)).get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt must be a string", "prompt")
+    tokens = await encode(tokenizer, prompt)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": settings.context}
+
+
+async def detokenize(request: Request):
+    tokenizer, settings = request.app.state.tokenizer, request.app.state.settings
+    tokens = wire.token_ids((await read_body(request)).get("tokens"), settings, "tokens")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+# --- the two generating routes --------------------------------------------------------------------
+async def completions(request: Request):
+    app = request.app
+    tokenizer, settings = app.state.tokenizer, app.state.settings
+    body = await read_body(request)
+    wire.check_model(body, settings)
+    prompts = [await prompt_ids(p, tokenizer, settings) for p in wire.raw_prompts(body)]
+    echo = wire.field_of(body, "echo", bool, False, rule="a boolean")
+    rule = f"in [0, {wire.MAX_LOGPROBS}]"
+    k = wire.field_of(body, "logprobs", int, None, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+    scored = echo and k is not None  # the prompt's log-probs come back too
+    params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=scored, chat=False)
+    n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    choices = submit(app, rid, prompts, params, n, echo, chat=False)
+    if stream:
+        return sse(stream_completion(app, rid, choices, body, k, echo), app, choices)
+    if not await wait_all(request, app, choices):
+        return Response(status_code=GONE)
+    out = [wire.completion_choice(tokenizer, c, k) for c in choices]
+    return wire.envelope(rid, "text_completion", settings, out, usage_of(choices, prompts))
+
+
+async def chat(request: Request):
+    app = request.app
+    tokenizer, settings = app.state.tokenizer, app.state.settings
+    body = await read_body(request)
+    wire.check_model(body, settings)
+    try:
+        text = tokenizer.apply_chat_template(wire.chat_messages(body))
+    except ValueError as e:  # no chat template
+        raise APIError(400, str(e), "messages") from None
+    prompts = [wire.check_prompt_length(await encode(tokenizer, text), settings, "messages")]
+    want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
+    rule = f"in [0, {wire.MAX_LOGPROBS}]"
+    k = wire.field_of(body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+    k = k if want else None
+    params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+    n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = submit(app, rid, prompts, params, n, False, chat=True)
+    if stream:
+        return sse(stream_chat(app, rid, choices, body, want), app, choices)
+    if not await wait_all(request, app, choices):
+        return Response(status_code=GONE)
+    out = [wire.chat_choice(tokenizer, c, want) for c in choices]
+    return wire.envelope(rid, "chat.completion", settings, out, usage_of(choices, prompts))
+
+
+ROUTES = {
+    "GET": {
+        "/health": health,
+        "/v1/models": models,
+        "/metrics": metrics,
+        "/tokenizer_info": tokenizer_info,
+    },
+    "POST": {
+        "/tokenize": tokenize,
+        "/detokenize": detokenize,
+        "/v1/completions": completions,
+        "/v1/chat/completions": chat,
+    },
+}
 
 
 # --- reading --------------------------------------------------------------------------------------

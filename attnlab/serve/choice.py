@@ -1,19 +1,16 @@
 """One choice of a request: the engine's events for it, turned into text as they come.
 
-Text is decoded incrementally (as TGI and vLLM do): each new token's text is the decoding of a
-few tokens back to it minus the decoding of those few tokens, and is kept back while it ends in
-an incomplete multi-byte character (U+FFFD). So each token costs a decode of a handful of ids,
-not of the whole answer. Stop strings are searched in the new text and the tail before it; a
-stream also holds back a tail that could still become a stop string, so the stop string and
-what follows it are never sent.
+Text is decoded incrementally and stop strings are searched in the new text only
+(inference/text.py, the same code `generate_text` uses), so each token costs a decode of a
+handful of ids, not of the whole answer. A stream also holds back a tail that could still become
+a stop string, so the stop string and what follows it are never sent.
 """
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from attnlab.inference.text import IncrementalDecoder, StopStrings
 from attnlab.serve.types import Request, TokenEvent
-
-REPLACEMENT = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
 
 
 class Choice:
@@ -46,8 +43,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # decoded so far (cut before a stop string once one is found)
-        self._prefix = self._read = 0  # token offsets of the incremental decode
-        self._searched = 0  # text before this offset holds no stop string
+        self._decoder = IncrementalDecoder(tokenizer.decode)
+        self._stops = StopStrings(request.params.stop)
         self._stopped = False  # a stop string was found: the text is final
         self._sent = 0  # characters of `text` already streamed
         self._sent_tokens = 0
@@ -76,23 +73,17 @@ class Choice:
         """Append the text of the tokens not yet decoded (all of it when `final`)."""
         if self._stopped:  # the text ended at a stop string
             return
-        before = self.tokenizer.decode(self.tokens[self._prefix : self._read])
-        after = self.tokenizer.decode(self.tokens[self._prefix :])
-        if len(after) > len(before) and (final or not after.endswith(REPLACEMENT)):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self.tokens)
+        if not final:
+            self.text += self._decoder.push(self.tokens[-1])
+        else:
+            self.text += self._decoder.flush()
 
     def _cut_at_stop(self) -> bool:
         """Cut `text` before the first stop string in it, if there is one."""
-        stops = self.request.params.stop
-        if not stops:
-            return False
-        start = max(0, self._searched - max(map(len, stops)) + 1)
-        found = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
-        self._searched = len(self.text)
-        if found:
-            self.text = self.text[: min(found)]
-        return bool(found)
+        at = self._stops.find(self.text)
+        if at is not None:
+            self.text = self.text[:at]
+        return at is not None
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The engine's events up to the one that finishes the choice."""
@@ -109,9 +100,7 @@ class Choice:
         still claim."""
         end = len(self.text)
         if self.finish_reason is None:
-            for s in self.request.params.stop:
-                hold = next((k for k in range(len(s) - 1, 0, -1) if self.text.endswith(s[:k])), 0)
-                end = min(end, len(self.text) - hold)
+            end -= self._stops.held(self.text)
         new, self._sent = self.text[self._sent : max(end, self._sent)], max(end, self._sent)
         return new
 

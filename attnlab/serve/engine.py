@@ -43,7 +43,7 @@ from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingConfig, sample
 from attnlab.inference.steps import decoder_of
 from attnlab.serve.scheduler import Scheduler, Sequence
-from attnlab.serve.types import EngineStopped, Request, TokenEvent
+from attnlab.serve.types import DEFAULT_ENGINE, EngineConfig, EngineStopped, Request, TokenEvent
 
 OnEvent = Callable[[TokenEvent], None]
 
@@ -54,57 +54,36 @@ class Engine:
     Args:
         model: a decoder-only model (eval mode).
         tokenizer: attnlab.tokenizer.Tokenizer, to match stop strings (None: no stop strings).
-        max_batch: most sequences decoded together.
-        block_size: tokens per KV block.
-        n_blocks: blocks in the pool (default: room for max_batch full contexts).
-        max_queue: waiting requests beyond this make `submit` raise QueueFull.
-        prefill_chunk: most prompt tokens prefilled per step (longer prompts take several).
-        max_context: most prompt + generated tokens per request (default: the model's position
-            table; a model without one needs max_context or n_blocks).
-        prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
-        compile_attention: decode steps attend through a compiled kernel that reads the pool in
-            place (accel/paged_attention.py; compiled by `start`, or by the first `step`).
-        threads: intra-op threads of the engine's steps (default: torch.get_num_threads() now).
+        config: the engine's settings (types.py's EngineConfig).
 
     Threads: the engine's steps should be the process's only OpenMP work. When two threads
     each run parallel regions, libgomp keeps a team per thread; with more team threads than
     cores it stops spinning between regions, so every small op then waits for its workers to
-    be woken by the kernel (a decode step took ~1.4x as long). So `start` runs everything of
-    the engine, the compile included, on its own thread with `threads` threads, and a server
-    keeps its other threads to one (cli/serve.py).
+    be woken by the kernel (a decode step then takes markedly longer: benchmarks/README.md).
+    So `start` runs everything of the engine, the compile included, on its own thread with
+    `threads` threads, and a server keeps its other threads to one (cli/serve.py).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer,
-        *,
-        max_batch: int = 16,
-        block_size: int = 16,
-        n_blocks: int | None = None,
-        max_queue: int = 64,
-        prefill_chunk: int = 256,
-        max_context: int | None = None,
-        prefix_caching: bool = True,
-        compile_attention: bool = False,
-        threads: int | None = None,
-    ):
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig = DEFAULT_ENGINE):
         self.decoder = decoder_of(model)
         if self.decoder is not model:
             raise ValueError(f"the engine serves decoder-only models, got a {type(model).__name__}")
-        self.model, self.tokenizer = model, tokenizer
-        self.context, _ = context_window(model, max_context)  # None: no limit but the pool's
+        self.model, self.tokenizer, c = model, tokenizer, config
+        self.context, _ = context_window(model, c.max_context)  # None: no limit but the pool's
+        n_blocks = c.n_blocks
         if n_blocks is None:
             if self.context is None:
                 raise ValueError(
                     "this model has no position table: give max_context (e.g. max_seq_len) "
                     "or n_blocks"
                 )
-            n_blocks = max_batch * -(-self.context // block_size)
-        self.cache = PagedKVCache(self.decoder, n_blocks, block_size)
-        self.compile_attention, self._prepared = compile_attention, False
-        self.threads = torch.get_num_threads() if threads is None else threads
-        self.scheduler = Scheduler(self.cache, max_batch, max_queue, prefill_chunk, prefix_caching)
+            n_blocks = c.max_batch * -(-self.context // c.block_size)
+        self.cache = PagedKVCache(self.decoder, n_blocks, c.block_size)
+        self.compile_attention, self._prepared = c.compile_attention, False
+        self.threads = torch.get_num_threads() if c.threads is None else c.threads
+        self.scheduler = Scheduler(
+            self.cache, c.max_batch, c.max_queue, c.prefill_chunk, c.prefix_caching
+        )
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id

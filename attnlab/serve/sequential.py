@@ -23,7 +23,14 @@ from torch import Tensor, nn
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingConfig, sample
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
-from attnlab.serve.types import EngineStopped, QueueFull, Request, TokenEvent
+from attnlab.serve.types import (
+    DEFAULT_ENGINE,
+    EngineConfig,
+    EngineStopped,
+    QueueFull,
+    Request,
+    TokenEvent,
+)
 
 OnEvent = Callable[[TokenEvent], None]
 
@@ -77,27 +84,16 @@ class SequentialEngine:
     Args:
         model: a decoder-only model in eval mode.
         tokenizer: attnlab.tokenizer.Tokenizer (decodes text for stop strings).
-        max_batch, block_size, n_blocks, prefill_chunk: accepted for the common interface,
-            unused (one request runs at a time, in a cache of its own).
-        max_queue: waiting requests beyond this make `submit` raise QueueFull.
-        max_context: the most prompt + generated tokens of a request (default: the model's).
+        config: the engine's settings (types.py's EngineConfig): max_queue (waiting requests
+            beyond it make `submit` raise QueueFull) and max_context (the most prompt +
+            generated tokens of a request; default the model's). The others are the batched
+            engine's.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer,
-        *,
-        max_batch: int = 16,
-        block_size: int = 16,
-        n_blocks: int | None = None,
-        max_queue: int = 64,
-        prefill_chunk: int = 256,
-        max_context: int | None = None,
-    ):
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig = DEFAULT_ENGINE):
         self.model, self.tokenizer = model, tokenizer
-        self.max_queue = max_queue
-        self.context = context_length(model, max_context)
+        self.max_queue = config.max_queue
+        self.context = context_length(model, config.max_context)
         self.vocab_size = decoder_of(model).head.out_features
         self.device = decoder_of(model).head.weight.device
         self._waiting: deque[tuple[Request, OnEvent, float]] = deque()  # + arrival time

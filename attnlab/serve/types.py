@@ -5,6 +5,40 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """The settings of an engine, the one home of their defaults, passed whole to `Engine` and
+    `SequentialEngine` (which reads max_queue and max_context only: one request runs at a time,
+    in a cache of its own).
+
+    Args:
+        max_batch: most sequences decoded together.
+        block_size: tokens per KV block.
+        n_blocks: blocks in the pool (default: room for max_batch full contexts).
+        max_queue: waiting requests beyond this make `submit` raise QueueFull.
+        prefill_chunk: most prompt tokens prefilled per step (longer prompts take several).
+        max_context: most prompt + generated tokens per request (default: the model's position
+            table; a model without one needs max_context or n_blocks).
+        prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
+        compile_attention: decode steps attend through a compiled kernel that reads the pool in
+            place (accel/paged_attention.py; compiled by `start`, or by the first `step`).
+        threads: intra-op threads of the engine's steps (default: torch.get_num_threads() then).
+    """
+
+    max_batch: int = 16
+    block_size: int = 16
+    n_blocks: int | None = None
+    max_queue: int = 64
+    prefill_chunk: int = 256
+    max_context: int | None = None
+    prefix_caching: bool = True
+    compile_attention: bool = False
+    threads: int | None = None
+
+
+DEFAULT_ENGINE = EngineConfig()  # frozen, so one shared default instance is safe
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy

@@ -26,6 +26,7 @@ from attnlab.tokenizer import Tokenizer, train_bpe_tokenizer, train_char_tokeniz
 from attnlab.training import datasets
 from attnlab.training.config import DataConfig
 
+# The "stdlib" corpus: the standard library's own code, without tests and installed packages.
 STDLIB_SKIP = (
     "site-packages",
     "dist-packages",
@@ -56,16 +57,26 @@ class TokenData:
     val_docs: np.ndarray | None = None
 
 
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files (sorted), without tests, site-packages and the like
+    (the "stdlib" corpus, and the files fine-tuning's built-in tasks are made from)."""
+    root = stdlib_root()
+    return [
+        p
+        for p in sorted(root.rglob("*.py"))
+        if not any(part in STDLIB_SKIP for part in p.relative_to(root).parts)
+    ]
+
+
 def corpus_files(source: str) -> list[Path]:
     """The text files behind `source`: "stdlib", a named dataset ("shakespeare", downloaded once
     into the user's cache: training/datasets.py), a file, or a directory (sorted, recursive)."""
     if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return [
-            p
-            for p in sorted(root.rglob("*.py"))
-            if not any(part in STDLIB_SKIP for part in p.relative_to(root).parts)
-        ]
+        return stdlib_files()
     if source in datasets.DATASETS and not Path(source).exists():
         return [datasets.resolve(source)]
     path = Path(source)

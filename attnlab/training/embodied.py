@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 from torch import Tensor, nn
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -235,7 +236,10 @@ class SceneTask:
         images = torch.from_numpy(np.stack([render(s, self.cell) for s in scenes])).to(device)
         prompts = [self.prompt(s) for s in scenes]
         rows = generate(
-            model, prompts, self.max_answer, GREEDY, stop_tokens=[self.eos], source=images
+            model,
+            prompts,
+            GenerationConfig(self.max_answer, GREEDY, stop_tokens=[self.eos]),
+            source=images,
         )
         return [self.tokenizer.decode([t for t in row if t != self.eos]) for row in rows]
 

@@ -28,6 +28,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -83,6 +84,9 @@ def train(
 ) -> TrainState:
     """Train `model` on `task` as `run.train` says; returns the final TrainState.
 
+    Reads top to bottom: `_start` builds the run (or resumes it), then each step is `_step`,
+    every `eval_every` steps `_evaluate`, every `ckpt_every` steps a `Saver.save`.
+
     Args:
         model: built from run.model.  task: LMTask | MLMTask | Seq2SeqTask | SceneTask.
         run: the run config (saved in every checkpoint).
@@ -95,6 +99,60 @@ def train(
         TrainingDiverged: the loss or the gradient norm was NaN or inf (the step not applied).
         KeyboardInterrupt: re-raised after the last completed step was saved (one process).
     """
+    cfg = run.train
+    r = _start(model, task, run, resume, overwrite)
+    state, ranks = r.state, r.ranks
+    bar = tqdm(
+        range(state.step, cfg.steps),
+        initial=state.step,
+        total=cfg.steps,
+        disable=not (cfg.progress and ranks.main),
+        dynamic_ncols=True,
+    )
+    try:
+        for step in bar:
+            record = _step(r, step)
+            if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
+                record.update(_evaluate(r))
+            if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
+                _append(Path(cfg.out_dir) / "metrics.jsonl", record)
+                loss, lr, tok_s = record["train_loss"], record["lr"], record["tokens_per_s"]
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+                for callback in callbacks:
+                    callback(state, record)
+            if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
+                r.saver.save(r)
+    except KeyboardInterrupt:
+        # Keep the last completed step. With several ranks the others may not have stopped
+        # at the same point, so no collective (no save) is attempted.
+        if ranks.world == 1 and state.step > r.saver.saved_step:
+            if r.unapplied is not None:  # stopped mid-step: the RNG back to where the step began
+                _set_rng_state(r.unapplied, r.data_gen)
+            r.optimizer.zero_grad(set_to_none=True)
+            r.saver.save(r)
+        raise
+    return state
+
+
+@dataclass
+class _Run:
+    """What a run carries from step to step (built by `_start`)."""
+
+    run: RunConfig
+    task: object
+    model: nn.Module  # wrapped: DDP, FSDP2 or the model itself
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    data_gen: torch.Generator  # the same on every rank: one global batch
+    ranks: Ranks
+    loss_sum_of: Callable  # batch -> summed loss over its target tokens (compiled or not)
+    saver: "Saver"
+    state: TrainState
+    unapplied: dict | None = None  # the RNG as the current step found it, until it is applied
+
+
+def _start(model: nn.Module, task, run: RunConfig, resume: bool, overwrite: bool) -> _Run:
+    """Check the run and its out_dir, start the ranks, build the optimizer, resume if asked."""
     cfg = run.train
     check_run(run, task)
     out = Path(cfg.out_dir)
@@ -115,38 +173,116 @@ def train(
     betas = (cfg.beta1, cfg.beta2)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas, flat=cfg.flat_adamw)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    data_gen = torch.Generator().manual_seed(cfg.seed)  # the same on every rank: one global batch
+    data_gen = torch.Generator().manual_seed(cfg.seed)
     ckpts = CheckpointDir(out / "checkpoints", cfg.keep_last) if ranks.main else None
     state = _resume(ckpts, model, optimizer, data_gen, run, ranks) if resume else TrainState()
-    saved_step = state.step  # the newest step on disk: Ctrl-C saves only what is newer
     if ranks.main:
         _truncate_metrics(out / "metrics.jsonl", state.step)
     loss_sum_of = partial(task.loss_sum, model)
     if cfg.compile:
         loss_sum_of = compile_loss(task.loss_sum, model, device)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
+    saver = Saver(ckpts, ranks, saved_step=state.step)
+    return _Run(run, task, model, optimizer, scaler, data_gen, ranks, loss_sum_of, saver, state)
 
-    def diverged(what: str, step: int, before: str = "applying") -> TrainingDiverged:
-        last = ranks.broadcast(ckpts.last_good() if ranks.main else None)  # all ranks stop
-        return TrainingDiverged(
-            f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
-            f"{str(last) if last else 'none (none saved yet)'}"
-        )
 
-    def save(best: bool = False) -> None:  # called on every rank: FSDP gathers the shards
-        nonlocal saved_step
-        weights, optim_state = ranks.checkpoint_state(model, optimizer)
+def _step(r: _Run, step: int) -> dict:
+    """Take step `step` (0-based): the learning rate, the global batch's gradients, the clip and
+    the update, applied whole or not at all. Returns the step's metrics record."""
+    cfg, ranks, state = r.run.train, r.ranks, r.state
+    t0 = time.perf_counter()
+    r.unapplied = _rng_state(r.data_gen)
+    lr = lr_at(step, cfg, r.run.model.d_model)
+    for group in r.optimizer.param_groups:
+        group["lr"] = lr
+    loss_value = _backward(r)
+    if not math.isfinite(loss_value):
+        raise r.saver.diverged(f"loss is {loss_value}", step + 1)
+    r.scaler.unscale_(r.optimizer)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
+    grad_norm = float(clip_grad_norm_(trained_tensors(r.optimizer), max_norm))
+    if not math.isfinite(grad_norm) and not r.scaler.is_enabled():  # fp16: the scaler skips
+        raise r.saver.diverged(f"gradient norm is {grad_norm}", step + 1)
+    with _interrupts_deferred():  # the update is applied whole, or not at all
+        r.scaler.step(r.optimizer)
+        r.scaler.update()
+        r.optimizer.zero_grad(set_to_none=True)
+        state.step, r.unapplied = step + 1, None
+        state.losses.append(loss_value)
+    tokens = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
+    return {
+        "step": state.step,
+        "train_loss": loss_value,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": tokens / (time.perf_counter() - t0),
+    }
+
+
+def _backward(r: _Run) -> float:
+    """Accumulate the gradients of this rank's slices of the global batch's `grad_accum`
+    micro-batches, each scaled so their sum over ranks is the gradient of the global batch's
+    mean loss. Returns that mean loss (the same on every rank)."""
+    cfg, ranks, device = r.run.train, r.ranks, r.ranks.device
+    batches = [
+        r.task.train_batch(r.data_gen, ranks.rank, ranks.world) for _ in range(cfg.grad_accum)
+    ]
+    batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
+    count = torch.tensor(sum(map(r.task.n_targets, batches)), dtype=torch.float64)
+    n_targets = max(ranks.sum(count.to(device)).item(), 1.0)
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(batches):
+        with ranks.gradient_sync(r.model, sync=i == cfg.grad_accum - 1):
+            with _autocast(cfg.precision, device):
+                summed = r.loss_sum_of(batch)  # over this micro-batch's target tokens
+            # The ranks average their gradients; times world, that is their sum.
+            r.scaler.scale(summed * (ranks.world / n_targets)).backward()
+        loss_sum += summed.detach()
+    return ranks.sum(loss_sum).item() / n_targets
+
+
+def _evaluate(r: _Run) -> dict:
+    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them. A
+    new best validation loss is saved as the best checkpoint."""
+    cfg, ranks, state = r.run.train, r.ranks, r.state
+    with ranks.evaluating(r.model) as net:
+        metrics = r.task.evaluate(net, cfg.eval_batches, ranks.device)
+        n = cfg.sample_tokens
+        sample = r.task.sample(net, n, ranks.device) if n else None
+    state.last_eval = metrics
+    if metrics["val_loss"] < state.best_val:
+        state.best_val = metrics["val_loss"]
+        r.saver.save(r, best=True)
+    if sample is not None:
+        metrics["sample"] = sample
+        if cfg.progress and ranks.main:
+            tqdm.write(f"--- step {state.step} sample ---\n{sample}\n---")
+    return metrics
+
+
+class Saver:
+    """Writes a run's checkpoints (rank 0 writes, every rank takes part: FSDP gathers the
+    shards) and remembers the newest step on disk, so Ctrl-C saves only what is newer."""
+
+    def __init__(self, ckpts: CheckpointDir | None, ranks: Ranks, saved_step: int):
+        self.ckpts, self.ranks, self.saved_step = ckpts, ranks, saved_step
+
+    def save(self, r: _Run, best: bool = False) -> None:
+        """Save `r`'s state as the step's checkpoint, or as the best one; never one whose
+        weights are not finite (TrainingDiverged), and a failed write names what is left."""
+        ranks, ckpts, state = self.ranks, self.ckpts, r.state
+        weights, optim_state = ranks.checkpoint_state(r.model, r.optimizer)
         bad = ranks.broadcast(_first_non_finite(weights) if ranks.main else None)
-        if bad is not None:  # never a checkpoint that is not finite
-            raise diverged(f"weight {bad} is not finite", state.step, before="saving")
-        rng = ranks.rng_state(data_gen)
+        if bad is not None:
+            raise self.diverged(f"weight {bad} is not finite", state.step, before="saving")
+        rng = ranks.rng_state(r.data_gen)
         trainer = {"step": state.step, "best_val": state.best_val, "last_eval": state.last_eval}
+        files = (weights, optim_state, r.run, trainer, rng, r.task.tokenizer)
         if ranks.main:
             try:
                 if best:
-                    ckpts.save_best(weights, optim_state, run, trainer, rng, task.tokenizer)
+                    ckpts.save_best(*files)
                 else:
-                    ckpts.save(state.step, weights, optim_state, run, trainer, rng, task.tokenizer)
+                    ckpts.save(state.step, *files)
             except OSError as e:  # a full disk, a read-only directory: say what is still there
                 last = ckpts.latest()
                 raise OSError(
@@ -156,99 +292,17 @@ def train(
                     f"{str(last) if last else 'none (none saved yet)'}",
                 ) from e
         if not best:
-            saved_step = state.step
+            self.saved_step = state.step
         ranks.barrier()  # the others wait until the checkpoint is complete
 
-    bar = tqdm(
-        range(state.step, cfg.steps),
-        initial=state.step,
-        total=cfg.steps,
-        disable=not (cfg.progress and ranks.main),
-        dynamic_ncols=True,
-    )
-    unapplied = None  # the RNG as the current step found it, until its update is applied
-    try:
-        for step in bar:
-            t0 = time.perf_counter()
-            unapplied = _rng_state(data_gen)
-            lr = lr_at(step, cfg, run.model.d_model)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # This rank's slices of the global batch's micro-batches, and the global target count.
-            batches = [
-                task.train_batch(data_gen, ranks.rank, ranks.world) for _ in range(cfg.grad_accum)
-            ]
-            batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
-            count = torch.tensor(sum(map(task.n_targets, batches)), dtype=torch.float64)
-            n_targets = max(ranks.sum(count.to(device)).item(), 1.0)
-            loss_sum = torch.zeros((), device=device)
-            for i, batch in enumerate(batches):
-                with ranks.gradient_sync(model, sync=i == cfg.grad_accum - 1):
-                    with _autocast(cfg.precision, device):
-                        summed = loss_sum_of(batch)  # over this micro-batch's target tokens
-                    # The ranks average their gradients; times world, that is their sum.
-                    scaler.scale(summed * (ranks.world / n_targets)).backward()
-                loss_sum += summed.detach()
-            loss_value = ranks.sum(loss_sum).item() / n_targets  # the same on all ranks
-            if not math.isfinite(loss_value):
-                raise diverged(f"loss is {loss_value}", step + 1)
-            scaler.unscale_(optimizer)
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
-            grad_norm = float(clip_grad_norm_(trained_tensors(optimizer), max_norm))
-            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16: scaler skips
-                raise diverged(f"gradient norm is {grad_norm}", step + 1)
-            with _interrupts_deferred():  # the update is applied whole, or not at all
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                state.step, unapplied = step + 1, None
-                state.losses.append(loss_value)
-            dt = time.perf_counter() - t0
-            record = {
-                "step": state.step,
-                "train_loss": loss_value,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / dt,
-            }
-            if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
-                record.update(_evaluate(model, task, cfg, ranks, state, save))
-            if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
-                _append(out / "metrics.jsonl", record)
-                bar.set_postfix(
-                    loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"
-                )
-                for callback in callbacks:
-                    callback(state, record)
-            if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
-                save()
-    except KeyboardInterrupt:
-        # Keep the last completed step. With several ranks the others may not have stopped
-        # at the same point, so no collective (no save) is attempted.
-        if ranks.world == 1 and state.step > saved_step:
-            if unapplied is not None:  # stopped mid-step: the RNG back to where the step began
-                _set_rng_state(unapplied, data_gen)
-            optimizer.zero_grad(set_to_none=True)
-            save()
-        raise
-    return state
-
-
-def _evaluate(model, task, cfg, ranks: Ranks, state: TrainState, save) -> dict:
-    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them."""
-    with ranks.evaluating(model) as net:
-        metrics = task.evaluate(net, cfg.eval_batches, ranks.device)
-        n = cfg.sample_tokens
-        sample = task.sample(net, n, ranks.device) if n else None
-    state.last_eval = metrics
-    if metrics["val_loss"] < state.best_val:
-        state.best_val = metrics["val_loss"]
-        save(best=True)
-    if sample is not None:
-        metrics["sample"] = sample
-        if cfg.progress and ranks.main:
-            tqdm.write(f"--- step {state.step} sample ---\n{sample}\n---")
-    return metrics
+    def diverged(self, what: str, step: int, before: str = "applying") -> TrainingDiverged:
+        """The error that stops every rank, naming the newest checkpoint with finite weights."""
+        ranks = self.ranks
+        last = ranks.broadcast(self.ckpts.last_good() if ranks.main else None)
+        return TrainingDiverged(
+            f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
+            f"{str(last) if last else 'none (none saved yet)'}"
+        )
 
 
 def compile_loss(loss, model: nn.Module, device: torch.device):

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.masks import document_mask_mod, permutation_mask, prefix_lm_mask
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.tokenizer import Tokenizer
@@ -91,11 +92,9 @@ class LMTask:
         new = generate(
             model,
             [ids],
-            n_tokens,
-            SAMPLE_SETTINGS,
-            seed=EVAL_SEED,
-            max_context=self.context,
-            crop_to=half,
+            GenerationConfig(
+                n_tokens, SAMPLE_SETTINGS, seed=EVAL_SEED, max_context=self.context, crop_to=half
+            ),
         )[0]
         return self.tokenizer.decode(ids + new)
 
@@ -341,9 +340,7 @@ class Seq2SeqTask:
         rows = generate(
             model,
             starts,
-            max_new,
-            GREEDY,
-            stop_tokens=[self.eos],
+            GenerationConfig(max_new, GREEDY, stop_tokens=[self.eos]),
             source=batch["src"],
             source_mask=batch["src_mask"],
         )

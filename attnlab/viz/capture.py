@@ -1,10 +1,10 @@
 """Capture attention probabilities from a model's forward pass, per layer and head.
 
-Each `Attention` layer has a `capture_weights` flag: when it is set, the layer recomputes its
-probabilities on the eager backend (a flash layer, from its saved log-sum-exp instead) and leaves
-them in `.weights`, while its output stays on the fast path, so the model computes exactly what
-it computes without capture. This module finds the layers, sets the flags, reads the
-probabilities back after a forward, and restores the flags:
+Each attention layer has a `hook_pattern` point (components/hooks.py): while a hook watches it,
+the layer recomputes its probabilities on the eager backend (a flash layer, from its saved
+log-sum-exp instead) and shows them to the hook, while its output stays on the fast path, so the
+model computes exactly what it computes without capture. This module finds the layers, installs
+a hook that keeps each layer's probabilities, and takes the hooks off again on the way out:
 
     with capture_attention(model) as maps:
         model(ids)
@@ -120,17 +120,25 @@ def capture_attention(
             if layers is None or i in layers:
                 _check_indices("heads", heads, attn.n_heads)
                 chosen.append((kind, i, attn))
-    saved = [(attn, attn.capture_weights, attn.weights) for _, _, attn in chosen]
     maps = AttentionMaps(heads=None if heads is None else list(heads))
+    kept: dict[int, Tensor] = {}  # position in `chosen` -> the layer's last probabilities
+
+    def keeper(n: int):
+        def keep(weights: Tensor, hook) -> None:
+            kept[n] = weights.detach()  # (B, H, T, S)
+
+        return keep
+
+    installed = [
+        (attn.hook_pattern, attn.hook_pattern.add(keeper(n))) for n, (*_, attn) in enumerate(chosen)
+    ]
     try:
-        for _, _, attn in chosen:
-            attn.capture_weights, attn.weights = True, None
         yield maps
-        for kind, i, attn in chosen:
-            if attn.weights is None:
+        for n, (kind, i, _) in enumerate(chosen):
+            if n not in kept:
                 continue  # this layer did not run inside the block
-            w = attn.weights.detach()  # (B, H, T, S)
+            w = kept[n]
             maps.weights.setdefault(kind, {})[i] = w if heads is None else w[:, list(heads)]
     finally:
-        for attn, flag, weights in saved:
-            attn.capture_weights, attn.weights = flag, weights
+        for point, fn in installed:
+            point.remove(fn)

@@ -20,6 +20,7 @@ from attnlab.accel.fast_linear import (
     measure_speedup,
     onednn_available,
 )
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -320,9 +321,9 @@ def test_greedy_decoding_is_unchanged_by_the_swap():
     torch.manual_seed(0)
     model = _tiny_gpt2().eval()
     prompt, greedy = [[5, 6, 7, 8]], SamplingConfig(temperature=0.0)
-    before = generate(model, prompt, 12, greedy)
+    before = generate(model, prompt, GenerationConfig(12, greedy))
     assert enable_fast_linear(model) == 13
-    assert generate(model, prompt, 12, greedy) == before
+    assert generate(model, prompt, GenerationConfig(12, greedy)) == before
 
 
 def test_inference_needs_a_check():

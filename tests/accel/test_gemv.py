@@ -11,6 +11,7 @@ from attnlab.accel.fast_linear import FastLinear
 from attnlab.accel.gemv import GemvLinear, use_gemv
 from attnlab.accel.swap import rebuild_linear
 from attnlab.inference.compiled_step import compile_decode_step
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -65,11 +66,11 @@ def test_compiled_one_row_gemv_equals_f_linear(bias):
 def test_compiled_decoding_gives_the_eager_tokens(preset):
     model = _tiny(preset)
     prompts = [[1, 2, 3, 4, 5]]  # batch 1: each decode step's Linears are GEMVs
-    eager = generate(model, prompts, 6, GREEDY)
+    eager = generate(model, prompts, GenerationConfig(6, GREEDY))
     torch._dynamo.reset()
     step = compile_decode_step(model, fullgraph=True)  # a graph break would raise
     with torch.no_grad():
-        tokens = list(stream_tokens(model, prompts, 6, GREEDY, step_fn=step))
+        tokens = list(stream_tokens(model, prompts, GenerationConfig(6, GREEDY), step_fn=step))
     assert torch.stack(tokens, 1).tolist() == eager
 
 

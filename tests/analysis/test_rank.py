@@ -18,6 +18,7 @@ from attnlab.analysis.rank import (
 )
 from attnlab.components.attention import Attention
 from attnlab.components.context import AttentionContext
+from attnlab.components.hooks import run_with_cache
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 
@@ -63,9 +64,8 @@ def test_random_attention_is_the_library_layer_and_reproducible():
     with torch.no_grad():
         attn.q_proj.weight.copy_(w_q.permute(0, 2, 1).reshape(H * d_k, C))
         attn.k_proj.weight.copy_(w_k.permute(0, 2, 1).reshape(H * d_k, C))
-        attn.capture_weights = True
-        attn(x.float()[None], AttentionContext(is_causal=True))
-    assert (attn.weights[0].double() - probs).abs().max() < 1e-6
+        _, seen = run_with_cache(attn, x.float()[None], AttentionContext(is_causal=True))
+    assert (seen["hook_pattern"][0].double() - probs).abs().max() < 1e-6
     assert numerical_rank(logits[0]) == d_k
     assert (probs.sum(-1) - 1).abs().max() < 1e-12
 

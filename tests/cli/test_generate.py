@@ -7,6 +7,7 @@ import torch
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.__main__ import main
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from tests.data import SHAKESPEARE
@@ -100,7 +101,11 @@ def test_generate_makes_five_tokens_as_the_library_does(run_dir, capsys):
     loaded = open_checkpoint(checkpoint(run_dir))
     model, tok = loaded.model, loaded.tokenizer
     eos = tok.token_id("<eos>")
-    new = generate(model, [tok.encode(PROMPT)], 5, SamplingConfig(), stop_tokens=[eos], seed=0)[0]
+    new = generate(
+        model,
+        [tok.encode(PROMPT)],
+        GenerationConfig(5, SamplingConfig(), stop_tokens=[eos], seed=0),
+    )[0]
     assert len(new) == 5 or new[-1] == eos
     assert out == PROMPT + tok.decode(new) + "\n"
 
@@ -138,9 +143,7 @@ def test_sampling_flags_come_from_sampling_config(run_dir, capsys):
     greedy = generate(
         model,
         [tok.encode(PROMPT)],
-        5,
-        SamplingConfig(temperature=0.0),
-        stop_tokens=[tok.token_id("<eos>")],
+        GenerationConfig(5, SamplingConfig(temperature=0.0), stop_tokens=[tok.token_id("<eos>")]),
     )[0]
     assert outs[0] == PROMPT + tok.decode(greedy) + "\n"
 

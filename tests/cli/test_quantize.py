@@ -5,6 +5,7 @@ import torch
 
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -65,7 +66,9 @@ def test_generate_and_quantize_again_from_a_quantized_checkpoint(capsys, tmp_pat
     loaded = open_checkpoint(out, scheme="int8")
     model, tokenizer = loaded.model, loaded.tokenizer
     greedy, eos = SamplingConfig(temperature=0.0), tokenizer.token_id("<eos>")
-    new = generate(model, [tokenizer.encode("to be")], 4, greedy, stop_tokens=[eos])[0]
+    new = generate(
+        model, [tokenizer.encode("to be")], GenerationConfig(4, greedy, stop_tokens=[eos])
+    )[0]
     assert printed == "to be" + tokenizer.decode(new) + "\n"
     again = ["quantize", "--ckpt", str(out), "--scheme", "int4", "--out", str(tmp_path / "q4")]
     assert main(again) == 2

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from attnlab.components.attention import Attention
+from attnlab.components.hooks import run_with_cache
 from tests.compile_helpers import traced_graphs
 from tests.components.helpers import context
 
@@ -102,8 +103,9 @@ def test_captured_weights_match_torch_per_head_weights():
     x = torch.randn(B, T, C)
     valid = torch.arange(T)[None, :] < torch.tensor([T, 4])[:, None]
     plain = ours(x, context(x, valid[:, None, None, :], is_causal=True))
-    ours.capture_weights = True
-    out = ours(x, context(x, valid[:, None, None, :], is_causal=True))
+    ctx = context(x, valid[:, None, None, :], is_causal=True)
+    out, seen = run_with_cache(ours, x, ctx, names=["hook_pattern"])
+    weights = seen["hook_pattern"]
     _, expected = mha(
         x,
         x,
@@ -114,9 +116,9 @@ def test_captured_weights_match_torch_per_head_weights():
         average_attn_weights=False,
     )  # (B, H, T, T)
     assert torch.equal(out, plain)  # capturing never changes the output
-    assert ours.weights.shape == (B, H, T, T)
-    _close(ours.weights.sum(-1), torch.ones(B, H, T))
-    _close(ours.weights, expected)
+    assert weights.shape == (B, H, T, T)
+    _close(weights.sum(-1), torch.ones(B, H, T))
+    _close(weights, expected)
 
 
 def test_dropout_only_in_training():

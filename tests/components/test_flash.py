@@ -17,6 +17,7 @@ from attnlab.components.attention import Attention
 from attnlab.components.backends import BACKENDS, eager_attention
 from attnlab.components.context import AttentionContext
 from attnlab.components.flash import FlashAttention, flash_attention
+from attnlab.components.hooks import run_with_cache
 from attnlab.components.kv_cache import ModelCache
 from attnlab.models.build import build_model
 from attnlab.models.presets import PRESETS
@@ -172,17 +173,17 @@ def test_capture_weights_on_a_flash_layer_does_not_call_eager(monkeypatch):
     eager_layer = Attention(d_model=16, n_heads=4, n_kv_heads=2, backend="eager").eval()
     eager_layer.load_state_dict(layer.state_dict())
     x, ctx = torch.randn(2, 9, 16), AttentionContext(is_causal=True)
-    eager_layer.capture_weights = True
-    expected_out = eager_layer(x, ctx)
+    expected_out, expected = run_with_cache(eager_layer, x, ctx, names=["hook_pattern"])
 
     def no_eager(*args, **kwargs):
         raise AssertionError("the eager path was called")
 
     monkeypatch.setitem(BACKENDS, "eager", no_eager)
-    layer.capture_weights = True
-    out = layer(x, ctx)
+    out, seen = run_with_cache(layer, x, ctx, names=["hook_pattern"])
     torch.testing.assert_close(out, expected_out, atol=FWD_ATOL, rtol=0)
-    torch.testing.assert_close(layer.weights, eager_layer.weights, atol=FWD_ATOL, rtol=0)
+    torch.testing.assert_close(
+        seen["hook_pattern"], expected["hook_pattern"], atol=FWD_ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize(

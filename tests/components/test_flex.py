@@ -302,6 +302,7 @@ def test_score_mod_form_builds_nothing_quadratic(scheme):
 @pytest.mark.slow
 @pytest.mark.parametrize("position", ["alibi", "t5_bias"])
 def test_cached_greedy_decoding_through_flex_equals_eager(position):
+    from attnlab.inference.config import GenerationConfig
     from attnlab.inference.generate import generate
     from attnlab.inference.sampling import SamplingConfig
 
@@ -310,8 +311,8 @@ def test_cached_greedy_decoding_through_flex_equals_eager(position):
     flex = tiny_decoder(position, "flex")
     flex.load_state_dict(eager.state_dict())
     prompts, greedy = [[1, 2, 3, 4], [5, 6]], SamplingConfig(temperature=0.0)
-    ref = generate(eager, prompts, 6, greedy, max_total_len=16)
-    out = generate(flex, prompts, 6, greedy, max_total_len=16)
+    ref = generate(eager, prompts, GenerationConfig(6, greedy, max_total_len=16))
+    out = generate(flex, prompts, GenerationConfig(6, greedy, max_total_len=16))
     assert out == ref
 
 

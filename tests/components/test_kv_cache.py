@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from attnlab.components.kv_cache import ModelCache
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.inference.steps import decode_step, left_pad, prefill
@@ -152,7 +153,7 @@ def test_cached_prefill_and_decode_equal_the_full_forward(family, position, case
 def test_greedy_tokens_are_the_same_with_and_without_the_cache(family, position, case):
     model, prompts, _, src, src_mask = build(family, position, case)
     N = case["n_new"]
-    got = generate(model, prompts, N, GREEDY, source=src, source_mask=src_mask)
+    got = generate(model, prompts, GenerationConfig(N, GREEDY), source=src, source_mask=src_mask)
     for b, p in enumerate(prompts):
         seq = list(p)
         for _ in range(N):  # the definition: argmax of a full forward over everything so far
@@ -185,7 +186,7 @@ def test_cross_attention_keys_and_values_are_projected_once_per_source(position)
     src = torch.randint(0, VOCAB, (2, 7))
     src_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     counter = CallCounter(cross + self_k)
-    out = generate(model, [[1], [2]], 6, GREEDY, source=src, source_mask=src_mask)
+    out = generate(model, [[1], [2]], GenerationConfig(6, GREEDY), source=src, source_mask=src_mask)
     counter.remove()
     assert [len(r) for r in out] == [6, 6]
     for proj in cross:
@@ -195,7 +196,7 @@ def test_cross_attention_keys_and_values_are_projected_once_per_source(position)
 
     counter = CallCounter(cross)  # beam search reorders the cached K/V, never recomputes them
     beam_search(
-        model, [[1]], num_beams=3, max_new_tokens=6, source=src[:1], source_mask=src_mask[:1]
+        model, [[1]], GenerationConfig(6, num_beams=3), source=src[:1], source_mask=src_mask[:1]
     )
     counter.remove()
     assert all(counter.calls[proj] == [7] for proj in cross)
@@ -218,8 +219,10 @@ def test_decode_step_compiles_and_equals_eager():
     prompts = [[1, 2, 3, 4], [5, 6]]
     torch._dynamo.reset()
     compiled = torch.compile(decode_step)
-    eager_tokens = generate(model, prompts, 5, GREEDY)
-    streamed = torch.stack(list(stream_tokens(model, prompts, 5, GREEDY, step_fn=compiled)), 1)
+    eager_tokens = generate(model, prompts, GenerationConfig(5, GREEDY))
+    streamed = torch.stack(
+        list(stream_tokens(model, prompts, GenerationConfig(5, GREEDY), step_fn=compiled)), 1
+    )
     assert streamed.tolist() == eager_tokens
 
     # Logits step by step, compiled vs eager, against two caches filled by the same prefill.

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.components.hooks import hooks
 from attnlab.components.kv_cache import LatentCache
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.components.positions import ALiBi, RoPE
@@ -138,10 +139,10 @@ def test_rope_part_sees_only_relative_positions():
 
 
 def test_capture_weights_are_probabilities():
-    mla = _mla(absorb=True)
-    mla.capture_weights = True
-    _run(mla, torch.randn(2, 5, 32), is_causal=True, positions=RoPE(8, 16))
-    w = mla.weights
+    mla, seen = _mla(absorb=True), []
+    with hooks(mla, [("hook_pattern", lambda w, hook: seen.append(w))]):
+        _run(mla, torch.randn(2, 5, 32), is_causal=True, positions=RoPE(8, 16))
+    w = seen[-1]
     assert w.shape == (2, 4, 5, 5)
     _close(w.sum(-1), torch.ones(2, 4, 5))
     assert (w.triu(1) == 0).all()

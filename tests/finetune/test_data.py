@@ -277,7 +277,7 @@ def test_more_pairs_per_prompt_add_distinct_training_pairs_only(instructions):
         by_prompt.setdefault(p["prompt"], []).append(p)
     firsts = [group[0] for group in by_prompt.values()]
     assert firsts == one.splits["train"]  # the first pair of each prompt is the one pair
-    for prompt, group in by_prompt.items():
+    for group in by_prompt.values():
         rejected = [p["rejected"] for p in group]
         assert len(set(rejected)) == len(rejected) <= 4
         assert all(r != group[0]["chosen"] for r in rejected)

@@ -18,6 +18,7 @@ from torch import nn
 
 from attnlab.components.positions.base import NoPosition
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.inference.steps import left_pad
@@ -104,21 +105,29 @@ def tiny_t5(vocab_size: int = 23, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
 def test_one_beam_is_greedy(position):
     model, prompt = tiny_decoder(position=position), [1, 2, 3]
-    greedy = generate(model, [prompt], 6, GREEDY)[0]
-    assert beam_search(model, [prompt], 1, 6)[0][0].tokens == greedy
+    greedy = generate(model, [prompt], GenerationConfig(6, GREEDY))[0]
+    assert beam_search(model, [prompt], GenerationConfig(6, num_beams=1))[0][0].tokens == greedy
     # With an EOS: the first repeated-free token of greedy's output ends both searches there.
     k = next(i for i in range(1, 6) if greedy[i] not in greedy[:i])
     eos = greedy[k]
-    assert generate(model, [prompt], 6, GREEDY, stop_tokens=[eos])[0] == greedy[: k + 1]
-    assert beam_search(model, [prompt], 1, 6, eos_ids=[eos])[0][0].tokens == greedy[: k + 1]
+    assert (
+        generate(model, [prompt], GenerationConfig(6, GREEDY, stop_tokens=[eos]))[0]
+        == greedy[: k + 1]
+    )
+    assert (
+        beam_search(model, [prompt], GenerationConfig(6, num_beams=1, stop_tokens=[eos]))[0][
+            0
+        ].tokens
+        == greedy[: k + 1]
+    )
 
 
 # --- beam search beats greedy --------------------------------------------------------------
 def test_beam_escapes_the_greedy_trap():
     """A is likelier than B, but what follows A is flat: P A C = 0.5 * 0.3 < P B C = 0.4 * 0.9."""
     model = BigramLM({P: {A: 0.5, B: 0.4}, A: {C: 0.3, D: 0.3}, B: {C: 0.9}})
-    greedy = generate(model, [[P]], 2, GREEDY)[0]
-    beam = beam_search(model, [[P]], 2, 2, length_penalty=0.0)[0][0]
+    greedy = generate(model, [[P]], GenerationConfig(2, GREEDY))[0]
+    beam = beam_search(model, [[P]], GenerationConfig(2, num_beams=2, length_penalty=0.0))[0][0]
     assert greedy[0] == A and beam.tokens == [B, C]
     assert beam.score == pytest.approx(math.log(0.4 * 0.9), abs=1e-5)
     assert logprob(model, [P], beam.tokens) > logprob(model, [P], greedy)
@@ -127,8 +136,8 @@ def test_beam_escapes_the_greedy_trap():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_beam_score_is_the_recomputed_logprob_and_at_least_greedys(seed):
     model, prompt = tiny_decoder(seed=seed), [4, 5]
-    greedy = generate(model, [prompt], 5, GREEDY)[0]
-    beam = beam_search(model, [prompt], 4, 5, length_penalty=0.0)[0][0]
+    greedy = generate(model, [prompt], GenerationConfig(5, GREEDY))[0]
+    beam = beam_search(model, [prompt], GenerationConfig(5, num_beams=4, length_penalty=0.0))[0][0]
     recomputed = logprob(model, prompt, beam.tokens)
     # The beams' cached K/V, reordered at every step, give the scores of a full forward.
     assert beam.score == pytest.approx(recomputed, abs=1e-4)
@@ -142,7 +151,9 @@ def test_enough_beams_make_the_search_exact(family):
     model = tiny_decoder(vocab_size=V) if family == "decoder" else tiny_t5(vocab_size=V)
     prompt = [1, 2] if family == "decoder" else [0]
     src = None if family == "decoder" else torch.tensor([[1, 2, 3, 4]])
-    beam = beam_search(model, [prompt], V ** (N - 1), N, length_penalty=0.0, source=src)[0][0]
+    beam = beam_search(
+        model, [prompt], GenerationConfig(N, num_beams=V ** (N - 1), length_penalty=0.0), source=src
+    )[0][0]
     with torch.no_grad():
         best = max(
             itertools.product(range(V), repeat=N),
@@ -153,8 +164,7 @@ def test_enough_beams_make_the_search_exact(family):
         greedy = generate(
             model,
             [prompt],
-            N,
-            GREEDY,
+            GenerationConfig(N, GREEDY),
             source=src,
             source_mask=None if src is None else torch.ones_like(src).bool(),
         )[0]
@@ -170,23 +180,31 @@ def test_beams_still_running_at_max_new_tokens_compete_with_finished_ones():
     """Two hypotheses finished ([EOS], [A EOS]) but the running [A C] is likelier than both: at
     max_new_tokens it competes as it is (transformers' finalize does the same)."""
     model = BigramLM(TABLE)
-    beam = beam_search(model, [[P]], 2, 2, eos_ids=[EOS], length_penalty=0.0)[0][0]
+    beam = beam_search(
+        model, [[P]], GenerationConfig(2, num_beams=2, stop_tokens=[EOS], length_penalty=0.0)
+    )[0][0]
     assert beam.tokens == [A, C]
     assert beam.score == pytest.approx(math.log(0.7 * 0.8), abs=1e-5)
-    greedy = generate(model, [[P]], 2, GREEDY, stop_tokens=[EOS])[0]
+    greedy = generate(model, [[P]], GenerationConfig(2, GREEDY, stop_tokens=[EOS]))[0]
     assert logprob(model, [P], beam.tokens) >= logprob(model, [P], greedy)
 
 
 def test_finished_hypotheses_keep_their_eos_and_early_stopping_stops_at_num_beams():
     model = BigramLM(TABLE)
     # Not early: it goes on while the running [A C] can still beat the finished, and wins.
-    full = beam_search(model, [[P]], 2, 5, eos_ids=[EOS], length_penalty=0.0)[0][0]
+    full = beam_search(
+        model, [[P]], GenerationConfig(5, num_beams=2, stop_tokens=[EOS], length_penalty=0.0)
+    )[0][0]
     assert full.tokens == [A, C, EOS]
     assert full.score == pytest.approx(math.log(0.7 * 0.8 * 0.9), abs=1e-5)
     # Early: it stops once 2 hypotheses ([EOS] and [A EOS]) are finished, and returns the better.
-    early = beam_search(model, [[P]], 2, 5, eos_ids=[EOS], length_penalty=0.0, early_stopping=True)[
-        0
-    ][0]
+    early = beam_search(
+        model,
+        [[P]],
+        GenerationConfig(
+            5, num_beams=2, stop_tokens=[EOS], length_penalty=0.0, early_stopping=True
+        ),
+    )[0][0]
     assert early.tokens == [EOS]
     assert early.score == pytest.approx(math.log(0.2), abs=1e-5)
 
@@ -197,8 +215,12 @@ def test_length_penalty_divides_by_length_to_the_power():
     model = BigramLM(
         {P: {EOS: 0.4, A: 0.35}, A: {C: 0.9}, B: {D: 0.9}, C: {EOS: 0.9}, D: {EOS: 0.9}}
     )
-    raw = beam_search(model, [[P]], 2, 3, eos_ids=[EOS], length_penalty=0.0)[0][0]
-    per_token = beam_search(model, [[P]], 2, 3, eos_ids=[EOS], length_penalty=1.0)[0][0]
+    raw = beam_search(
+        model, [[P]], GenerationConfig(3, num_beams=2, stop_tokens=[EOS], length_penalty=0.0)
+    )[0][0]
+    per_token = beam_search(
+        model, [[P]], GenerationConfig(3, num_beams=2, stop_tokens=[EOS], length_penalty=1.0)
+    )[0][0]
     assert raw.tokens == [EOS] and per_token.tokens == [A, C, EOS]
     assert per_token.score == pytest.approx(math.log(0.35 * 0.9 * 0.9) / 3, abs=1e-5)
 
@@ -206,7 +228,9 @@ def test_length_penalty_divides_by_length_to_the_power():
 def test_several_eos_ids_can_fill_the_top_candidates():
     """With 4 EOS ids the 2 * W best extensions can all end: the others must still be reached."""
     model = BigramLM({P: {A: 0.3, B: 0.25, C: 0.2, D: 0.15, EOS: 0.07}})
-    beam = beam_search(model, [[P]], 2, 3, eos_ids=[A, B, C, D], length_penalty=0.0)[0][0]
+    beam = beam_search(
+        model, [[P]], GenerationConfig(3, num_beams=2, stop_tokens=[A, B, C, D], length_penalty=0.0)
+    )[0][0]
     assert beam.tokens == [A] and beam.score == pytest.approx(math.log(0.3), abs=1e-5)
 
 
@@ -216,7 +240,11 @@ def test_encoder_decoder_beam_search_scores_its_hypothesis():
     src = torch.tensor([[5, 6, 7, 8, 9, 1]])
     src_mask = torch.ones_like(src, dtype=torch.bool)
     beam = beam_search(
-        model, [[0]], 3, 6, eos_ids=[1], length_penalty=0.0, source=src, source_mask=src_mask
+        model,
+        [[0]],
+        GenerationConfig(6, num_beams=3, stop_tokens=[1], length_penalty=0.0),
+        source=src,
+        source_mask=src_mask,
     )[0][0]
     assert 1 <= len(beam.tokens) <= 6 and 1 not in beam.tokens[:-1]
     with torch.no_grad():
@@ -229,9 +257,13 @@ def test_a_batch_gives_each_prompt_its_own_hypotheses(position):
     """Left padding and the B * W cache rows keep prompts apart: each row as if searched alone,
     its hypotheses best first, each scored by the recomputed log-probability."""
     model, prompts = tiny_decoder(position=position), [[4, 5], [1, 2, 3, 6, 7], [9]]
-    batched = beam_search(model, prompts, 3, 5, length_penalty=0.0, num_return_sequences=3)
+    batched = beam_search(
+        model, prompts, GenerationConfig(5, num_beams=3, length_penalty=0.0, num_return_sequences=3)
+    )
     alone = [
-        beam_search(model, [p], 3, 5, length_penalty=0.0, num_return_sequences=3)[0]
+        beam_search(
+            model, [p], GenerationConfig(5, num_beams=3, length_penalty=0.0, num_return_sequences=3)
+        )[0]
         for p in prompts
     ]
     assert [[h.tokens for h in row] for row in batched] == [
@@ -247,7 +279,7 @@ def test_num_return_sequences_must_fit_the_beams():
     with pytest.raises(
         ValueError, match=r"num_return_sequences must be in \[1, num_beams=2\], got 3"
     ):
-        beam_search(tiny_decoder(), [[1]], 2, 3, num_return_sequences=3)
+        beam_search(tiny_decoder(), [[1]], GenerationConfig(3, num_beams=2, num_return_sequences=3))
 
 
 # --- equal to transformers' generate(num_beams=..), row for row ------------------------------
@@ -319,7 +351,9 @@ def test_batched_beam_search_equals_transformers(
         hf_inputs = dict(input_ids=ids, attention_mask=mask.long())
     eos = None
     if with_eos:  # the token greedy decoding writes most often: hypotheses end early
-        greedy = generate(ours, prompts, n_new, GREEDY, source=source, source_mask=source_mask)
+        greedy = generate(
+            ours, prompts, GenerationConfig(n_new, GREEDY), source=source, source_mask=source_mask
+        )
         eos = Counter(t for row in greedy for t in row).most_common(1)[0][0]
     with torch.no_grad():
         out = hf.generate(
@@ -336,12 +370,14 @@ def test_batched_beam_search_equals_transformers(
     hyps = beam_search(
         ours,
         prompts,
-        num_beams,
-        n_new,
-        eos_ids=[] if eos is None else [eos],
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-        num_return_sequences=n_return,
+        GenerationConfig(
+            n_new,
+            num_beams=num_beams,
+            stop_tokens=[] if eos is None else [eos],
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            num_return_sequences=n_return,
+        ),
         source=source,
         source_mask=source_mask,
     )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from attnlab.inference.compiled_step import compile_decode_step
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -28,7 +29,9 @@ def _tiny() -> nn.Module:
 
 def _compiled_tokens(model, step, prompts, n_new):
     with torch.no_grad():
-        return torch.stack(list(stream_tokens(model, prompts, n_new, GREEDY, step_fn=step)), 1)
+        return torch.stack(
+            list(stream_tokens(model, prompts, GenerationConfig(n_new, GREEDY), step_fn=step)), 1
+        )
 
 
 @pytest.mark.slow
@@ -45,7 +48,7 @@ def test_steps_of_two_models_and_of_new_shapes_give_the_eager_tokens():
         (fp32, [[4, 5, 6, 7, 8]], 7),
         (int8, [[1, 2, 3], [9, 8]], 4),
     ]:
-        expected = generate(model, prompts, n_new, GREEDY)
+        expected = generate(model, prompts, GenerationConfig(n_new, GREEDY))
         assert _compiled_tokens(model, steps[model], prompts, n_new).tolist() == expected
     assert len(steps[fp32].compiled) == 2 and len(steps[int8].compiled) == 2
 

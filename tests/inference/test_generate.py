@@ -15,6 +15,7 @@ from torch import nn
 
 from attnlab.components.positions.base import NoPosition
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import (
     ContextCropWarning,
     generate,
@@ -84,13 +85,15 @@ def tiny_decoder(position: str = "rope", max_seq_len: int = 12) -> nn.Module:
 # --- stop tokens ---------------------------------------------------------------------------
 def test_each_row_stops_at_and_keeps_its_first_stop_token():
     model = ScriptedLM([[5, 6, EOS, 7, 8, 9], [7, 8, 9, 10, 11, 12]], VOCAB)
-    out = generate(model, [[1], [2]], 6, GREEDY, stop_tokens=[EOS])
+    out = generate(model, [[1], [2]], GenerationConfig(6, GREEDY, stop_tokens=[EOS]))
     assert out == [[5, 6, EOS], [7, 8, 9, 10, 11, 12]]
 
 
 def test_generation_ends_once_every_row_has_stopped():
     model = ScriptedLM([[5, EOS, 7, 8, 9, 10], [7, 8, 9, 10, 11, 12]], VOCAB)
-    out = generate(model, [[1], [2]], 6, GREEDY, stop_tokens=[EOS, 9])  # any of several ids
+    out = generate(
+        model, [[1], [2]], GenerationConfig(6, GREEDY, stop_tokens=[EOS, 9])
+    )  # any of several ids
     assert out == [[5, EOS], [7, 8, 9]]
     assert model.calls == 3  # prefill + 2 steps: nothing is computed after the last stop
 
@@ -98,7 +101,10 @@ def test_generation_ends_once_every_row_has_stopped():
 def test_stream_tokens_repeats_the_stop_token_of_finished_rows():
     """Documented: a finished row keeps yielding its stop token until every row is done."""
     model = ScriptedLM([[5, EOS, 7, 8], [7, 8, 9, EOS]], VOCAB)
-    steps = [t.tolist() for t in stream_tokens(model, [[1], [2]], 6, GREEDY, stop_tokens=[EOS])]
+    steps = [
+        t.tolist()
+        for t in stream_tokens(model, [[1], [2]], GenerationConfig(6, GREEDY, stop_tokens=[EOS]))
+    ]
     assert steps == [[5, 7], [EOS, 8], [EOS, 9], [EOS, EOS]]
 
 
@@ -124,7 +130,10 @@ def scripted_text(tok, *texts: str) -> ScriptedLM:
 def test_stop_strings_spanning_tokens_cut_right_after_the_string(char_tok, text, stops, expected):
     model = scripted_text(char_tok, text)
     out = generate(
-        model, [char_tok.encode("x")], len(text), GREEDY, stop_strings=stops, decode=char_tok.decode
+        model,
+        [char_tok.encode("x")],
+        GenerationConfig(len(text), GREEDY, stop_strings=stops),
+        decode=char_tok.decode,
     )
     assert char_tok.decode(out[0]) == expected
     assert model.calls == len(expected)  # it stopped there, not at max_new_tokens
@@ -133,7 +142,10 @@ def test_stop_strings_spanning_tokens_cut_right_after_the_string(char_tok, text,
 def test_stop_strings_cut_each_row_of_a_batch(char_tok):
     model = scripted_text(char_tok, "ab stop cd efgh", "abcdefg stop hi")
     out = generate(
-        model, [char_tok.encode("x")] * 2, 15, GREEDY, stop_strings=["stop"], decode=char_tok.decode
+        model,
+        [char_tok.encode("x")] * 2,
+        GenerationConfig(15, GREEDY, stop_strings=["stop"]),
+        decode=char_tok.decode,
     )
     assert [char_tok.decode(r) for r in out] == ["ab stop", "abcdefg stop"]
 
@@ -146,7 +158,7 @@ def test_stop_string_completed_inside_a_multi_character_token():
         return "".join(pieces[i] for i in ids)
 
     model = ScriptedLM([[0, 1, 2, 3, 4]], len(pieces))
-    out = generate(model, [[0]], 5, GREEDY, stop_strings=["end."], decode=decode)
+    out = generate(model, [[0]], GenerationConfig(5, GREEDY, stop_strings=["end."]), decode=decode)
     assert out == [[0, 1, 2]] and decode(out[0]) == "abc end.x"
 
 
@@ -154,7 +166,11 @@ def test_generate_text_streams_pieces_that_add_up_to_the_result(char_tok):
     model = scripted_text(char_tok, "to be or not to be")
     pieces = []
     text = generate_text(
-        model, char_tok, "x", 30, GREEDY, stop_strings=["not"], on_text=pieces.append
+        model,
+        char_tok,
+        "x",
+        GenerationConfig(30, GREEDY, stop_strings=["not"]),
+        on_text=pieces.append,
     )
     assert text == "to be or not"
     assert "".join(pieces) == text and len(pieces) == len(text)  # one piece per character
@@ -165,8 +181,8 @@ def test_generate_text_streams_pieces_that_add_up_to_the_result(char_tok):
 def test_left_padded_batch_gives_each_prompt_its_own_greedy_tokens(position):
     model = tiny_decoder(position)
     prompts = [[1], [4, 5, 6, 7, 8], [9, 10, 11]]
-    batched = generate(model, prompts, 6, GREEDY)
-    alone = [generate(model, [p], 6, GREEDY)[0] for p in prompts]
+    batched = generate(model, prompts, GenerationConfig(6, GREEDY))
+    alone = [generate(model, [p], GenerationConfig(6, GREEDY))[0] for p in prompts]
     assert batched == alone
 
 
@@ -174,7 +190,12 @@ def test_left_padded_batch_gives_each_prompt_its_own_greedy_tokens(position):
 def test_on_token_sees_each_token_before_the_next_step_is_computed():
     model = ScriptedLM([[5, 6, 7, 8, 9]], VOCAB)
     seen = []  # (model calls so far, token)
-    out = generate(model, [[1]], 5, GREEDY, on_token=lambda t: seen.append((model.calls, t.item())))
+    out = generate(
+        model,
+        [[1]],
+        GenerationConfig(5, GREEDY),
+        on_token=lambda t: seen.append((model.calls, t.item())),
+    )
     # Token i comes from call i (prefill = call 0): it is handed out when i + 1 calls were made.
     assert seen == [(i + 1, t) for i, t in enumerate([5, 6, 7, 8, 9])]
     assert out == [[5, 6, 7, 8, 9]]
@@ -182,7 +203,7 @@ def test_on_token_sees_each_token_before_the_next_step_is_computed():
 
 def test_stream_tokens_is_lazy_and_leaves_grad_mode_alone():
     model = ScriptedLM([[5, 6, 7, 8]], VOCAB)
-    stream = stream_tokens(model, [[1]], 4, GREEDY)
+    stream = stream_tokens(model, [[1]], GenerationConfig(4, GREEDY))
     assert model.calls == 0  # nothing runs before the first token is asked for
     for i, token in enumerate(stream):
         assert model.calls == i + 1 and token.tolist() == [[5, 6, 7, 8][i]]
@@ -193,27 +214,34 @@ def test_streamed_tokens_equal_the_returned_tokens():
     model = tiny_decoder()
     prompts, cfg = [[1, 2, 3], [4]], SamplingConfig(temperature=1.0, top_k=10)
     streamed = []
-    out = generate(model, prompts, 8, cfg, seed=3, on_token=lambda t: streamed.append(t.tolist()))
+    out = generate(
+        model,
+        prompts,
+        GenerationConfig(8, cfg, seed=3),
+        on_token=lambda t: streamed.append(t.tolist()),
+    )
     assert [list(r) for r in zip(*streamed)] == out
-    from_iterator = [t.tolist() for t in stream_tokens(model, prompts, 8, cfg, seed=3)]
+    from_iterator = [
+        t.tolist() for t in stream_tokens(model, prompts, GenerationConfig(8, cfg, seed=3))
+    ]
     assert from_iterator == streamed
 
 
 # --- length limits -------------------------------------------------------------------------
 def test_max_total_len_caps_the_longest_prompt_plus_new_tokens():
     model = ScriptedLM([list(range(5, 15))] * 2, VOCAB)
-    out = generate(model, [[1, 2], [3, 4, 5, 6]], 10, GREEDY, max_total_len=7)
+    out = generate(model, [[1, 2], [3, 4, 5, 6]], GenerationConfig(10, GREEDY, max_total_len=7))
     assert [len(r) for r in out] == [3, 3]  # 4 + 3 = 7
     with pytest.raises(ValueError, match="max_total_len=4"):
-        generate(model, [[1, 2], [3, 4, 5, 6]], 10, GREEDY, max_total_len=4)
+        generate(model, [[1, 2], [3, 4, 5, 6]], GenerationConfig(10, GREEDY, max_total_len=4))
 
 
 # --- errors --------------------------------------------------------------------------------
 def test_empty_prompt_is_an_error():
     with pytest.raises(ValueError, match="empty prompt"):
-        generate(tiny_decoder(), [[1, 2], []], 3)
+        generate(tiny_decoder(), [[1, 2], []], GenerationConfig(3))
     with pytest.raises(ValueError, match="empty prompt"):
-        beam_search(tiny_decoder(), [[1], []], 2, 3)
+        beam_search(tiny_decoder(), [[1], []], GenerationConfig(3, num_beams=2))
 
 
 # --- the context crop ----------------------------------------------------------------------
@@ -237,13 +265,13 @@ def test_a_position_table_crops_the_context_as_a_no_cache_reference(position):
     model = tiny_decoder(position, max_seq_len=12)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], list(range(1, 16))]  # the last: > 12
     notices = []
-    out = generate(model, prompts, 10, GREEDY, on_notice=notices.append)
+    out = generate(model, prompts, GenerationConfig(10, GREEDY), on_notice=notices.append)
     assert out == [cropped_reference(model, p, 10, 12, 12) for p in prompts]
     assert len(notices) == 1 and "12 positions" in notices[0] and "\n" not in notices[0]
     with pytest.warns(ContextCropWarning, match="12 positions"):
-        assert generate(model, prompts[:1], 10, GREEDY) == out[:1]
+        assert generate(model, prompts[:1], GenerationConfig(10, GREEDY)) == out[:1]
     with pytest.warns(ContextCropWarning, match="12 positions"):  # the table binds first
-        assert generate(model, prompts[:1], 10, GREEDY, max_context=50) == out[:1]
+        assert generate(model, prompts[:1], GenerationConfig(10, GREEDY, max_context=50)) == out[:1]
 
 
 def test_an_encoder_decoder_crops_its_decoder_context_and_keeps_the_source():
@@ -256,7 +284,12 @@ def test_an_encoder_decoder_crops_its_decoder_context_and_keeps_the_source():
     src_mask = src != 0
     notices = []
     out = generate(
-        model, [[1], [1]], 12, GREEDY, source=src, source_mask=src_mask, on_notice=notices.append
+        model,
+        [[1], [1]],
+        GenerationConfig(12, GREEDY),
+        source=src,
+        source_mask=src_mask,
+        on_notice=notices.append,
     )
     assert len(notices) == 1
     for b, n in enumerate(src_mask.sum(1).tolist()):
@@ -268,7 +301,7 @@ def test_prompt_plus_new_tokens_that_fit_the_table_are_not_cropped():
     model = tiny_decoder("learned", max_seq_len=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no notice
-        out = generate(model, [[1] * 8], 4, GREEDY)  # 8 + 4 = 12 fits exactly
+        out = generate(model, [[1] * 8], GenerationConfig(4, GREEDY))  # 8 + 4 = 12 fits exactly
     assert out == [cropped_reference(model, [1] * 8, 4, 100, 100)]
 
 
@@ -279,45 +312,45 @@ def test_max_context_and_crop_to_refill_from_the_last_tokens(position):
     model = tiny_decoder(position, max_seq_len=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = generate(model, [[5, 6, 7]], 14, GREEDY, max_context=6, crop_to=3)
+        out = generate(model, [[5, 6, 7]], GenerationConfig(14, GREEDY, max_context=6, crop_to=3))
     assert out == [cropped_reference(model, [5, 6, 7], 14, 6, 3)]
     with pytest.raises(ValueError, match=r"crop_to must be in \[1, 6\].*got 7"):
-        generate(model, [[5, 6, 7]], 14, GREEDY, max_context=6, crop_to=7)
+        generate(model, [[5, 6, 7]], GenerationConfig(14, GREEDY, max_context=6, crop_to=7))
     with pytest.raises(ValueError, match="max_context must be >= 1, got 0"):
-        generate(model, [[5, 6, 7]], 14, GREEDY, max_context=0)
+        generate(model, [[5, 6, 7]], GenerationConfig(14, GREEDY, max_context=0))
 
 
 def test_beam_search_names_the_numbers_past_a_learned_table():
     model = tiny_decoder("learned", max_seq_len=12)
     with pytest.raises(ValueError) as err:
-        beam_search(model, [[1] * 8], 2, 5)
+        beam_search(model, [[1] * 8], GenerationConfig(5, num_beams=2))
     assert all(str(n) in str(err.value) for n in (8, 5, 12))
 
 
 @pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1])
 def test_token_ids_outside_the_vocabulary_are_named(bad):
     with pytest.raises(ValueError) as err:
-        generate(tiny_decoder(), [[1, 2], [3, bad]], 3)
+        generate(tiny_decoder(), [[1, 2], [3, bad]], GenerationConfig(3))
     assert f"token id {bad}" in str(err.value) and f"[0, {VOCAB})" in str(err.value)
 
 
 @pytest.mark.parametrize("num_beams", [0, -2])
 def test_num_beams_below_one_is_an_error(num_beams, char_tok):
     with pytest.raises(ValueError, match=f"num_beams must be >= 1, got {num_beams}"):
-        beam_search(tiny_decoder(), [[1, 2]], num_beams, 3)
+        beam_search(tiny_decoder(), [[1, 2]], GenerationConfig(3, num_beams=num_beams))
     model = scripted_text(char_tok, "abc")
     with pytest.raises(ValueError, match=f"num_beams must be >= 1, got {num_beams}"):
-        generate_text(model, char_tok, "x", 3, num_beams=num_beams)
+        generate_text(model, char_tok, "x", GenerationConfig(3, num_beams=num_beams))
 
 
 def test_other_bad_arguments_are_errors():
     model = ScriptedLM([[5, 6]], VOCAB)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
-        generate(model, [[1]], 0)
+        generate(model, [[1]], GenerationConfig(0))
     with pytest.raises(ValueError, match="decode"):
-        generate(model, [[1]], 2, stop_strings=["x"])
+        generate(model, [[1]], GenerationConfig(2, stop_strings=["x"]))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
-        beam_search(tiny_decoder(), [[1]], 2, 0)
+        beam_search(tiny_decoder(), [[1]], GenerationConfig(0, num_beams=2))
 
 
 # --- text in, text out ---------------------------------------------------------------------
@@ -331,14 +364,16 @@ def test_generate_text_reads_the_prompt_as_the_source_of_an_encoder_decoder(char
     expected = generate(
         model,
         [[bos]],
-        6,
-        GREEDY,
-        stop_tokens=[eos],
+        GenerationConfig(6, GREEDY, stop_tokens=[eos]),
         source=src,
         source_mask=torch.ones_like(src, dtype=torch.bool),
     )[0]
-    assert generate_text(model, char_tok, prompt, 6, GREEDY) == char_tok.decode(expected)
-    beam = generate_text(model, char_tok, prompt, 6, num_beams=3)
+    assert generate_text(model, char_tok, prompt, GenerationConfig(6, GREEDY)) == char_tok.decode(
+        expected
+    )
+    beam = generate_text(model, char_tok, prompt, GenerationConfig(6, num_beams=3))
     assert isinstance(beam, str)
     with pytest.raises(ValueError, match="deterministic"):
-        generate_text(model, char_tok, prompt, 6, SamplingConfig(top_k=3), num_beams=3)
+        generate_text(
+            model, char_tok, prompt, GenerationConfig(6, SamplingConfig(top_k=3), num_beams=3)
+        )

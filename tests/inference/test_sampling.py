@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import (
     SamplingConfig,
@@ -188,10 +189,10 @@ def tiny_model():
 
 def test_same_seed_same_tokens_different_seed_different_tokens(tiny_model):
     prompts, cfg = [[1, 2, 3], [4, 5]], SamplingConfig(temperature=1.0)
-    a = generate(tiny_model, prompts, 10, cfg, seed=7)
+    a = generate(tiny_model, prompts, GenerationConfig(10, cfg, seed=7))
     torch.manual_seed(123)  # the global RNG plays no part once a seed is given
-    b = generate(tiny_model, prompts, 10, cfg, seed=7)
-    c = generate(tiny_model, prompts, 10, cfg, seed=8)
+    b = generate(tiny_model, prompts, GenerationConfig(10, cfg, seed=7))
+    c = generate(tiny_model, prompts, GenerationConfig(10, cfg, seed=8))
     assert a == b
     assert a != c
 

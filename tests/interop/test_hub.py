@@ -8,7 +8,7 @@ import torch
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.__main__ import main
-from attnlab.inference.generate import generate_text
+from attnlab.inference.config import GenerationConfig
 from attnlab.interop.hub import ALLOW_PATTERNS, download, parse_hub_name
 from attnlab.tokenizer import Tokenizer
 from tests.hf_tokenizer_files import gpt2_files, t5_files
@@ -144,7 +144,7 @@ def test_the_tutorials_t5_command_equals_transformers_beam_search(hub, repos, ca
     directory = repos["google-t5/t5-small"]
     hf = T.AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
     hf_tok = T.AutoTokenizer.from_pretrained(directory)
-    max_new = generate_text.__defaults__[0]  # the command's --max-new-tokens default
+    max_new = GenerationConfig().max_new_tokens  # the command's --max-new-tokens default
     inputs = hf_tok(TUTORIAL_PROMPT, return_tensors="pt")
     with torch.no_grad():
         out = hf.generate(**inputs, num_beams=4, max_new_tokens=max_new, do_sample=False)

@@ -1,6 +1,6 @@
-"""attnlab/lab/heads.py and the head mask of components/attention.py, against references:
-hooks on o_proj's input, the model with a sublayer taken out, finite differences of the loss;
-and `attnlab lab heads` end to end.
+"""attnlab/lab/heads.py and its head mask (a hook on an attention layer's hook_z), against
+references: hooks on o_proj's input, the model with a sublayer taken out, finite differences of
+the loss; and `attnlab lab heads` end to end.
 """
 
 import copy
@@ -14,6 +14,8 @@ from attnlab.cli.__main__ import main
 from attnlab.components.attention import Attention
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.lab.heads import (
+    HeadGate,
+    head_gates,
     head_importance,
     lm_loss,
     prunable_fraction,
@@ -39,7 +41,7 @@ def test_a_masked_head_is_exactly_zero_before_o_proj(n_kv_heads):
     attn = Attention(32, 4, n_kv_heads=n_kv_heads).eval()
     x = torch.randn(2, 5, 32)
     plain = pre_o_proj(attn, x).view(2, 5, 4, 8)  # (B, T, H, D)
-    attn.head_mask = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    attn.hook_z.add(HeadGate(torch.tensor([1.0, 0.0, 1.0, 0.5])))
     masked = pre_o_proj(attn, x).view(2, 5, 4, 8)
     assert plain[:, :, 1].abs().min() > 0
     assert torch.equal(masked[:, :, 1], torch.zeros(2, 5, 8))
@@ -52,7 +54,7 @@ def test_mla_heads_are_masked_too(absorb):
     attn = MultiHeadLatentAttention(32, 4, 8, 4, 8, 8, absorb=absorb).eval()
     x = torch.randn(2, 5, 32)
     plain = pre_o_proj(attn, x).view(2, 5, 4, -1)
-    attn.head_mask = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    attn.hook_z.add(HeadGate(torch.tensor([0.0, 1.0, 1.0, 1.0])))
     masked = pre_o_proj(attn, x).view(2, 5, 4, -1)
     assert torch.equal(masked[:, :, 0], torch.zeros_like(masked[:, :, 0]))
     assert torch.equal(masked[:, :, 1:], plain[:, :, 1:])
@@ -60,7 +62,7 @@ def test_mla_heads_are_masked_too(absorb):
 
 def test_a_float32_mask_keeps_a_bf16_layer_in_bf16():
     attn = Attention(32, 4).to(torch.bfloat16).eval()
-    attn.head_mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    attn.hook_z.add(HeadGate(torch.tensor([1.0, 0.0, 1.0, 1.0])))
     assert attn(torch.randn(2, 5, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
@@ -71,7 +73,7 @@ def test_no_mask_and_all_ones_change_nothing():
     set_head_mask(model, torch.ones(2, 4))
     assert torch.equal(model(ids), plain)
     set_head_mask(model, None)
-    assert all(b.self_attn.head_mask is None for b in model.blocks)
+    assert all(not head_gates(b.self_attn) for b in model.blocks)
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
@@ -134,7 +136,7 @@ def test_pruning_curve_runs_from_the_full_model_to_no_attention_at_all():
     batches = [(ids[:, :-1], ids[:, 1:])]
     curve = pruning_curve(model, batches, list(range(7, -1, -1)))
     assert len(curve) == 9
-    assert all(b.self_attn.head_mask is None for b in model.blocks)  # left as it was found
+    assert all(not head_gates(b.self_attn) for b in model.blocks)  # left as it was found
     no_attention = copy.deepcopy(model)
     for block in no_attention.blocks:
         block.self_attn = Zero()

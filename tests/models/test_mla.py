@@ -12,6 +12,7 @@ from attnlab.cli.__main__ import main
 from attnlab.components.kv_cache import ModelCache
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.steps import decode_step, left_pad, prefill
 from attnlab.models.build import build_model
@@ -149,9 +150,9 @@ def test_cached_decoding_equals_full_forward(absorb, q_lora_rank):
 
 def test_generate_and_beam_search_run_on_mla():
     model = build_model(get_preset("mla-tiny")).eval()
-    rows = generate(model, [[1, 2, 3], [4]], 5)
+    rows = generate(model, [[1, 2, 3], [4]], GenerationConfig(5))
     assert [len(r) for r in rows] == [5, 5]
-    assert len(beam_search(model, [[1, 2, 3]], num_beams=3, max_new_tokens=4)[0][0].tokens) == 4
+    assert len(beam_search(model, [[1, 2, 3]], GenerationConfig(4, num_beams=3))[0][0].tokens) == 4
 
 
 # --- KV-cache bytes ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.components.masks import prefix_lm_mask
 from attnlab.configs import from_dict, to_dict
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -183,7 +184,7 @@ def test_cached_generate_equals_greedy_recompute(connect):
     prompts = [ids[0].tolist(), ids[1, 2:].tolist()]
     eos = V - 1
     greedy = SamplingConfig(temperature=0.0)
-    cached = generate(model, prompts, 5, greedy, stop_tokens=[eos], source=images)
+    cached = generate(model, prompts, GenerationConfig(5, greedy, stop_tokens=[eos]), source=images)
     expected = [
         greedy_recompute(model, images[b : b + 1], p, 5, eos) for b, p in enumerate(prompts)
     ]
@@ -198,7 +199,9 @@ def test_generate_stops_a_row_at_its_eos(connect):
     with torch.no_grad():
         first = model(images, ids)[:, -1].argmax(-1)  # (B,)
     greedy = SamplingConfig(temperature=0.0)
-    rows = generate(model, ids.tolist(), 4, greedy, stop_tokens=[int(first[0])], source=images)
+    rows = generate(
+        model, ids.tolist(), GenerationConfig(4, greedy, stop_tokens=[int(first[0])]), source=images
+    )
     assert rows[0] == [int(first[0])]  # row 0 ends at once with its <eos>
     assert rows[1] == greedy_recompute(model, images[1:], ids[1].tolist(), 4, int(first[0]))
 
@@ -209,7 +212,7 @@ def test_a_prefix_model_does_not_crop_its_context():
     images, ids = inputs(cfg)
     room = cfg.max_seq_len - cfg.vision.n_tokens - T
     with pytest.raises(ValueError, match="image-prefix model, which cannot crop"):
-        generate(model, ids.tolist(), room + 1, source=images)
+        generate(model, ids.tolist(), GenerationConfig(room + 1), source=images)
 
 
 # --- configs -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from torch import nn
 
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.configs import to_dict
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.quantized import save_quantized
 from attnlab.inference.sampling import SamplingConfig
@@ -200,7 +201,7 @@ def test_unknown_scheme_and_missing_files(tmp_path, int4_checkpoint):
 def test_cached_generation_matches_full_forward(preset, scheme):
     model = quantize_model(_model(preset), scheme, 32)
     prompt = [5, 17, 42]
-    new = generate(model, [prompt], 6, SamplingConfig(temperature=0.0))[0]
+    new = generate(model, [prompt], GenerationConfig(6, SamplingConfig(temperature=0.0)))[0]
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(6):  # recompute the whole sequence each step, no cache

@@ -14,6 +14,7 @@ from attnlab.models.presets import llama_tiny
 from attnlab.serve.app import bind, create_app
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine
+from attnlab.serve.types import EngineConfig
 from attnlab.tokenizer import CHAT_TOKENS, train_bpe_tokenizer
 
 TEXT = "the cat sat on the mat. the dog ate the bone. hello world, hello cat. " * 8
@@ -47,7 +48,9 @@ class Server:
         loaded = open_checkpoint(ckpt)
         self.model, self.tokenizer, self.config = loaded.model, loaded.tokenizer, loaded.config
         context = loaded.config.max_seq_len
-        self.engine = engine_cls(self.model, self.tokenizer, max_context=context, **engine_kw)
+        self.engine = engine_cls(
+            self.model, self.tokenizer, EngineConfig(max_context=context, **engine_kw)
+        )
         settings = Settings(model_name, context, loaded.config.vocab_size, api_key, stop_timeout=5)
         self.app = create_app(self.engine, self.tokenizer, settings)
         sock = bind("127.0.0.1", 0)

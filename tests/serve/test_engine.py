@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import attnlab.serve.engine as engine_module
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.serve.engine import Engine
-from attnlab.serve.types import EngineStopped, QueueFull, Request, SamplingParams
+from attnlab.serve.types import EngineConfig, EngineStopped, QueueFull, Request, SamplingParams
 
 V = 256  # vocabulary of the tiny presets
 
@@ -85,7 +86,9 @@ def alone(model, request):
     p = request.params
     sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
     return generate(
-        model, [list(request.prompt_ids)], p.max_tokens, sampling, p.stop_token_ids, seed=p.seed
+        model,
+        [list(request.prompt_ids)],
+        GenerationConfig(p.max_tokens, sampling, stop_tokens=p.stop_token_ids, seed=p.seed),
     )[0]
 
 
@@ -94,7 +97,9 @@ def test_greedy_batched_equals_alone(name, request):
     """16 concurrent greedy requests of different prompt and output lengths: token-identical to
     each one run alone, with prompts prefilled in chunks while others decode."""
     model = request.getfixturevalue(name)
-    engine = Engine(model, None, max_batch=16, block_size=4, prefill_chunk=16, max_context=128)
+    engine = Engine(
+        model, None, EngineConfig(max_batch=16, block_size=4, prefill_chunk=16, max_context=128)
+    )
     requests = mixed_requests(16, temperature=0.0)
     got, most = run(engine, requests)
     assert most == 16, "all 16 ran in one batch"
@@ -110,7 +115,9 @@ def test_seeded_sampling_batched_equals_alone(llama):
         Request(r.request_id, r.prompt_ids, SamplingParams(r.params.max_tokens, 0.9, 0.8, seed=i))
         for i, r in enumerate(mixed_requests(16, seed=1))
     ]
-    got, _ = run(Engine(llama, None, block_size=8, prefill_chunk=32, max_context=128), requests)
+    got, _ = run(
+        Engine(llama, None, EngineConfig(block_size=8, prefill_chunk=32, max_context=128)), requests
+    )
     for r in requests:
         assert got.tokens(r.request_id) == alone(llama, r), r.request_id
 
@@ -119,7 +126,7 @@ def test_waits_for_blocks_and_stays_exact(llama):
     """A pool with room for about two requests: the others wait (FCFS, no preemption), every
     request still gets exactly its own tokens, and the pool ends empty."""
     requests = mixed_requests(6, seed=2, temperature=0.0)
-    engine = Engine(llama, None, block_size=4, n_blocks=16, prefill_chunk=8)
+    engine = Engine(llama, None, EngineConfig(block_size=4, n_blocks=16, prefill_chunk=8))
     order = []
     got, most = run(
         engine,
@@ -170,7 +177,9 @@ def test_cancellations_leak_no_blocks(llama):
     """Cancel running and waiting requests at different steps: each gets one final "cancelled"
     event, the others finish, and every block is back in the pool."""
     requests = mixed_requests(12, seed=3, temperature=0.0)
-    engine = Engine(llama, None, max_batch=4, block_size=4, n_blocks=64, prefill_chunk=8)
+    engine = Engine(
+        llama, None, EngineConfig(max_batch=4, block_size=4, n_blocks=64, prefill_chunk=8)
+    )
     steps = 0
 
     def cancel_some():
@@ -204,7 +213,7 @@ def test_a_callback_that_raises_cancels_its_request(gpt2):
         if len(events) == 2:
             raise ConnectionError("client disconnected")
 
-    engine = Engine(gpt2, None, block_size=4)
+    engine = Engine(gpt2, None, EngineConfig(block_size=4))
     engine.submit(Request("gone", (1, 2, 3), SamplingParams(10, 0.0)), gone)
     other = Request("other", (4, 5), SamplingParams(6, 0.0))
     got, _ = run(engine, [other])
@@ -214,7 +223,7 @@ def test_a_callback_that_raises_cancels_its_request(gpt2):
 
 
 def test_queue_bound_raises_queue_full(gpt2):
-    engine = Engine(gpt2, None, max_queue=2)
+    engine = Engine(gpt2, None, EngineConfig(max_queue=2))
     sink = Collector()
     for i in range(2):
         engine.submit(Request(f"q{i}", (1, 2), SamplingParams(2)), sink(f"q{i}"))
@@ -262,7 +271,7 @@ def test_a_failing_request_ends_with_error_and_others_finish(llama, monkeypatch)
             Request("sample", (4, 5, 6), SamplingParams(8, 0.7, seed=13)),
         ]
         # A small pool, so that later requests reuse the failed requests' blocks.
-        engine = Engine(llama, None, block_size=4, n_blocks=40, max_context=128)
+        engine = Engine(llama, None, EngineConfig(block_size=4, n_blocks=40, max_context=128))
         got, _ = run(engine, good[:2] + bad + good[2:])
     finally:
         for h in handles:
@@ -295,7 +304,7 @@ def test_a_batched_step_that_raises_is_rerun_row_by_row(llama):
     requests = mixed_requests(4, seed=5, temperature=0.0)
     handle = llama.embed.register_forward_pre_hook(hook)
     try:
-        got, _ = run(Engine(llama, None, block_size=4, max_context=128), requests)
+        got, _ = run(Engine(llama, None, EngineConfig(block_size=4, max_context=128)), requests)
     finally:
         handle.remove()
     assert failed
@@ -308,7 +317,7 @@ def test_prompt_logprobs_equal_the_models_log_softmax(gpt2):
     without any cache; generated tokens' logprobs and top-k likewise."""
     prompt = tuple(range(3, 20))
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, prompt_logprobs=True)
-    got, _ = run(Engine(gpt2, None, prefill_chunk=5), [Request("p", prompt, params)])
+    got, _ = run(Engine(gpt2, None, EngineConfig(prefill_chunk=5)), [Request("p", prompt, params)])
     events = got.events["p"]
     tokens = got.tokens("p")
     with torch.no_grad():
@@ -360,7 +369,7 @@ def test_bad_requests_raise_one_line(gpt2, prompt, params, match):
 
 def test_thread_loop_stop_and_engine_stopped(gpt2):
     """The loop thread serves a request; stop() cancels a long one; submit then raises."""
-    engine = Engine(gpt2, None, max_batch=2)
+    engine = Engine(gpt2, None, EngineConfig(max_batch=2))
     done = threading.Event()
     sink = Collector()
     ends = sink("short")
@@ -391,7 +400,7 @@ def test_prefix_cache_shares_blocks_of_a_common_prompt(llama):
     others = [
         Request(f"o{i}", system + (i, i + 1, i + 2), SamplingParams(5, 0.0)) for i in range(4)
     ]
-    engine = Engine(llama, None, block_size=8, max_context=128)
+    engine = Engine(llama, None, EngineConfig(block_size=8, max_context=128))
     got, _ = run(engine, [first])
     assert engine.stats()["prefix_cache_hits_total"] == 0
     got, _ = run(engine, others, got)
@@ -409,7 +418,7 @@ def test_prefix_cache_matches_whole_prefixes_only(llama):
     a = Request("a", tuple(range(1, 17)) + (50,), SamplingParams(3, 0.0))
     b = Request("b", (99,) * 8 + tuple(range(9, 17)) + (50,), SamplingParams(3, 0.0))
     c = Request("c", tuple(range(1, 9)), SamplingParams(3, 0.0))
-    engine = Engine(llama, None, block_size=8, max_context=128)
+    engine = Engine(llama, None, EngineConfig(block_size=8, max_context=128))
     got, _ = run(engine, [a])
     got, _ = run(engine, [b, c], got)
     assert engine.stats()["prefix_cache_hits_total"] == 0
@@ -421,7 +430,7 @@ def test_prefix_cache_forgets_blocks_it_hands_out_again(llama):
     """A small pool: a cached prompt's blocks are taken by other requests, so the prompt must be
     computed again (no stale hit), and it still gives exactly its tokens."""
     a = Request("a", tuple(range(1, 20)), SamplingParams(3, 0.0))
-    engine = Engine(llama, None, block_size=4, n_blocks=12, max_context=128)
+    engine = Engine(llama, None, EngineConfig(block_size=4, n_blocks=12, max_context=128))
     got, _ = run(engine, [a])
     fill = [Request(f"f{i}", (200 + i,) * 30, SamplingParams(10, 0.0)) for i in range(2)]
     got, _ = run(engine, fill, got)
@@ -435,7 +444,7 @@ def test_prefix_cache_forgets_blocks_it_hands_out_again(llama):
 def test_long_prefill_is_chunked_between_decode_steps(gpt2):
     """A 100-token prompt prefilled 16 tokens a step: it takes 7 steps to its first token, and
     the request already running gets one token in every one of them."""
-    engine = Engine(gpt2, None, prefill_chunk=16)
+    engine = Engine(gpt2, None, EngineConfig(prefill_chunk=16))
     got = Collector()
     short = Request("short", (1, 2), SamplingParams(20, 0.0))
     engine.submit(short, got("short"))
@@ -463,8 +472,10 @@ def test_engine_arguments_are_checked(llama):
     with pytest.raises(ValueError, match="give max_context"):
         Engine(llama, None)
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
-        Engine(llama, None, max_context=64, prefill_chunk=0)
-    engine = Engine(llama, None, n_blocks=4, block_size=4)  # no table: the pool is the bound
+        Engine(llama, None, EngineConfig(max_context=64, prefill_chunk=0))
+    engine = Engine(
+        llama, None, EngineConfig(n_blocks=4, block_size=4)
+    )  # no table: the pool is the bound
     with pytest.raises(ValueError, match="needs 5 KV blocks, the pool has 4"):
         engine.submit(Request("x", (1,) * 10, SamplingParams(10)), lambda e: None)
 
@@ -473,7 +484,7 @@ def test_threaded_loop_with_concurrent_submitters(gpt2):
     """Four threads submit 16 requests while the loop thread runs (the server's situation):
     every request finishes once, with its tokens alone, and the pool ends empty."""
     requests = mixed_requests(16, seed=6, temperature=0.0)
-    engine = Engine(gpt2, None, block_size=8)
+    engine = Engine(gpt2, None, EngineConfig(block_size=8))
     got, finished = Collector(), threading.Semaphore(0)
     sinks = {r.request_id: got(r.request_id) for r in requests}
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from attnlab.components.attention import Attention
 from attnlab.components.context import AttentionContext
 from attnlab.components.kv_cache import KVCache
+from attnlab.components.masks import cached_attention_mask
 from attnlab.components.paged_kv_cache import (
     BlockAllocator,
     NoFreeBlocks,
@@ -22,7 +23,6 @@ from attnlab.components.paged_kv_cache import (
 )
 from attnlab.inference.steps import decode_step, fill_cache, left_pad
 from attnlab.models.build import build_model
-from attnlab.models.decoder import cached_attention_mask
 from attnlab.models.presets import get_preset
 
 C = 16  # d_model of the attention-level tests

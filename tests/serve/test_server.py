@@ -7,6 +7,7 @@ import openai
 import pytest
 import torch
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from tests.serve.server_helpers import Server, engines, write_checkpoint
@@ -35,7 +36,11 @@ def reference(server, ids, n, sampling=GREEDY, seed=None, stops=("<eos>",)) -> l
     """attnlab's own generation for one prompt: the tokens the server must return."""
     stop_ids = [server.tokenizer.token_id(s) for s in stops]
     return generate(
-        server.model, [ids], n, sampling, [i for i in stop_ids if i is not None], seed=seed
+        server.model,
+        [ids],
+        GenerationConfig(
+            n, sampling, stop_tokens=[i for i in stop_ids if i is not None], seed=seed
+        ),
     )[0]
 
 

@@ -5,6 +5,7 @@ import openai
 import pytest
 
 from attnlab.cli.__main__ import main
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.quantize import Int8Linear
@@ -30,7 +31,9 @@ def test_converted_checkpoints_are_served(tmp_path, make):
         r = client.completions.create(model="tiny", prompt="hello cat", max_tokens=8, temperature=0)
         ids = s.tokenizer.encode("hello cat")
         eos = [s.tokenizer.token_id("<eos>")]
-        expected = generate(s.model, [ids], 8, SamplingConfig(temperature=0), eos)[0]
+        expected = generate(
+            s.model, [ids], GenerationConfig(8, SamplingConfig(temperature=0), stop_tokens=eos)
+        )[0]
         assert r.choices[0].text == s.tokenizer.decode(expected)
     finally:
         s.close()

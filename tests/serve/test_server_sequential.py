@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.serve.sequential import SequentialEngine
-from attnlab.serve.types import EngineStopped, QueueFull, Request, SamplingParams
+from attnlab.serve.types import EngineConfig, EngineStopped, QueueFull, Request, SamplingParams
 from tests.serve.server_helpers import write_checkpoint
 
 
@@ -42,7 +43,7 @@ class Collector:
 
 
 def engine(loaded, **kw) -> SequentialEngine:
-    return SequentialEngine(loaded.model, loaded.tokenizer, max_context=128, **kw)
+    return SequentialEngine(loaded.model, loaded.tokenizer, EngineConfig(max_context=128, **kw))
 
 
 def test_tokens_are_generates_greedy_and_seeded(loaded):
@@ -56,9 +57,10 @@ def test_tokens_are_generates_greedy_and_seeded(loaded):
     e.stop(5)
     for i, p in enumerate(prompts):
         assert (
-            out.tokens(f"g{i}") == generate(loaded.model, [p], 9, SamplingConfig(temperature=0))[0]
+            out.tokens(f"g{i}")
+            == generate(loaded.model, [p], GenerationConfig(9, SamplingConfig(temperature=0)))[0]
         )
-        seeded = generate(loaded.model, [p], 9, SamplingConfig(), seed=i)[0]
+        seeded = generate(loaded.model, [p], GenerationConfig(9, SamplingConfig(), seed=i))[0]
         assert out.tokens(f"s{i}") == seeded
         for rid in (f"g{i}", f"s{i}"):
             reasons = [ev.finish_reason for ev in out.events[rid]]

@@ -163,17 +163,17 @@ def test_layers_and_heads_are_selected_and_flags_restored():
     assert some.heads == [2, 0]
     assert torch.equal(some["cross"][1], full["cross"][1][:, [2, 0]])
     for attn in (m for m in model.modules() if isinstance(m, Attention)):
-        assert attn.capture_weights is False and attn.weights is None
+        assert attn.hook_pattern.fns == []  # every hook capture installed is off again
 
 
 def test_flags_restored_after_an_error_and_earlier_state_kept():
     model, cfg = _model("gpt2-tiny")
     first = model.blocks[0].self_attn
-    first.capture_weights = True  # a user had turned it on themselves
+    mine = first.hook_pattern.add(lambda w, hook: None)  # a user had hooked it themselves
     with pytest.raises(RuntimeError, match="boom"), capture_attention(model):
         raise RuntimeError("boom")
-    assert first.capture_weights is True
-    assert model.blocks[1].self_attn.capture_weights is False
+    assert first.hook_pattern.fns == [mine]
+    assert model.blocks[1].self_attn.hook_pattern.fns == []
 
 
 def test_layers_that_did_not_run_are_left_out():

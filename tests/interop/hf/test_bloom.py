@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attnlab.components.positions.alibi import alibi_slopes
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import bloom, load_hf, save_hf
@@ -130,7 +131,7 @@ def test_greedy_tokens_match_generate(pair):
         eos_token_id=None,
         pad_token_id=0,
     )
-    assert generate(ours, PROMPTS, 8, GREEDY) == out[:, T0:].tolist()
+    assert generate(ours, PROMPTS, GenerationConfig(8, GREEDY)) == out[:, T0:].tolist()
 
 
 def test_export_loads_in_transformers_and_round_trips(pair, tmp_path):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import gpt2, load_hf, save_hf
@@ -77,7 +78,7 @@ def test_greedy_20_tokens_match_generate(pair):
         eos_token_id=None,
         pad_token_id=0,
     )
-    assert generate(ours, PROMPTS, 20, GREEDY) == out[:, T0:].tolist()
+    assert generate(ours, PROMPTS, GenerationConfig(20, GREEDY)) == out[:, T0:].tolist()
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,9 @@ def test_greedy_20_tokens_match_generate(pair):
 def test_beam_search_matches_generate(pair, length_penalty, early_stopping):
     hf, ours, _, _ = pair
     prompt = PROMPTS[0]
-    eos = generate(ours, [prompt], 4, GREEDY)[0][-1]  # a token the model likes: beams finish
+    eos = generate(ours, [prompt], GenerationConfig(4, GREEDY))[0][
+        -1
+    ]  # a token the model likes: beams finish
     out = hf.generate(
         input_ids=torch.tensor([prompt]),
         max_new_tokens=20,
@@ -100,11 +103,13 @@ def test_beam_search_matches_generate(pair, length_penalty, early_stopping):
     best = beam_search(
         ours,
         [prompt],
-        4,
-        20,
-        eos_ids=[eos],
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
+        GenerationConfig(
+            20,
+            num_beams=4,
+            stop_tokens=[eos],
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        ),
     )[0][0]
     assert best.tokens == out[0, len(prompt) :].tolist()
 

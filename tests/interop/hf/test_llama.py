@@ -4,6 +4,7 @@ Qwen2 (q/k/v bias): logits and greedy ids identical to transformers, export, RoP
 import pytest
 import torch
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import llama, load_hf, save_hf
@@ -99,7 +100,10 @@ def test_greedy_20_tokens_match_generate(name, tmp_path):
         eos_token_id=None,
         pad_token_id=0,
     )
-    assert generate(ours, prompts, 20, SamplingConfig(temperature=0)) == out[:, 6:].tolist()
+    assert (
+        generate(ours, prompts, GenerationConfig(20, SamplingConfig(temperature=0)))
+        == out[:, 6:].tolist()
+    )
 
 
 def test_interleaved_layout_gives_the_same_logits(tmp_path):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from attnlab.inference.beam import beam_search
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import load_hf, save_hf, t5
@@ -89,8 +90,7 @@ def test_greedy_20_tokens_match_generate(pair):
     mine = generate(
         ours,
         [[START], [START]],
-        20,
-        SamplingConfig(temperature=0),
+        GenerationConfig(20, SamplingConfig(temperature=0)),
         source=src,
         source_mask=src_mask,
     )
@@ -118,11 +118,13 @@ def test_beam_search_matches_generate(pair):
     best = beam_search(
         ours,
         [[START]],
-        4,
-        20,
-        eos_ids=[eos],
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
+        GenerationConfig(
+            20,
+            num_beams=4,
+            stop_tokens=[eos],
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        ),
         source=src,
     )[0][0]
     assert best.tokens == out[0, 1:].tolist()

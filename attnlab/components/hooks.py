@@ -1,0 +1,191 @@
+"""Hook points: a named identity at every activation, for reading and editing a forward pass.
+
+Every layer calls a `HookPoint` where an activation a researcher would look at is computed
+(the idea and the names follow TransformerLens' `hook_*` points; the mechanism is smaller):
+
+    DecoderLM    hook_embed ─> blocks.i.hook_resid_pre ─> self_attn ─> blocks.i.hook_resid_mid
+                 (─> cross_attn ─> blocks.i.hook_resid_cross) ─> ffn ─> blocks.i.hook_resid_post
+                 ─> hook_final_norm ─> hook_logits
+    Attention    hook_q  hook_k  hook_v  hook_scores  hook_pattern  hook_z  hook_out
+    MLP          hook_hidden  hook_out
+
+A point's name is its module path (`blocks.0.self_attn.hook_pattern`; in an encoder-decoder
+`encoder.blocks.0...` and `decoder.blocks.0.cross_attn...`); `hook_points(model)` lists them all.
+A hook is `fn(activation, hook) -> Tensor | None`: None only looks, a tensor replaces the
+activation from there on. `run_with_cache` keeps the activations asked for, `run_with_hooks`
+edits, and `hooks(model, [...])` installs hooks for the length of a `with` block.
+
+A point is a plain attribute, not a submodule: reading it is an ordinary attribute lookup (not
+nn.Module's `__getattr__`), it adds nothing to `state_dict`, `modules()` or `.to()`, and unhooked
+it costs one test of an empty list, so the plain path computes exactly what it computed without. The
+attention scores and pattern are not materialised by the fused backends (sdpa, flash, flex):
+`attend_heads` recomputes them on the written-out path only while a hook watches them, and keeps
+the fast path's output unless a hook edited them.
+
+Shapes: B batch, H query heads, K kv heads, T queries, S keys, D head_dim.
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from torch import Tensor, nn
+
+from attnlab.components.backends import attention_probs, attention_scores, repeat_kv
+from attnlab.components.flex import dense_terms
+from attnlab.components.masks import check_mask
+
+HookFn = Callable[[Tensor, "HookPoint"], Tensor | None]
+NameFilter = str | Callable[[str], bool]
+WEIGHTS_BACKENDS = ("flash",)  # backends that give the probabilities from what they saved
+
+
+class HookPoint:
+    """An identity on one activation that runs the hooks installed on it, in order.
+
+    Attributes:
+        fns: the installed hooks; empty on the plain path.
+        name: the point's path in the model the last `hook_points` call was made on.
+    """
+
+    def __init__(self):
+        self.fns: list[HookFn] = []
+        self.name = ""
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x) if self.fns else x  # a point without hooks: one list test
+
+    def run(self, x: Tensor) -> Tensor:
+        """Every hook on x in turn; a hook's tensor replaces x for the next one and after."""
+        for fn in self.fns:
+            out = fn(x, self)
+            x = x if out is None else out
+        return x
+
+    def add(self, fn: HookFn) -> HookFn:
+        """Install `fn` after the hooks already there; returns it (for `remove`)."""
+        self.fns.append(fn)
+        return fn
+
+    def remove(self, fn: HookFn) -> None:
+        """Take `fn` off (nothing happens when it is not installed)."""
+        self.fns = [f for f in self.fns if f is not fn]
+
+
+def hook_points(model: nn.Module) -> dict[str, HookPoint]:
+    """Every hook point of `model` by name: `module path.attribute`, in module order."""
+    points = {
+        f"{path}.{attr}" if path else attr: value
+        for path, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, HookPoint)
+    }
+    for name, point in points.items():
+        point.name = name
+    return points
+
+
+def _select(points: dict[str, HookPoint], which: NameFilter) -> list[HookPoint]:
+    if callable(which):
+        return [p for n, p in points.items() if which(n)]
+    if which not in points:
+        near = [n for n in points if n.endswith(which.rsplit(".", 1)[-1])][:3]
+        raise ValueError(
+            f"no hook point {which!r} in this model (e.g. {near or list(points)[:3]}); "
+            "hook_points(model) lists them"
+        )
+    return [points[which]]
+
+
+@contextmanager
+def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[NameFilter, HookFn]]) -> Iterator[None]:
+    """Install hooks for the length of a `with` block, and take them off after (errors too).
+
+    Args:
+        model: any module holding hook points.
+        fwd_hooks: (name or name filter, fn) pairs; a filter is `name -> bool`.
+    """
+    points = hook_points(model)
+    installed = [(p, p.add(fn)) for which, fn in fwd_hooks for p in _select(points, which)]
+    try:
+        yield
+    finally:
+        for point, fn in installed:
+            point.remove(fn)
+
+
+def run_with_hooks(model: nn.Module, *args, fwd_hooks: Sequence[tuple[NameFilter, HookFn]], **kw):
+    """`model(*args, **kw)` with `fwd_hooks` installed (a hook returning a tensor edits)."""
+    with hooks(model, fwd_hooks):
+        return model(*args, **kw)
+
+
+def run_with_cache(
+    model: nn.Module, *args, names: Sequence[NameFilter] | None = None, detach: bool = True, **kw
+) -> tuple[object, dict[str, Tensor]]:
+    """`model(*args, **kw)`, keeping the activations of the points asked for (all by default).
+
+    Only the chosen points are hooked, so nothing else is kept (or, for the attention pattern,
+    recomputed). A point called twice (a layer run twice) keeps its last activation.
+
+    Returns:
+        (the model's output, {name: activation}).
+    """
+    cache: dict[str, Tensor] = {}
+
+    def keep(x: Tensor, hook: HookPoint) -> None:
+        cache[hook.name] = x.detach() if detach else x
+
+    chosen = [lambda n: True] if names is None else list(names)
+    out = run_with_hooks(model, *args, fwd_hooks=[(w, keep) for w in chosen], **kw)
+    return out, cache
+
+
+def attend_heads(
+    layer: nn.Module,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """A layer's backend on its heads, with its `hook_scores` and `hook_pattern` points.
+
+    Args:
+        layer: an attention module with `attend`, `backend`, `scale`, `dropout`, the two points.
+        q: (B, H, T, D).  k, v: (B, K, S, D).  mask, bias, is_causal: as the backends take them.
+
+    Returns:
+        (B, H, T, D) each head's output.
+    """
+    B, H, T, _ = q.shape
+    if mask is not None:
+        check_mask(mask, B, H, T, k.shape[2])
+    args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=layer.scale)
+    dropout = layer.dropout if layer.training else 0.0
+    watched = bool(layer.hook_scores.fns or layer.hook_pattern.fns)
+    own = watched and layer.backend in WEIGHTS_BACKENDS and not layer.hook_scores.fns
+    out, weights = layer.attend(q, k, v, dropout=dropout, return_weights=own, **args)
+    if watched:
+        out = _watched(layer, q, k, v, args, out, weights)
+    return out
+
+
+def _watched(layer, q, k, v, args, out, weights) -> Tensor:
+    """The scores and pattern recomputed on the eager path (a flex layer's functions evaluated
+    into the dense tensors it takes) and shown to the hooks; `out` recomputed from the pattern
+    only when a hook edited the scores or the pattern."""
+    if weights is None:
+        B, H, T, _ = q.shape
+        mask, bias = dense_terms(args["mask"], args["bias"], B, H, T, k.shape[2])
+        scores, mask = attention_scores(q, k, mask, bias, args["is_causal"], args["scale"])
+        hooked = layer.hook_scores(scores)  # (B, H, T, S) fp32, -inf where masked
+        weights = attention_probs(hooked, mask)
+        edited = hooked is not scores
+    else:
+        edited = False
+    pattern = layer.hook_pattern(weights)  # (B, H, T, S) fp32 probabilities
+    if not edited and pattern is weights:
+        return out
+    v = repeat_kv(v, q.shape[1] // v.shape[1])  # (B, H, S, D)
+    return (pattern.float() @ v.float()).to(q.dtype)  # (B, H, T, D)
