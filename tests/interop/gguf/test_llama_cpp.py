@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.gguf import save_gguf
@@ -33,5 +34,6 @@ def test_llama_cpp_continues_attnlabs_export_as_attnlab_does(tmp_path):
         theirs.append(token)
         llm.eval([token])
     with torch.no_grad():
-        ours = generate(loaded.model, [ids], NEW_TOKENS, SamplingConfig(temperature=0.0))[0]
+        config = GenerationConfig(NEW_TOKENS, SamplingConfig(temperature=0.0))
+        ours = generate(loaded.model, [ids], config)[0]
     assert ours == theirs

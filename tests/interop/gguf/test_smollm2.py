@@ -7,6 +7,7 @@ One attnlab model and one transformers model per module. Figures: docs/real-mode
 import pytest
 import torch
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.quantize.int4 import Int4Linear
@@ -72,7 +73,8 @@ def dense_greedy(dense, text):
 def greedy(loaded, text):
     eos = loaded.tokenizer.token_id("<eos>")
     with torch.no_grad():
-        return generate(loaded.model, [loaded.tokenizer.encode(text)], NEW_TOKENS, GREEDY, [eos])[0]
+        config = GenerationConfig(NEW_TOKENS, GREEDY, stop_tokens=(eos,))
+        return generate(loaded.model, [loaded.tokenizer.encode(text)], config)[0]
 
 
 def test_config_and_tokenizer_from_the_metadata(dense, reference):
