@@ -72,6 +72,9 @@ def steering(model: nn.Module, steers: Sequence[Steer]) -> Iterator[None]:
         model: a model with `blocks` whose blocks have `hook_resid_pre` (the decoder LMs).
         steers: the vectors; several at one layer add up.
     """
+    if not steers:  # nothing to add: the model runs as it is (any family)
+        yield
+        return
     C = model.embed.weight.shape[1]  # d_model
     fwd = []
     for s in steers:
