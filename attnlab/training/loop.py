@@ -291,7 +291,8 @@ class Saver:
                 raise OSError(
                     e.errno,
                     f"could not save the step-{state.step} checkpoint in {str(ckpts.root)!r} "
-                    f"({e.strerror or e}: {e.filename}); the last good checkpoint is "
+                    f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}); the last "
+                    "good checkpoint is "
                     f"{str(last) if last else 'none (none saved yet)'}",
                 ) from e
         if not best:
