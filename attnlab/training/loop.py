@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what --overwrite removes
+BLOW_UP = 4.0  # a val loss this many times its best draws a warning: the run is diverging
 
 
 class TrainingDiverged(RuntimeError):
@@ -252,6 +254,13 @@ def _evaluate(r: _Run) -> dict:
         n = cfg.sample_tokens
         sample = r.task.sample(net, n, ranks.device) if n else None
     state.last_eval = metrics
+    if ranks.main and _blown_up(metrics["val_loss"], state.best_val):
+        tqdm.write(
+            f"warning: val loss {metrics['val_loss']:.4g} at step {state.step} is more than "
+            f"{BLOW_UP:g}x its best, {state.best_val:.4g}: the run is diverging (try a lower "
+            "--train.lr or --train.grad_clip); the best weights are in checkpoints/best",
+            file=sys.stderr,
+        )
     if metrics["val_loss"] < state.best_val:
         state.best_val = metrics["val_loss"]
         r.saver.save(r, best=True)
@@ -300,13 +309,35 @@ class Saver:
         ranks.barrier()  # the others wait until the checkpoint is complete
 
     def diverged(self, what: str, step: int, before: str = "applying") -> TrainingDiverged:
-        """The error that stops every rank, naming the newest checkpoint with finite weights."""
+        """The error that stops every rank, naming the newest checkpoint with finite weights,
+        its step and validation loss (and the best one, when that is far better)."""
         ranks = self.ranks
         last = ranks.broadcast(self.ckpts.last_good() if ranks.main else None)
         return TrainingDiverged(
             f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
-            f"{str(last) if last else 'none (none saved yet)'}"
+            + (_describe(last) if last else "none (none saved yet)")
         )
+
+
+def _describe(path: Path) -> str:
+    """`path` with its step and validation loss, and the best one's when that is far lower."""
+    try:
+        trainer = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return str(path)
+    val, best = trainer.get("last_eval", {}).get("val_loss"), trainer.get("best_val", math.inf)
+    text = f"{path} (step {trainer['step']}, " + (
+        f"val loss {val:.4g})" if val is not None else "not evaluated yet)"
+    )
+    if val is not None and _blown_up(val, best):
+        best_dir = path.parent / "best"
+        text += f"; its val loss is far above the best, {best:.4g}, kept in {best_dir}"
+    return text
+
+
+def _blown_up(val_loss: float, best: float) -> bool:
+    """A finite loss far above its best: the run is likely diverging."""
+    return math.isfinite(best) and val_loss > BLOW_UP * max(best, 1e-3)
 
 
 def compile_loss(loss, model: nn.Module, device: torch.device):
