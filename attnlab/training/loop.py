@@ -365,7 +365,10 @@ def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> 
     path = ranks.broadcast(ckpts.latest() if ranks.main else None)
     if path is None:
         where = Path(run.train.out_dir) / "checkpoints"
-        raise ValueError(f"--resume: no checkpoint in {str(where)!r}")
+        raise ValueError(
+            f"--resume: no checkpoint in {str(where)!r} (the run stopped before its first "
+            "save); pass --overwrite instead to start it afresh, or another --train.out_dir"
+        )
     files = read_checkpoint(path) if ranks.main else {}
     saved, trainer, rng = ranks.broadcast([files.get(k) for k in ("run", "trainer", "rng")])
     check_same_model(saved["model"], to_dict(run.model), path)
