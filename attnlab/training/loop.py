@@ -400,15 +400,27 @@ def _set_rng_state(rng: dict, data_gen: torch.Generator) -> None:
     data_gen.set_state(rng["data"])
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM under `sigterm_as_ctrl_c`: stops a run as Ctrl-C does (a KeyboardInterrupt),
+    and says which signal it was."""
+
+    how = "SIGTERM"  # what the command line reports (Ctrl-C for a plain KeyboardInterrupt)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 @contextmanager
 def sigterm_as_ctrl_c():
     """SIGTERM (what schedulers and containers send) stops a run as Ctrl-C does: the last
-    completed step is saved. Only the default handler is replaced, only in the main thread."""
+    completed step is saved (raised as Terminated). Only the default handler is replaced, only
+    in the main thread."""
     main = threading.current_thread() is threading.main_thread()
     if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
@@ -418,19 +430,22 @@ def sigterm_as_ctrl_c():
 @contextmanager
 def _interrupts_deferred():
     """Hold Ctrl-C (SIGINT, and SIGTERM under `sigterm_as_ctrl_c`) until the block is done;
-    then raise KeyboardInterrupt. Only Python's own handler is replaced (not one a caller
-    installed), and only in the main thread."""
+    then raise KeyboardInterrupt (Terminated for SIGTERM). Only Python's own handlers are
+    replaced (not one a caller installed), and only in the main thread."""
     main = threading.current_thread() is threading.main_thread()
-    held = [s for s in (signal.SIGINT, signal.SIGTERM) if main]
-    held = [s for s in held if signal.getsignal(s) is signal.default_int_handler]
+    ours = (signal.default_int_handler, _raise_terminated)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM) if main}
+    held = {s: h for s, h in handlers.items() if h in ours}
     caught = []
     for s in held:
         signal.signal(s, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        for s in held:
-            signal.signal(s, signal.default_int_handler)
+        for s, handler in held.items():
+            signal.signal(s, handler)
+    if signal.SIGTERM in caught:
+        raise Terminated
     if caught:
         raise KeyboardInterrupt
 

@@ -567,6 +567,44 @@ def test_sigterm_saves_the_last_completed_step_and_says_so(make_run, capsys):
     assert "resuming from step 3" in capsys.readouterr().out
 
 
+def test_the_cli_says_sigterm_not_ctrl_c(tmp_path, tiny_text, monkeypatch, capsys):
+    """`attnlab train` stopped by a real SIGTERM: it saves, says where, and reports SIGTERM
+    (exit 143), not Ctrl-C (issue 31)."""
+    import attnlab.cli.train as cli_train
+
+    real = cli_train.train
+    monkeypatch.setattr(
+        cli_train, "train", lambda *a, **kw: real(*a, **kw, callbacks=(sigterm_after(1),))
+    )
+    out = tmp_path / "run"
+    argv = [
+        *("train", "--preset", "llama-tiny", "--data.source", str(tiny_text)),
+        *("--data.cache_dir", str(tmp_path / "c"), "--train.out_dir", str(out)),
+        *("--train.steps", "3", "--train.context", "16", "--train.device", "cpu"),
+        *("--train.progress", "false", "--train.sample_tokens", "0", "--model.n_layers", "1"),
+        *("--train.eval_batches", "1", "--train.log_every", "1"),
+    ]
+    assert main(argv) == 143
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "attnlab train: interrupted (SIGTERM)", captured.err
+    assert "Ctrl-C" not in captured.err + captured.out
+    assert "saved step 1 in" in captured.out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_during_the_update_waits_and_is_still_sigterm():
+    """A real SIGTERM inside the optimizer step: the step finishes, then a KeyboardInterrupt
+    that says SIGTERM (loop.Terminated)."""
+    done = []
+    with sigterm_as_ctrl_c(), pytest.raises(KeyboardInterrupt) as info:
+        with _interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("the rest of the update")
+    assert done == ["the rest of the update"]
+    assert getattr(info.value, "how", None) == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_ctrl_c_during_the_update_waits_until_it_is_applied():
     """A real SIGINT inside the optimizer step: the step finishes, then KeyboardInterrupt."""
     # Python's own handler, as in a terminal: a process started in the background by a shell
