@@ -10,10 +10,12 @@ metrics, a text sample, and the best checkpoint; every `ckpt_every` steps: a che
 same losses).
 
 What cannot go wrong silently: a diverged step (NaN or inf in the loss or any gradient) is never
-applied nor saved, and the error names the newest checkpoint whose weights are finite; a new run
-refuses an out_dir that holds another run unless told to resume it or overwrite it; Ctrl-C saves
-the last completed step before it stops the run; a torn last line of metrics.jsonl (a run killed
-while writing it) is dropped on resume.
+applied nor saved, and the error names the newest checkpoint whose weights are finite (its step
+and val loss); a val loss far above its best prints a warning; a new run refuses an out_dir that
+holds another run unless told to resume it or overwrite it; Ctrl-C (and SIGTERM, under
+`sigterm_as_ctrl_c`) saves the last completed step before it stops the run; a full disk during
+a save leaves the last good checkpoint as it was; a torn last line of metrics.jsonl (a run
+killed while writing it) is dropped on resume.
 
 Under torchrun (train.distributed "ddp" or "fsdp", see distributed.py) the same loop runs on
 every rank: each rank takes its slice of the global batch, gradients are averaged across ranks

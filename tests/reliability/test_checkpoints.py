@@ -567,6 +567,32 @@ def test_sigterm_saves_the_last_completed_step_and_says_so(make_run, capsys):
     assert "resuming from step 3" in capsys.readouterr().out
 
 
+def small_cli_run(tmp_path, tiny_text, *extra) -> list[str]:
+    """`attnlab train` arguments of a 3-step run of a one-layer llama-tiny."""
+    return [
+        *("train", "--preset", "llama-tiny", "--data.source", str(tiny_text)),
+        *("--data.cache_dir", str(tmp_path / "c"), "--train.out_dir", str(tmp_path / "run")),
+        *("--train.steps", "3", "--train.context", "16", "--train.device", "cpu"),
+        *("--train.progress", "false", "--train.sample_tokens", "0", "--model.n_layers", "1"),
+        *("--train.eval_batches", "1", "--train.log_every", "1"),
+        *extra,
+    ]
+
+
+def test_the_cli_reports_a_full_disk_in_torch_save_in_one_line(
+    tmp_path, tiny_text, monkeypatch, capsys
+):
+    """torch.save's RuntimeError on a full disk reached the user as a traceback (issue 31)."""
+    monkeypatch.setattr(ckpt, "_write_file", full_disk_in_best("optimizer.pt", TORCH_FULL))
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 0, raising=False)
+    assert main(small_cli_run(tmp_path, tiny_text, "--train.eval_every", "1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    best = tmp_path / "run" / "checkpoints" / "best"
+    assert f"No space left on device writing optimizer.pt in {best}" in err, err
+    assert "free some space" in err
+
+
 def test_the_cli_says_sigterm_not_ctrl_c(tmp_path, tiny_text, monkeypatch, capsys):
     """`attnlab train` stopped by a real SIGTERM: it saves, says where, and reports SIGTERM
     (exit 143), not Ctrl-C (issue 31)."""
@@ -576,15 +602,7 @@ def test_the_cli_says_sigterm_not_ctrl_c(tmp_path, tiny_text, monkeypatch, capsy
     monkeypatch.setattr(
         cli_train, "train", lambda *a, **kw: real(*a, **kw, callbacks=(sigterm_after(1),))
     )
-    out = tmp_path / "run"
-    argv = [
-        *("train", "--preset", "llama-tiny", "--data.source", str(tiny_text)),
-        *("--data.cache_dir", str(tmp_path / "c"), "--train.out_dir", str(out)),
-        *("--train.steps", "3", "--train.context", "16", "--train.device", "cpu"),
-        *("--train.progress", "false", "--train.sample_tokens", "0", "--model.n_layers", "1"),
-        *("--train.eval_batches", "1", "--train.log_every", "1"),
-    ]
-    assert main(argv) == 143
+    assert main(small_cli_run(tmp_path, tiny_text)) == 143
     captured = capsys.readouterr()
     assert captured.err.strip() == "attnlab train: interrupted (SIGTERM)", captured.err
     assert "Ctrl-C" not in captured.err + captured.out
