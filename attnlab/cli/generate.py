@@ -28,6 +28,7 @@ from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.inference.steering import steering, text_steers
 from attnlab.models.heads import task_head_kind
 
 SECTION = "sampling"
@@ -95,6 +96,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "its end of turn and print the reply only",
     )
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument(
+        "--steer",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("LAYER", "TEXT_A", "TEXT_B", "SCALE"),
+        help="add SCALE x (mean activation of TEXT_A - that of TEXT_B) to the residual stream "
+        "entering block LAYER at every position (activation addition); repeatable, e.g. "
+        "--steer 3 ' love' ' hate' 4",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
     defaults = SamplingConfig()
@@ -164,22 +175,24 @@ def run(args: argparse.Namespace) -> int:
     echo = decoder_only and not args.chat  # a continuation shows the prompt it continues
     if args.stream and echo:
         show(args.prompt)
-    text = generate_text(
-        model,
-        tokenizer,
-        prompt,
-        GenerationConfig(
-            args.max_new_tokens,
-            configs[SECTION],
-            seed=args.seed,
-            stop_strings=stop,
-            num_beams=args.num_beams,
-            length_penalty=args.length_penalty,
-            stop_tokens=stop_tokens,
-        ),
-        on_text=show if args.stream else None,
-        on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
+    config = GenerationConfig(
+        args.max_new_tokens,
+        configs[SECTION],
+        seed=args.seed,
+        stop_strings=stop,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        stop_tokens=stop_tokens,
     )
+    with steering(model, text_steers(model, tokenizer, args.steer)):  # no --steer: no hooks
+        text = generate_text(
+            model,
+            tokenizer,
+            prompt,
+            config,
+            on_text=show if args.stream else None,
+            on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
+        )
     if not args.stream:
         show(args.prompt + text if echo else text)
     print()

@@ -1,5 +1,6 @@
 """Experiments that test the seeds' claims: `attnlab lab extrapolate` (length extrapolation) and
-`attnlab lab heads` (what heads do).
+`attnlab lab heads` (what heads do),
+`attnlab lab patch` (activation patching and logit attribution).
 
 A small dispatcher: each experiment is one subcommand with one `<name>_main(args)` function and
 its flags (attnlab/lab/).
@@ -11,6 +12,7 @@ from pathlib import Path
 from attnlab.cli.options import add_dataclass_flags, apply_config_flags, options_from_args
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
 from attnlab.lab.heads import HeadsLab, format_report, heads_lab
+from attnlab.lab.patching import patch_lab
 
 EXTRAPOLATE_HELP = (
     "train small models that differ only in the position scheme at context L, then measure "
@@ -95,10 +97,44 @@ def heads_main(args: argparse.Namespace) -> int:
     return 0
 
 
+PATCH_HELP = (
+    "activation patching between a clean and a corrupted prompt (residual stream, attention and "
+    "MLP outputs by layer and position, each head), direct logit attribution per head and layer, "
+    "the logit lens; patching.json, patching.png, attribution.png"
+)
+
+
+def add_patch_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, help="a causal LM checkpoint (with a tokenizer)")
+    p.add_argument("--clean", required=True, help="the prompt whose answer is restored")
+    p.add_argument("--corrupt", required=True, help="a prompt of the same length in tokens")
+    p.add_argument("--answer", required=True, help="the clean answer, one token (e.g. ' Paris')")
+    p.add_argument(
+        "--wrong",
+        default=None,
+        help="the corrupted answer, one token: the metric is logit(answer) - logit(wrong); "
+        "without it, the answer's log-probability",
+    )
+    p.add_argument("--out", default="lab/patch", metavar="DIR", help="where the results go")
+
+
+def patch_main(args: argparse.Namespace) -> int:
+    """`attnlab lab patch`: patch and attribute one pair of prompts; print the summary."""
+    data = patch_lab(args.ckpt, args.clean, args.corrupt, args.answer, args.wrong, args.out)
+    print(f"metric {data['metric']}: clean {data['clean']:.3f}, corrupt {data['corrupt']:.3f}")
+    heads = data["dla"]["heads"]
+    best = max(((v, i, h) for i, row in enumerate(heads) for h, v in enumerate(row)))
+    print(f"largest direct logit attribution: head L{best[1]}H{best[2]} ({best[0]:+.3f})")
+    for f in data["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
 # name: (help, add its flags, run it). One line per experiment.
 EXPERIMENTS = {
     "extrapolate": (EXTRAPOLATE_HELP, add_extrapolate_flags, extrapolate_main),
     "heads": (HEADS_HELP, add_heads_flags, heads_main),
+    "patch": (PATCH_HELP, add_patch_flags, patch_main),
 }
 
 

@@ -241,3 +241,23 @@ def test_a_learned_position_table_crops_the_context_with_a_one_line_note(tmp_pat
     assert code == 0 and out.startswith("To") and len(out) == len("To") + 30 + 1
     notes = [line for line in err.splitlines() if "16 positions" in line]
     assert len(notes) == 1 and notes[0].startswith("note: ")
+
+
+def test_steer_generates_what_the_library_generates_under_steering(run_dir, capsys):
+    from attnlab.inference.steering import steering, text_steers
+
+    flags = ["--ckpt", str(checkpoint(run_dir)), "--prompt", PROMPT, "--max-new-tokens", "8"]
+    flags += ["--temperature", "0"]
+    steer = ["--steer", "0", "the king", "a dog", "30"]
+    code, out, _ = cli(capsys, *flags, *steer)
+    assert code == 0
+    _, plain, _ = cli(capsys, *flags)
+    loaded = open_checkpoint(checkpoint(run_dir))
+    model, tok = loaded.model, loaded.tokenizer
+    config = GenerationConfig(8, SamplingConfig(temperature=0), stop_tokens=[tok.token_id("<eos>")])
+    with steering(model, text_steers(model, tok, [steer[1:]])):
+        new = generate(model, [tok.encode(PROMPT)], config)[0]
+    assert out == PROMPT + tok.decode(new) + "\n"
+    assert out != plain  # a scale this large changes the greedy text
+    code, _, err = cli(capsys, *flags, "--steer", "7", "a", "b", "1")
+    assert code == 2 and "outside this model's 1 blocks" in err

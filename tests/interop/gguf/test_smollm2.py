@@ -7,6 +7,7 @@ One attnlab model and one transformers model per module. Figures: docs/real-mode
 import pytest
 import torch
 
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.quantize.int4 import Int4Linear
@@ -60,10 +61,20 @@ def ids_of(loaded, text):
     return torch.tensor([loaded.tokenizer.encode(text)])
 
 
+DENSE_GREEDY: dict[str, list[int]] = {}  # the fp32 model's continuations, shared by the tests
+
+
+def dense_greedy(dense, text):
+    if text not in DENSE_GREEDY:
+        DENSE_GREEDY[text] = greedy(dense, text)
+    return DENSE_GREEDY[text]
+
+
 def greedy(loaded, text):
     eos = loaded.tokenizer.token_id("<eos>")
     with torch.no_grad():
-        return generate(loaded.model, [loaded.tokenizer.encode(text)], NEW_TOKENS, GREEDY, [eos])[0]
+        config = GenerationConfig(NEW_TOKENS, GREEDY, stop_tokens=(eos,))
+        return generate(loaded.model, [loaded.tokenizer.encode(text)], config)[0]
 
 
 def test_config_and_tokenizer_from_the_metadata(dense, reference):
@@ -93,7 +104,7 @@ def test_greedy_generation_equals_transformers(dense, reference):
     model, _ = reference
     lengths = []
     for text in PROMPTS[1:3]:  # the code and the prose prompts run all 64 tokens
-        ours = greedy(dense, text)
+        ours = dense_greedy(dense, text)
         lengths.append(len(ours))
         ids = ids_of(dense, text)
         with torch.no_grad():
@@ -110,4 +121,4 @@ def test_kept_int4_equals_its_dequantized_twin(dense, kept):
             assert (kept.model(ids) - dense.model(ids)).abs().max().item() < 1e-4, text
     text = PROMPTS[1]  # the reference path dequantizes every matrix per token: one prompt
     ours = greedy(kept, text)
-    assert len(ours) == NEW_TOKENS and ours == greedy(dense, text)
+    assert len(ours) == NEW_TOKENS and ours == dense_greedy(dense, text)
