@@ -23,6 +23,7 @@ opens a checkpoint uses it, for every kind (a training checkpoint, a model-only 
 directory, or a run directory resolved to its latest checkpoint), and gets the same `Loaded` back.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -167,19 +168,22 @@ def _write_dir(path: Path, files: dict, keep_others: bool = False) -> Path:
     the new one in, delete `path.old`. With `keep_others`, every entry of the old `path` that
     is not a checkpoint file (CHECKPOINT_FILES) moves into the new one before step 3 (a save
     never deletes what it did not write; killed there, the rest is still in `path.old`). On an
-    OSError (a full disk, a read-only directory) the unfinished `path.tmp` is removed and the
-    error raised; `path` is untouched."""
+    OSError (a full disk, a read-only directory; one line naming the file, see `_write_error`)
+    the unfinished `path.tmp` is removed and the error raised; `path` is untouched."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         mode = 0o666 & ~_umask()  # as open() creates files (safetensors writes 0600)
         for name, write in files.items():
-            _write_file(tmp / name, write)
+            try:
+                _write_file(tmp / name, write)
+            except (OSError, RuntimeError, SafetensorError) as e:
+                raise _write_error(e, tmp, path / name) from e
             os.chmod(tmp / name, mode)
             with open(tmp / name, "rb") as fh:  # data on disk before the rename shows it
                 os.fsync(fh.fileno())
-    except OSError:
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back; `path` is untouched
         raise
     if path.exists():
@@ -195,6 +199,30 @@ def _write_dir(path: Path, files: dict, keep_others: bool = False) -> Path:
     if old.exists():
         _remove(old)  # 3. only now the old one goes
     return path
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+
+
+def _write_error(e: Exception, tmp: Path, file: Path) -> Exception:
+    """The OSError to raise when a writer failed on `file` (written into `tmp`): torch.save and
+    safetensors report a full disk as a RuntimeError or a SafetensorError without its errno
+    ("[enforce fail at inline_container.cc]"), so a full file system is asked directly. Any
+    other exception of a writer is a bug, returned as it is."""
+    if isinstance(e, OSError) and e.errno is not None and e.errno not in FULL:
+        return OSError(e.errno, e.strerror or str(e), str(file))
+    full = getattr(e, "errno", None) in FULL or "No space left" in str(e)
+    if not (full or _free_bytes(tmp) < 1 << 20):  # under 1 MiB left: full
+        return e
+    return OSError(errno.ENOSPC, f"No space left on device writing {file.name} in {file.parent}")
+
+
+def _free_bytes(path: Path) -> int:
+    """The space left on `path`'s file system (unknown: as if plenty)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
 
 
 def read_checkpoint(path: Path) -> dict:

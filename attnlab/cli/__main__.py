@@ -64,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_devices(args)
         return module.run(args) or 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        print(f"attnlab {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+        how = getattr(e, "how", "Ctrl-C")  # "SIGTERM" for training's Terminated
+        print(f"attnlab {args.command}: interrupted ({how})", file=sys.stderr)
+        return 143 if how == "SIGTERM" else 130  # 128 + the signal's number
     except Exception as e:
         explained = None if debug else explain(e, args)
         if explained is None:

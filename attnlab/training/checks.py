@@ -4,6 +4,7 @@ or after hours of training.)"""
 
 from pathlib import Path
 
+from attnlab.checkpoint import latest_checkpoint
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
 
@@ -71,6 +72,12 @@ def check_new_run(out_dir: str | Path) -> None:
         held.append("checkpoints/")
     if metrics.is_file() and metrics.stat().st_size > 0:
         held.append("metrics.jsonl")
+    if held and latest_checkpoint(checkpoints) is None:  # stopped before its first save
+        raise ValueError(
+            f"out_dir {str(out)!r} holds a run that stopped before its first checkpoint "
+            f"({' and '.join(held)}): there is nothing to resume; pass --overwrite to start "
+            "it afresh, or another --train.out_dir"
+        )
     if held:
         raise ValueError(
             f"out_dir {str(out)!r} already holds a run ({' and '.join(held)}); pass --resume to "

@@ -10,10 +10,12 @@ metrics, a text sample, and the best checkpoint; every `ckpt_every` steps: a che
 same losses).
 
 What cannot go wrong silently: a diverged step (NaN or inf in the loss or any gradient) is never
-applied nor saved, and the error names the newest checkpoint whose weights are finite; a new run
-refuses an out_dir that holds another run unless told to resume it or overwrite it; Ctrl-C saves
-the last completed step before it stops the run; a torn last line of metrics.jsonl (a run killed
-while writing it) is dropped on resume.
+applied nor saved, and the error names the newest checkpoint whose weights are finite (its step
+and val loss); a val loss far above its best prints a warning; a new run refuses an out_dir that
+holds another run unless told to resume it or overwrite it; Ctrl-C (and SIGTERM, under
+`sigterm_as_ctrl_c`) saves the last completed step before it stops the run; a full disk during
+a save leaves the last good checkpoint as it was; a torn last line of metrics.jsonl (a run
+killed while writing it) is dropped on resume.
 
 Under torchrun (train.distributed "ddp" or "fsdp", see distributed.py) the same loop runs on
 every rank: each rank takes its slice of the global batch, gradients are averaged across ranks
@@ -26,6 +28,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +54,7 @@ from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what --overwrite removes
+BLOW_UP = 4.0  # a val loss this many times its best draws a warning: the run is diverging
 
 
 class TrainingDiverged(RuntimeError):
@@ -252,6 +256,13 @@ def _evaluate(r: _Run) -> dict:
         n = cfg.sample_tokens
         sample = r.task.sample(net, n, ranks.device) if n else None
     state.last_eval = metrics
+    if ranks.main and _blown_up(metrics["val_loss"], state.best_val):
+        tqdm.write(
+            f"warning: val loss {metrics['val_loss']:.4g} at step {state.step} is more than "
+            f"{BLOW_UP:g}x its best, {state.best_val:.4g}: the run is diverging (try a lower "
+            "--train.lr or --train.grad_clip); the best weights are in checkpoints/best",
+            file=sys.stderr,
+        )
     if metrics["val_loss"] < state.best_val:
         state.best_val = metrics["val_loss"]
         r.saver.save(r, best=True)
@@ -291,7 +302,8 @@ class Saver:
                 raise OSError(
                     e.errno,
                     f"could not save the step-{state.step} checkpoint in {str(ckpts.root)!r} "
-                    f"({e.strerror or e}: {e.filename}); the last good checkpoint is "
+                    f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}); the last "
+                    "good checkpoint is "
                     f"{str(last) if last else 'none (none saved yet)'}",
                 ) from e
         if not best:
@@ -299,13 +311,35 @@ class Saver:
         ranks.barrier()  # the others wait until the checkpoint is complete
 
     def diverged(self, what: str, step: int, before: str = "applying") -> TrainingDiverged:
-        """The error that stops every rank, naming the newest checkpoint with finite weights."""
+        """The error that stops every rank, naming the newest checkpoint with finite weights,
+        its step and validation loss (and the best one, when that is far better)."""
         ranks = self.ranks
         last = ranks.broadcast(self.ckpts.last_good() if ranks.main else None)
         return TrainingDiverged(
             f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
-            f"{str(last) if last else 'none (none saved yet)'}"
+            + (_describe(last) if last else "none (none saved yet)")
         )
+
+
+def _describe(path: Path) -> str:
+    """`path` with its step and validation loss, and the best one's when that is far lower."""
+    try:
+        trainer = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return str(path)
+    val, best = trainer.get("last_eval", {}).get("val_loss"), trainer.get("best_val", math.inf)
+    text = f"{path} (step {trainer['step']}, " + (
+        f"val loss {val:.4g})" if val is not None else "not evaluated yet)"
+    )
+    if val is not None and _blown_up(val, best):
+        best_dir = path.parent / "best"
+        text += f"; its val loss is far above the best, {best:.4g}, kept in {best_dir}"
+    return text
+
+
+def _blown_up(val_loss: float, best: float) -> bool:
+    """A finite loss far above its best: the run is likely diverging."""
+    return math.isfinite(best) and val_loss > BLOW_UP * max(best, 1e-3)
 
 
 def compile_loss(loss, model: nn.Module, device: torch.device):
@@ -333,7 +367,10 @@ def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> 
     path = ranks.broadcast(ckpts.latest() if ranks.main else None)
     if path is None:
         where = Path(run.train.out_dir) / "checkpoints"
-        raise ValueError(f"--resume: no checkpoint in {str(where)!r}")
+        raise ValueError(
+            f"--resume: no checkpoint in {str(where)!r} (the run stopped before its first "
+            "save); pass --overwrite instead to start it afresh, or another --train.out_dir"
+        )
     files = read_checkpoint(path) if ranks.main else {}
     saved, trainer, rng = ranks.broadcast([files.get(k) for k in ("run", "trainer", "rng")])
     check_same_model(saved["model"], to_dict(run.model), path)
@@ -365,15 +402,27 @@ def _set_rng_state(rng: dict, data_gen: torch.Generator) -> None:
     data_gen.set_state(rng["data"])
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM under `sigterm_as_ctrl_c`: stops a run as Ctrl-C does (a KeyboardInterrupt),
+    and says which signal it was."""
+
+    how = "SIGTERM"  # what the command line reports (Ctrl-C for a plain KeyboardInterrupt)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 @contextmanager
 def sigterm_as_ctrl_c():
     """SIGTERM (what schedulers and containers send) stops a run as Ctrl-C does: the last
-    completed step is saved. Only the default handler is replaced, only in the main thread."""
+    completed step is saved (raised as Terminated). Only the default handler is replaced, only
+    in the main thread."""
     main = threading.current_thread() is threading.main_thread()
     if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
@@ -383,19 +432,22 @@ def sigterm_as_ctrl_c():
 @contextmanager
 def _interrupts_deferred():
     """Hold Ctrl-C (SIGINT, and SIGTERM under `sigterm_as_ctrl_c`) until the block is done;
-    then raise KeyboardInterrupt. Only Python's own handler is replaced (not one a caller
-    installed), and only in the main thread."""
+    then raise KeyboardInterrupt (Terminated for SIGTERM). Only Python's own handlers are
+    replaced (not one a caller installed), and only in the main thread."""
     main = threading.current_thread() is threading.main_thread()
-    held = [s for s in (signal.SIGINT, signal.SIGTERM) if main]
-    held = [s for s in held if signal.getsignal(s) is signal.default_int_handler]
+    ours = (signal.default_int_handler, _raise_terminated)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM) if main}
+    held = {s: h for s, h in handlers.items() if h in ours}
     caught = []
     for s in held:
         signal.signal(s, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        for s in held:
-            signal.signal(s, signal.default_int_handler)
+        for s, handler in held.items():
+            signal.signal(s, handler)
+    if signal.SIGTERM in caught:
+        raise Terminated
     if caught:
         raise KeyboardInterrupt
 

@@ -1,6 +1,6 @@
 """One error path: every expected failure of a command is ONE stderr line
 `attnlab <cmd>: error: ...` naming the file, field or flag, with exit code 2 (1 for a diverged run,
-130 for Ctrl-C), and no traceback; `--debug` shows the traceback instead.
+130 for Ctrl-C, 143 for SIGTERM), and no traceback; `--debug` shows the traceback instead.
 
 The table below feeds each bad input to `main` in this process; each case builds its files in
 tmp_path and names the text the one line must hold (the culprit)."""

@@ -11,7 +11,9 @@ import errno
 import json
 import math
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -208,7 +210,7 @@ def test_a_huge_learning_rate_leaves_only_finite_checkpoints(make_run):
     try:
         train(*fresh(run), run)
     except TrainingDiverged as e:
-        named = one_line(e).rsplit("checkpoint is ", 1)[1]
+        named = one_line(e).rsplit("checkpoint is ", 1)[1].split(" (step ")[0]
         if not named.startswith("none"):
             assert_good_checkpoint(Path(named))
     assert_tidy(Path(run.train.out_dir) / "checkpoints")
@@ -346,6 +348,110 @@ def test_a_full_disk_keeps_the_last_good_checkpoint(make_run, monkeypatch, file)
     assert_resumes_exactly(run, reference)
 
 
+def full_disk_in_best(file: str, error: Exception):
+    """A `_write_file` that fails with `error` on `file` of the first best save (step 4), as
+    the writer itself reports a full disk: torch.save a RuntimeError, safetensors its own
+    error, Python's open() an OSError (issue 31)."""
+    real = ckpt._write_file
+
+    def write_file(path, write):
+        path = Path(path)
+        if path.name == file and path.parent.name == "best.tmp":
+            path.write_bytes(b"partial")  # what the writer got onto the disk before it failed
+            raise error
+        return real(path, write)
+
+    return write_file
+
+
+TORCH_FULL = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+SAFETENSORS_FULL = ckpt.SafetensorError(
+    "Error while serializing: I/O error: No space left on device"
+)
+
+
+@pytest.mark.parametrize(
+    "file, error",
+    [
+        ("optimizer.pt", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))),
+        ("optimizer.pt", TORCH_FULL),
+        ("model.safetensors", SAFETENSORS_FULL),
+    ],
+    ids=["oserror", "torch-runtimeerror", "safetensors-error"],
+)
+def test_a_full_disk_in_a_writer_is_one_line_naming_the_file(make_run, monkeypatch, file, error):
+    kw = dict(SMALL, steps=6, ckpt_every=2, eval_every=4)  # step 4: best/, then step_000004/
+    run = make_run(**kw)
+    reference = uninterrupted(make_run(out="reference", **kw))
+    root = Path(run.train.out_dir) / "checkpoints"
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_write_file", full_disk_in_best(file, error))
+        m.setattr(ckpt, "_free_bytes", lambda path: 0, raising=False)  # the file system is full
+        with pytest.raises(OSError) as info:
+            train(*fresh(run), run)
+    line = one_line(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert "no space left" in line.lower(), line
+    assert f"{file} in {root / 'best'}" in line, line
+    assert f"last good checkpoint is {root / 'step_000002'}" in line, line
+    assert "cannot read" not in line
+    assert not list(root.glob("*.tmp"))  # the partial best.tmp gave its space back
+    assert_tidy(root)
+    assert_resumes_exactly(run, reference)
+
+
+def test_a_writer_bug_is_not_called_a_full_disk(make_run, monkeypatch):
+    """A RuntimeError of a writer on a disk with room is a bug: raised as it is (tmp removed)."""
+    run = make_run(**SMALL, steps=4, ckpt_every=2, eval_every=4)
+    root = Path(run.train.out_dir) / "checkpoints"
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_write_file", full_disk_in_best("optimizer.pt", RuntimeError("a bug")))
+        with pytest.raises(RuntimeError, match="a bug"):
+            train(*fresh(run), run)
+    assert not list(root.glob("*.tmp"))
+
+
+def tmpfs(path: Path, size: str) -> Path:
+    """A `size` tmpfs mounted at `path` (root only), or skip."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, d_model", [("5m", 64), ("3m", 48)])
+def test_a_real_full_disk_keeps_the_last_good_checkpoint(make_run, tmp_path, size, d_model):
+    """A run whose checkpoints outgrow a tiny file system: one line naming the file and the
+    directory, no partial save left, the last good checkpoint resumes exactly (issue 31)."""
+    disk = tmpfs(tmp_path / "disk", size)
+    model = {"dropout": 0.1, "d_model": d_model}  # a step checkpoint fits, not every save
+    kw = dict(SMALL, model=model, steps=8, ckpt_every=2, eval_every=2)
+    run = make_run(out="disk/run", **kw)
+    reference = uninterrupted(make_run(out="reference", **kw))
+    try:
+        with pytest.raises(OSError) as info:
+            train(*fresh(run), run)
+        line = one_line(info.value)
+        assert info.value.errno == errno.ENOSPC, line
+        assert "no space left" in line.lower() and str(disk / "run" / "checkpoints") in line, line
+        assert "cannot read" not in line
+        root = Path(run.train.out_dir) / "checkpoints"
+        assert not list(root.glob("*.tmp")), sorted(p.name for p in root.iterdir())
+        latest = CheckpointDir(root).latest()
+        assert latest is not None, line
+        assert_good_checkpoint(latest)
+        copy = make_run(out="copy", **kw)  # resumed where there is room
+        shutil.copytree(disk / "run", copy.train.out_dir)
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+    assert_resumes_exactly(copy, reference)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_read_only_out_dir_fails_at_once_and_keeps_the_run(make_run):
     run = make_run(**SMALL, steps=4, ckpt_every=2)
@@ -459,6 +565,62 @@ def test_sigterm_saves_the_last_completed_step_and_says_so(make_run, capsys):
     assert f"saved step 3 in {root}: continue with --resume" in capsys.readouterr().out
     assert_resumes_exactly(run, reference)
     assert "resuming from step 3" in capsys.readouterr().out
+
+
+def small_cli_run(tmp_path, tiny_text, *extra) -> list[str]:
+    """`attnlab train` arguments of a 3-step run of a one-layer llama-tiny."""
+    return [
+        *("train", "--preset", "llama-tiny", "--data.source", str(tiny_text)),
+        *("--data.cache_dir", str(tmp_path / "c"), "--train.out_dir", str(tmp_path / "run")),
+        *("--train.steps", "3", "--train.context", "16", "--train.device", "cpu"),
+        *("--train.progress", "false", "--train.sample_tokens", "0", "--model.n_layers", "1"),
+        *("--train.eval_batches", "1", "--train.log_every", "1"),
+        *extra,
+    ]
+
+
+def test_the_cli_reports_a_full_disk_in_torch_save_in_one_line(
+    tmp_path, tiny_text, monkeypatch, capsys
+):
+    """torch.save's RuntimeError on a full disk reached the user as a traceback (issue 31)."""
+    monkeypatch.setattr(ckpt, "_write_file", full_disk_in_best("optimizer.pt", TORCH_FULL))
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 0, raising=False)
+    assert main(small_cli_run(tmp_path, tiny_text, "--train.eval_every", "1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    best = tmp_path / "run" / "checkpoints" / "best"
+    assert f"No space left on device writing optimizer.pt in {best}" in err, err
+    assert "free some space" in err
+
+
+def test_the_cli_says_sigterm_not_ctrl_c(tmp_path, tiny_text, monkeypatch, capsys):
+    """`attnlab train` stopped by a real SIGTERM: it saves, says where, and reports SIGTERM
+    (exit 143), not Ctrl-C (issue 31)."""
+    import attnlab.cli.train as cli_train
+
+    real = cli_train.train
+    monkeypatch.setattr(
+        cli_train, "train", lambda *a, **kw: real(*a, **kw, callbacks=(sigterm_after(1),))
+    )
+    assert main(small_cli_run(tmp_path, tiny_text)) == 143
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "attnlab train: interrupted (SIGTERM)", captured.err
+    assert "Ctrl-C" not in captured.err + captured.out
+    assert "saved step 1 in" in captured.out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_during_the_update_waits_and_is_still_sigterm():
+    """A real SIGTERM inside the optimizer step: the step finishes, then a KeyboardInterrupt
+    that says SIGTERM (loop.Terminated)."""
+    done = []
+    with sigterm_as_ctrl_c(), pytest.raises(KeyboardInterrupt) as info:
+        with _interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("the rest of the update")
+    assert done == ["the rest of the update"]
+    assert getattr(info.value, "how", None) == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_ctrl_c_during_the_update_waits_until_it_is_applied():

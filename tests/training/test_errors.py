@@ -82,8 +82,35 @@ def test_resume_with_another_model_config_names_the_fields(make_run):
 
 
 def test_resume_without_a_checkpoint(make_run):
-    with pytest.raises(ValueError, match="no checkpoint in"):
+    with pytest.raises(ValueError, match="no checkpoint in .*pass --overwrite"):
         start(make_run("llama-tiny"), resume=True)
+
+
+class Killed(Exception):
+    """A crash part-way through a run (nothing saves on it, unlike Ctrl-C)."""
+
+
+def killed_at(step: int):
+    def callback(state, record):
+        if state.step == step:
+            raise Killed
+
+    return callback
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_no_dead_end(make_run):
+    """Its metrics.jsonl makes the out_dir a run, with nothing to resume: both a rerun and
+    --resume say to pass --overwrite, which starts it afresh (issue 31)."""
+    run = make_run("llama-tiny", steps=4, sample_tokens=0)  # one checkpoint: at the end
+    with pytest.raises(Killed):
+        start(run, callbacks=(killed_at(2),))
+    with pytest.raises(ValueError) as rerun:
+        start(run)
+    assert "--overwrite" in str(rerun.value) and "pass --resume" not in str(rerun.value)
+    assert "before its first checkpoint" in str(rerun.value)
+    with pytest.raises(ValueError, match=r"no checkpoint in .*pass --overwrite"):
+        start(run, resume=True)
+    assert start(run, overwrite=True).step == 4
 
 
 def cli(tmp_path, tiny_text, *extra):

@@ -180,6 +180,42 @@ def test_non_finite_loss_raises_naming_the_step_and_keeps_last_checkpoint(make_r
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class BlowingUpTask(DivergingTask):
+    """A DivergingTask whose validation loss (a finite one) is `val_losses[i]` at eval i+1."""
+
+    def __init__(self, task, at: int, val_losses: list):
+        super().__init__(task, at, math.nan)
+        self.val_losses = list(val_losses)
+
+    def evaluate(self, *args):
+        metrics = self.task.evaluate(*args)
+        return dict(metrics, val_loss=self.val_losses.pop(0))
+
+
+def test_a_finite_blow_up_warns_naming_the_step_and_losses(make_run, capsys):
+    """Val 4.6 -> 212 is no NaN but a run gone bad: a warning line says so (issue 31)."""
+    run = make_run("llama-tiny", steps=4, eval_every=1, sample_tokens=0)
+    model, task = fresh(run)
+    train(model, BlowingUpTask(task, at=10**9, val_losses=[4.6, 4.5, 212.0, 4.4]), run)
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning")]
+    assert len(warnings) == 1, warnings
+    assert "val loss 212 at step 3" in warnings[0] and "its best, 4.5" in warnings[0]
+
+
+def test_after_a_nan_the_last_good_checkpoint_is_named_with_its_step_and_loss(make_run):
+    """The checkpoint the error calls last good is named with its step and val loss, and
+    when that loss blew up, the best one is named as well (issue 31)."""
+    run = make_run("llama-tiny", steps=10, eval_every=1, ckpt_every=3, sample_tokens=0)
+    model, task = fresh(run)
+    val_losses = [4.6, 4.5, 550.0, 600.0]
+    with pytest.raises(TrainingDiverged) as info:
+        train(model, BlowingUpTask(task, at=5, val_losses=val_losses), run)
+    root = Path(run.train.out_dir) / "checkpoints"
+    message = str(info.value)
+    assert f"last good checkpoint is {root / 'step_000003'} (step 3, val loss 550)" in message
+    assert f"far above the best, 4.5, kept in {root / 'best'}" in message
+
+
 def test_grad_accumulation_equals_one_big_batch(make_run):
     """k micro-batches of b, each loss sum / the k*b batch's targets as the loop does, equal
     one batch of k*b."""
