@@ -96,6 +96,7 @@ CHAPTER_PARAMS = [
 ]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize("chapter", CHAPTER_PARAMS)
 def test_the_chapter_runs_and_draws_what_it_shows(chapter, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -20,6 +20,7 @@ def one_thread():
 ARGS = ["analyze", "rank", "--n", "8", "16", "--d-k", "2", "4", "--heads", "1", "2"]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_random_weights_table_is_seeded(capsys):
     assert main(ARGS) == 0
     first = capsys.readouterr().out
@@ -38,6 +39,7 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("analyze") / "ckpt")
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_checkpoint_init_and_trained_rows_and_plot(ckpt, tmp_path, capsys):
     png = tmp_path / "rank.png"
     assert (
@@ -76,6 +78,7 @@ def test_errors(ckpt, capsys):
     assert "max_seq_len" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_out_names_a_directory_for_the_plot(tmp_path, capsys):
     """README's `attnlab analyze rank --out pictures/` (the flag was only --plot FILE)."""
     out = tmp_path / "pictures"

@@ -1,5 +1,6 @@
 """`attnlab convert --from FORMAT DIR --to FORMAT OUT`: both directions, and errors (exit 2)."""
 
+import pytest
 import torch
 
 from attnlab.checkpoint import open_checkpoint
@@ -10,6 +11,7 @@ from attnlab.models.presets import gpt2_tiny
 from tests.viz.checkpoints import make_checkpoint
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_hf_to_attnlab_and_back(tmp_path, capsys):
     model = build_model(gpt2_tiny()).eval()
     save_hf(model, gpt2_tiny(), tmp_path / "hf")
@@ -48,6 +50,7 @@ def test_hf_to_attnlab_and_back(tmp_path, capsys):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_errors_exit_2_with_the_reason(tmp_path, capsys):
     assert (
         main(

@@ -20,6 +20,7 @@ def data_home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_get_from_a_local_copy_then_get_again_is_a_no_op(data_home, capsys):
     assert main(["data", "get", "shakespeare", "--from", str(SHAKESPEARE)]) == 0
     assert (data_home / "tinyshakespeare.txt").read_bytes() == SHAKESPEARE.read_bytes()

@@ -372,6 +372,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
     assert err == "attnlab train: interrupted (Ctrl-C)"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_debug_shows_the_exception(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_train, "train", raising(TrainingDiverged("nan")))
     with pytest.raises(TrainingDiverged):

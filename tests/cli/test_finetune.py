@@ -88,6 +88,7 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_sft_runs_end_to_end_and_the_loss_falls(base, tmp_path, capsys):
     out = tmp_path / "sft"
     assert main(args(base, "sft", out, "--train.steps=30", "--train.eval_every=15")) == 0
@@ -112,6 +113,7 @@ def test_sft_runs_end_to_end_and_the_loss_falls(base, tmp_path, capsys):
     )  # attnlab eval: the same metrics as the run's last evaluation
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_sft_with_packing_runs(base, tmp_path):
     out = tmp_path / "packed"
     extra = ("--train.steps=4", "--train.eval_every=4", "--data.packing=true")
@@ -200,6 +202,7 @@ def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys)
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsys):
     """--lora.* put attnlab.adapters.lora adapters on the targets; DPO's reference is then the
     policy with its adapters off (the first loss is log 2: B = 0), and the base weights in the
@@ -254,6 +257,7 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     assert capsys.readouterr().out.startswith("up ab:")
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_open_checkpoint_opens_a_lora_run_merged_or_kept_and_dpo_starts_from_it(
     base, tmp_path, capsys
 ):
@@ -311,6 +315,7 @@ def test_builtin_data_come_from_finetune_data(base, tmp_path, capsys):
         assert f"task: {task} on builtin: 12 training, 4 held-out" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.hf
 def test_sft_from_an_hf_directory(base, tmp_path, capsys):
     """The base may be an HF checkpoint directory (a GPT-2 saved by transformers, with a
@@ -332,6 +337,7 @@ def test_sft_from_an_hf_directory(base, tmp_path, capsys):
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_exact_match" in rows[-1]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_config_file_sets_the_sections_and_flags_win(base, tmp_path):
     config = tmp_path / "ft.yaml"
     config.write_text(
@@ -398,6 +404,7 @@ def head_args(heads: dict, task: str, out: Path, *extra: str) -> list[str]:
     return argv + ["--data.eval_examples=16", "--train.lr=1e-2", "--train.warmup=0"]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_classify_learns_above_the_majority_and_eval_reports_it(heads, tmp_path, capsys):
     """--task classify: a fresh sequence head on the encoder base, trained in full; accuracy
     on the held-out lines well above the majority class, and attnlab eval reports the same."""
@@ -443,6 +450,7 @@ def test_tag_on_a_decoder_base_is_one_clear_error(base, heads, tmp_path, capsys)
 # --- chat: the tokenizer's special tokens and template, generate --chat -------------------------
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_train_takes_special_tokens_for_the_chat_markers(tmp_path, kind):
     """attnlab train --data.special_tokens: each marker is one id that the tokenizer never
@@ -613,6 +621,7 @@ def test_a_head_run_with_lora_resumes_exactly(heads, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_lora_bias_norms_and_mean_pooling_reach_the_run_and_reopen(heads, tmp_path, capsys):
     """--lora.bias all --lora.modules_to_save norm --head.pooling mean: the header says so,
     the biases and LayerNorms move beside the adapters while the adapted weights stay the

@@ -110,6 +110,7 @@ def test_generate_makes_five_tokens_as_the_library_does(run_dir, capsys):
     assert out == PROMPT + tok.decode(new) + "\n"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_stream_prints_the_same_text_as_without(run_dir, capsys):
     args = [
         "--ckpt",
@@ -130,6 +131,7 @@ def test_stream_prints_the_same_text_as_without(run_dir, capsys):
     assert streamed == plain and streamed.startswith(PROMPT)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_sampling_flags_come_from_sampling_config(run_dir, capsys):
     """--temperature 0 and --sampling.temperature 0 are one flag: greedy, whatever the seed."""
     base = ["--ckpt", str(run_dir / "checkpoints"), "--prompt", PROMPT, "--max-new-tokens", "5"]
@@ -162,6 +164,7 @@ def test_bad_values_exit_2_with_the_value_named(run_dir, capsys, flags, message)
     assert code == 2 and message in err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_beam_search_and_stop_strings(run_dir, capsys):
     code, out, _ = cli(
         capsys,
@@ -197,6 +200,7 @@ def test_beam_search_and_stop_strings(run_dir, capsys):
     assert cut == PROMPT + new[: new.index(stop) + len(stop)] + "\n"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_note_says_when_the_output_passes_the_trained_context(run_dir, capsys):
     base = ["--ckpt", str(run_dir), "--prompt", "To", "--seed", "0"]
     code, _, err = cli(capsys, *base, "--max-new-tokens", "10")  # 2 + 10 <= context 12
@@ -214,6 +218,7 @@ def test_a_classifier_is_refused_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "sequence classifier (3 labels)" in err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_learned_position_table_crops_the_context_with_a_one_line_note(tmp_path, capsys):
     """gpt2-tiny with 16 positions: 30 new tokens no longer fail; the note says the crop."""
     (tmp_path / "tiny.txt").write_text("To be or not. " * 300)
@@ -243,6 +248,7 @@ def test_a_learned_position_table_crops_the_context_with_a_one_line_note(tmp_pat
     assert len(notes) == 1 and notes[0].startswith("note: ")
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_steer_generates_what_the_library_generates_under_steering(run_dir, capsys):
     from attnlab.inference.steering import steering, text_steers
 

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
+
 from attnlab.cli.__main__ import main
 from attnlab.configs import to_dict
 from attnlab.models.presets import get_preset
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_inspect_gpt2(capsys):
     assert main(["inspect", "gpt2"]) == 0
     out = capsys.readouterr().out
@@ -33,6 +36,7 @@ def test_missing_config_file(capsys, tmp_path):
     assert "nope.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_config_json_path(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(to_dict(get_preset("gpt2"))))
@@ -40,6 +44,7 @@ def test_config_json_path(capsys, tmp_path):
     assert "124,439,808" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_checkpoint_style_config(capsys, tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"model": to_dict(get_preset("llama2-7b")), "train": {}}))
@@ -56,6 +61,7 @@ def test_invalid_config_file(capsys, tmp_path):
     assert "n_layer" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_config_file_without_suffix(capsys, tmp_path):
     path = tmp_path / "gpt2_config"
     path.write_text(json.dumps(to_dict(get_preset("gpt2"))))
@@ -77,6 +83,7 @@ def test_config_file_missing_fields(capsys, tmp_path):
     assert "arch" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_context_past_the_positions_is_warned_about(capsys):
     assert main(["inspect", "--context", "4096", "gpt2"]) == 0
     err = capsys.readouterr().err

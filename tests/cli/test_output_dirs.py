@@ -55,6 +55,7 @@ def test_a_non_empty_target_is_refused_without_overwrite(command, ckpt, tmp_path
     assert sorted(p.name for p in target.iterdir()) == ["checkpoints", "metrics.jsonl", "notes.txt"]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize("command", COMMANDS)
 def test_overwrite_writes_the_checkpoint_and_keeps_everything_else(command, ckpt, tmp_path):
     target = tmp_path / "run"
@@ -66,6 +67,7 @@ def test_overwrite_writes_the_checkpoint_and_keeps_everything_else(command, ckpt
     assert untouched(target, before)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize("command", COMMANDS)
 def test_an_empty_or_missing_target_needs_no_flag(command, ckpt, tmp_path):
     (tmp_path / "empty").mkdir()

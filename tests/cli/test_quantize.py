@@ -56,6 +56,7 @@ def test_quantize_smoke(capsys, tmp_path, ckpt, scheme, group, cls):
     assert model(torch.randint(256, (1, 8))).shape == (1, 8, 256)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_generate_and_quantize_again_from_a_quantized_checkpoint(capsys, tmp_path, ckpt):
     out = tmp_path / "q"
     assert main(["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(out)]) == 0
@@ -100,6 +101,7 @@ def test_bad_group_size_is_an_error(capsys, tmp_path, ckpt):
     assert "group_size=48" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_out_must_differ_and_ckpt_must_exist(capsys, tmp_path, ckpt):
     assert main(["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(ckpt)]) == 2
     assert "--out must differ" in capsys.readouterr().err

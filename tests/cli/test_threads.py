@@ -68,6 +68,7 @@ def test_busy_cores_fall_back_to_the_load_average(monkeypatch):
     assert threads.busy_cores(sample_s=0) == 0.7
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_spinning_process_is_seen_as_one_busy_core():
     """The real measurement, against a real process spinning on one core for the sample."""
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -87,6 +88,7 @@ def test_the_header_line(machine):
     )
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_threads_flag_sets_torch_anywhere_on_the_line(capsys):
     before = torch.get_num_threads()
     try:

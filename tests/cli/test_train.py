@@ -61,6 +61,7 @@ def saved_config(tmp_path) -> dict:
     return json.loads((root / (root / "latest").read_text().strip() / "config.json").read_text())
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_train_three_steps_writes_everything_and_samples(tmp_path, tiny_text, capsys):
     code = main(small_run(tmp_path, tiny_text) + ["--preset", "llama-tiny", "--train.steps", "3"])
     assert code == 0
@@ -85,6 +86,7 @@ def test_train_three_steps_writes_everything_and_samples(tmp_path, tiny_text, ca
     assert cfg["model"]["vocab_size"] == n_chars + 7
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_yaml_config_overrides_and_flags_override_the_file(tmp_path, tiny_text):
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -102,6 +104,7 @@ def test_yaml_config_overrides_and_flags_override_the_file(tmp_path, tiny_text):
     assert cfg["train"]["steps"] == 1  # the flag wins over the file
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_preset_flag_wins_over_the_config_files_preset(tmp_path, tiny_text):
     config = tmp_path / "run.yaml"
     config.write_text("preset: gpt2-tiny\ntrain:\n  steps: 1\n")
@@ -111,6 +114,7 @@ def test_preset_flag_wins_over_the_config_files_preset(tmp_path, tiny_text):
     assert cfg["model"]["position"] == "rope" and cfg["train"]["steps"] == 1
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_flags_with_equals_and_nested_fields(tmp_path, tiny_text):
     args = small_run(tmp_path, tiny_text) + [
         "--preset=llama-tiny",
@@ -128,6 +132,7 @@ def test_flags_with_equals_and_nested_fields(tmp_path, tiny_text):
     assert cfg["train"]["steps"] == 2
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_resume_continues_from_the_latest_checkpoint(tmp_path, tiny_text, capsys):
     base = small_run(tmp_path, tiny_text) + ["--preset", "llama-tiny", "--model.n_layers=1"]
     base += ["--train.log_every=1", "--train.schedule=constant"]

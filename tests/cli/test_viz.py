@@ -60,6 +60,7 @@ def test_attention_default_is_a_tiny_random_encoder_decoder(tmp_path, capsys):
     assert data["kinds"]["cross"]["k_tokens"] == ["a", "b", "c"]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_attention_from_a_checkpoint_uses_its_tokenizer(tmp_path, capsys):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "pics"
@@ -78,6 +79,7 @@ def test_attention_from_a_checkpoint_uses_its_tokenizer(tmp_path, capsys):
     assert set("q @ k") <= set(TEXT)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_attention_of_a_bert_classifier(tmp_path, capsys):
     """Issue 18: a classifier checkpoint (config.json with n_labels) could not be opened."""
     ckpt = make_checkpoint(tmp_path / "clf", "bert-tiny", n_labels=3)
@@ -92,6 +94,7 @@ def test_attention_of_a_bert_classifier(tmp_path, capsys):
     ]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_attention_from_a_run_directory_uses_its_latest_checkpoint(tmp_path, capsys):
     """README: `attnlab viz attention --ckpt runs/default` works as `generate` does."""
     ckpt = make_checkpoint(tmp_path / "run" / "checkpoints" / "step_000004")
@@ -144,6 +147,7 @@ def test_positions_and_masks(tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_loss(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

@@ -132,6 +132,7 @@ def test_all_subwords_over_a_char_tokenizer_are_the_char_tags(tagging):
     assert token_tags(ex["text"], ex["spans"], offsets, "all") == char_tags(ex["text"], ex["spans"])
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_tagging_windows_are_the_files_own_text_and_splits_are_disjoint_by_file(tagging):
     assert tagging.counts() == {"train": 300, "val": 50, "test": 50}
     _disjoint(tagging, "file")
@@ -166,6 +167,7 @@ def test_files_that_fail_to_tokenize_are_skipped(tmp_path):
     assert files == {str(good)}
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_stdlib_files_are_the_default_corpus():
     from attnlab.training.data import corpus_files
 
@@ -224,6 +226,7 @@ def test_spans_are_right_across_form_feeds_and_crlf():
 
 
 # --- instructions and DPO pairs -------------------------------------------------------------------
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_instructions_are_valid_signatures_of_the_documented_function(instructions):
     _disjoint(instructions, "module")
     modules = {module_name(p): p for p in stdlib_files()}
@@ -391,6 +394,7 @@ def test_label_ids_come_from_training_and_are_saved(tmp_path):
         user_task("tag", tags, other)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_splits_do_not_depend_on_where_the_files_live(tmp_path):
     splits = []
     for where in ("a", "deeper/b"):

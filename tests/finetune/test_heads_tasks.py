@@ -119,6 +119,7 @@ def test_an_encoder_learns_to_tag_numbers_and_capitalised_names(tmp_path):
     assert before["val_f1"] < 0.5 and after["val_f1"] >= 0.95, (before, after)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize("kind", ["classify", "tag"])
 def test_held_out_metrics_are_named_val_like_every_other_task(tmp_path, kind):
     """ClassifyTask and TagTask name their held-out metrics val_* as SFT, DPO and `attnlab
@@ -137,6 +138,7 @@ def test_held_out_metrics_are_named_val_like_every_other_task(tmp_path, kind):
     assert set(metrics) == expected
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_decoder_classifies_from_its_last_token(tmp_path):
     base = base_checkpoint(tmp_path, "gpt2-tiny")
     run = run_config(tmp_path, base.config, "clm", steps=100)

@@ -207,6 +207,7 @@ def extras(model) -> int:
     )
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize(
     ("bias", "save"), [("all", ()), ("lora_only", ()), ("none", "norm"), ("none", "embed")]
 )

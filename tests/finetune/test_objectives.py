@@ -157,6 +157,7 @@ def trl_loss(trainer, per_token_logps, completion_mask, ref_chosen, ref_rejected
     return trainer._compute_loss(model, inputs, return_outputs=False), trainer._metrics["train"]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.hf  # trl builds on transformers
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
 def test_dpo_loss_and_gradient_equal_trl(beta):

@@ -227,6 +227,7 @@ def test_dpo_without_a_reference_or_adapters_is_an_error(tok):
         task.loss_sum(tiny_model(tok.vocab_size), task._batch(task.train))
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_exact_match_after_learning_the_examples_by_heart(tok):
     """Greedy, batched generation of the responses (prompts of different lengths, left-padded)
     is scored right: a model trained on four examples until it knows them answers them all,

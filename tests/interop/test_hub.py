@@ -124,6 +124,7 @@ def test_offline_without_the_model_cached_says_what_to_do(hub, monkeypatch):
     assert hub.requests == []  # offline means offline
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_download_command_fetches_once_and_errors_in_one_line(hub, capsys):
     assert main(["download", "org/tiny-llama", "--revision", "v1"]) == 0
     out = capsys.readouterr().out

@@ -162,6 +162,7 @@ HF_PARITY = [
 ]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.hf
 @pytest.mark.parametrize("name", HF_PARITY)
 def test_parameter_count_matches_transformers(name):

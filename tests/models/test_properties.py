@@ -118,6 +118,7 @@ def test_future_tokens_never_change_earlier_logits(data, cfg):
 
 
 # --- (2) backends agree ------------------------------------------------------------------------
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @PROPERTY
 @given(data=st.data(), cfg=configs())
 def test_sdpa_equals_eager(data, cfg):

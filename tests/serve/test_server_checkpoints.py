@@ -12,6 +12,7 @@ from attnlab.quantize import Int8Linear
 from tests.serve.server_helpers import Server, write_checkpoint
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize(
     "make",
     [

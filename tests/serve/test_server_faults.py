@@ -78,6 +78,7 @@ def test_a_client_gone_mid_stream_frees_its_request(ckpt):
         s.close()
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_a_client_gone_before_a_plain_answer_frees_its_request(ckpt):
     s = Server(ckpt, SlowEngine)
     cancelled = spy_cancels(s)

@@ -177,6 +177,7 @@ def test_a_few_training_steps_and_exact_match(tmp_path, form):
 
 
 # --- the attention picture ---------------------------------------------------------------------
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize("form", ["vqa", "vla"])
 def test_attention_picture(tmp_path, form):
     run = scene_run(tmp_path, form)

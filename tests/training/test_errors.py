@@ -128,6 +128,7 @@ def cli(tmp_path, tiny_text, *extra):
     )
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_unknown_field_in_a_config_file(tmp_path, tiny_text, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("train:\n  lrr: 0.1\n")
@@ -157,6 +158,7 @@ def test_unknown_flag(tmp_path, tiny_text, capsys):
     assert "unrecognized arguments: --train.lrr=0.1" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_bad_flag_values(tmp_path, tiny_text, capsys):
     assert cli(tmp_path, tiny_text, "--train.schedule=linear") == 2
     assert "'linear'" in capsys.readouterr().err

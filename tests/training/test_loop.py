@@ -37,6 +37,7 @@ def metric_steps(run) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize(
     "preset",
     ["llama-tiny", "bert-tiny", "transformer-tiny"],  # clm, mlm (masking RNG), seq2seq
@@ -274,6 +275,7 @@ class AutocastProbe:
         return self.task.sample(*args, **kwargs)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_bf16_autocast_tracks_fp32(make_run):
     kw = dict(steps=50, batch_size=4, context=16, lr=3e-3, warmup=5, schedule="constant")
     fp32_run = make_run("llama-tiny", out="fp32", precision="fp32", **kw)

@@ -37,6 +37,7 @@ def test_grid_stacks_the_captured_maps(seq2seq):
         attention_grid(maps, "cross", layers=[5])
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_grid_figure_draws_every_layer_and_head(seq2seq, tmp_path):
     _, _, _, maps = seq2seq
     grid = attention_grid(maps, "encoder_self")

@@ -91,6 +91,7 @@ def test_split_sums_to_the_total(name):
     assert all(v > 0 for v in split.values())
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_format_and_plot(tmp_path):
     llama, bert = get_preset("llama-tiny"), get_preset("bert-tiny")
     text = format_costs(llama, 2, 32)
@@ -110,6 +111,7 @@ def test_format_and_plot(tmp_path):
     assert (tmp_path / "costs.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_inspect_cli_prints_tables_and_plots(capsys, tmp_path):
     out = tmp_path / "inspect.png"
     assert (

@@ -22,6 +22,7 @@ def reference(T: int, n_padding: int, window: int, prefix: int, order: list[int]
     return {k: np.array([[f(i, j) for j in range(T)] for i in range(T)]) for k, f in cell.items()}
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 @pytest.mark.parametrize(("T", "n_padding", "window", "prefix"), [(8, 2, 3, 3), (5, 0, 1, 5)])
 def test_mask_cells_match_their_definitions(T, n_padding, window, prefix, tmp_path):
     order = list(reversed(range(T)))

@@ -1,6 +1,7 @@
 """viz/rank.py: the rank plot draws exactly the measured rows."""
 
 import numpy as np
+import pytest
 import torch
 
 from attnlab.analysis.rank import model_rank_table, random_rank_table, random_spectra
@@ -9,6 +10,7 @@ from attnlab.models.presets import get_preset
 from attnlab.viz.rank import plot_rank
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_plot_draws_the_rows(tmp_path):
     ns = [8, 16]
     rows = random_rank_table(ns, [2, 4], [1, 2], seed=0)

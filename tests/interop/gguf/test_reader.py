@@ -211,6 +211,7 @@ def test_without_tokenizer_metadata(tmp_path, tokenizer, hf_model):
         open_checkpoint(path)
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_unsupported_quantization_type(tmp_path, tokenizer, hf_model):
     path = write_gguf(tmp_path / "f32.gguf", hf_model, tokenizer)
     rows = np.zeros((96, 64 // 32 * 18), np.uint8)  # IQ4_NL: 18 bytes per 32 weights

@@ -117,6 +117,7 @@ def test_refusals(tmp_path, source):
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.tmp").exists()
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_cli_convert_gguf_to_hf_and_attnlab_to_gguf(tmp_path, source, capsys):
     hf_dir = tmp_path / "hf"
     assert main(["convert", "--from", "gguf", str(source.path), "--to", "hf", str(hf_dir)]) == 0
