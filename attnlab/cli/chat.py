@@ -12,16 +12,11 @@ fields, each under two names (`--sampling.temperature` and `--temperature`), as 
 import argparse
 import sys
 
-import torch
-
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.options import apply_config_flags
-from attnlab.configs import leaf_fields
+from attnlab.cli.options import add_sampling_flags, sampling_and_device
 from attnlab.inference.chat import Chat
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.sampling import SamplingConfig
 
-SECTION = "sampling"
 DEFAULTS = GenerationConfig()
 PROMPT = "> "
 RESET = "/reset"
@@ -38,30 +33,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="at most this many tokens a reply (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="S", help="sampling seed")
-    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
-    group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
-    defaults = SamplingConfig()
-    for path, annotation in leaf_fields(SamplingConfig):
-        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
-        group.add_argument(
-            f"--{SECTION}.{path}",
-            f"--{path.replace('_', '-')}",
-            dest=f"{SECTION}.{path}",
-            default=None,
-            metavar="V",
-            help=f"{type_name} (default {getattr(defaults, path)})",
-        )
+    add_sampling_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    configs, _ = apply_config_flags({SECTION: SamplingConfig()}, args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sampling, device = sampling_and_device(args)
     loaded = open_checkpoint(args.ckpt, device=device)
     if loaded.tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer to chat with")
-    config = GenerationConfig(args.max_new_tokens, configs[SECTION], seed=args.seed)
+    config = GenerationConfig(args.max_new_tokens, sampling, seed=args.seed)
     chat = Chat(loaded.model.eval(), loaded.tokenizer, args.system, config)
     print(f"chatting with {args.ckpt} ({RESET} forgets the conversation, Ctrl-D leaves)")
     while True:

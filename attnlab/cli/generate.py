@@ -19,19 +19,14 @@ generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 import argparse
 import sys
 
-import torch
-
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.options import apply_config_flags
-from attnlab.configs import leaf_fields
+from attnlab.cli.options import add_sampling_flags, sampling_and_device
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
-from attnlab.inference.sampling import SamplingConfig
 from attnlab.inference.steering import steering, text_steers
 from attnlab.models.heads import task_head_kind
 
-SECTION = "sampling"
 DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
 
 
@@ -106,26 +101,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "entering block LAYER at every position (activation addition); repeatable, e.g. "
         "--steer 3 ' love' ' hate' 4",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
-    group = p.add_argument_group(f"{SECTION} ({SamplingConfig.__name__} fields)")
-    defaults = SamplingConfig()
-    for path, annotation in leaf_fields(SamplingConfig):
-        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
-        group.add_argument(
-            f"--{SECTION}.{path}",
-            f"--{path.replace('_', '-')}",
-            dest=f"{SECTION}.{path}",
-            default=None,
-            metavar="V",
-            help=f"{type_name} (default {getattr(defaults, path)})",
-        )
+    add_sampling_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    configs, _ = apply_config_flags({SECTION: SamplingConfig()}, args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sampling, device = sampling_and_device(args)
     if args.scene is not None:
         from attnlab.lab.embodied import answer_scene  # (imports matplotlib)
 
@@ -177,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         show(args.prompt)
     config = GenerationConfig(
         args.max_new_tokens,
-        configs[SECTION],
+        sampling,
         seed=args.seed,
         stop_strings=stop,
         num_beams=args.num_beams,

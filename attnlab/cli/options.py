@@ -208,3 +208,39 @@ def options_from_args(cls: type, args: argparse.Namespace):
         if value is not None:
             given[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**given)
+
+
+SAMPLING = "sampling"  # the flags' section: --sampling.top_p, also spelled --top-p
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """`--device` and one flag per SamplingConfig field (`generate` and `chat` share them)."""
+    from attnlab.inference.sampling import SamplingConfig
+
+    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
+    group = p.add_argument_group(f"{SAMPLING} ({SamplingConfig.__name__} fields)")
+    defaults = SamplingConfig()
+    for path, annotation in leaf_fields(SamplingConfig):
+        name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        group.add_argument(
+            f"--{SAMPLING}.{path}",
+            f"--{path.replace('_', '-')}",
+            dest=f"{SAMPLING}.{path}",
+            default=None,
+            metavar="V",
+            help=f"{name} (default {getattr(defaults, path)})",
+        )
+
+
+def sampling_and_device(args: argparse.Namespace):
+    """The SamplingConfig and the device (`auto`: cuda if available) that add_sampling_flags'
+    flags name."""
+    import torch
+
+    from attnlab.inference.sampling import SamplingConfig
+
+    configs, _ = apply_config_flags({SAMPLING: SamplingConfig()}, args)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return configs[SAMPLING], device
