@@ -177,6 +177,6 @@ class RewardTask:
         batch = _to(self._batch(self.val[:1]), device)
         c, r = self.scores(model, batch)
         return (
-            f"{ex['prompt']}: chosen {ex['chosen'].strip()!r} {float(c[0]):.3f}, "
+            f"{ex['prompt']} -> chosen {ex['chosen'].strip()!r} {float(c[0]):.3f}, "
             f"rejected {ex['rejected'].strip()!r} {float(r[0]):.3f}"
         )
