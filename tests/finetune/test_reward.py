@@ -13,6 +13,7 @@ import torch
 
 from attnlab.finetune import data
 from attnlab.finetune.reward import RewardTask, reward_loss, reward_model
+from attnlab.finetune.rewards import signature_reward
 from attnlab.finetune.signatures import all_args
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
@@ -144,3 +145,9 @@ def test_spec_prompts_state_the_answer_and_pairs_break_one_part(spec):
             elif kind == "rename":
                 assert len(a2) == len(a1) and sum(x != y for x, y in zip(a1, a2)) == 1
     assert set(kinds) == {"name", "drop", "add", "rename", "swap"}
+    val = spec.splits["val"]  # GRPO's built-in reward: 1 for the answer, less for a broken one
+    fields = {"name": [ex["name"] for ex in val], "args": [ex["args"] for ex in val]}
+    assert signature_reward([], [ex["response"] for ex in val], **fields) == [1.0] * len(val)
+    broken = {ex["prompt"]: ex["rejected"] for ex in pairs.splits["val"]}
+    worse = signature_reward([], [broken[ex["prompt"]] for ex in val], **fields)
+    assert max(worse) < 1.0
