@@ -75,10 +75,11 @@ class RewardModelScore:
     Args:
         path: a checkpoint of `attnlab finetune --task reward` (a one-output sequence head).
         chat_template: use its tokenizer's chat template (data.chat_template).
+        device: where it runs (the policy's: train.device).
     """
 
-    def __init__(self, path: str | Path, chat_template: bool = True):
-        loaded = open_checkpoint(path)
+    def __init__(self, path: str | Path, chat_template: bool = True, device=None):
+        loaded = open_checkpoint(path, device)
         head = loaded.config.head
         if loaded.config.arch != "decoder" or head is None or head.num_labels != 1:
             raise ValueError(
@@ -103,18 +104,15 @@ class RewardModelScore:
             out += self.model(ids, mask)[:, 0].float().tolist()
         return out
 
-    def to(self, device) -> "RewardModelScore":
-        self.model.to(device)
-        return self
 
-
-def load_reward(spec: str, chat_template: bool = True) -> RewardFn:
-    """The reward function grpo.reward names: "signature", a reward model's directory, or
-    "module:function" (imported; the module from sys.path, as `python -c` would find it)."""
+def load_reward(spec: str, chat_template: bool = True, device=None) -> RewardFn:
+    """The reward function grpo.reward names: "signature", a reward model's directory (opened
+    on `device`), or "module:function" (imported; the module from sys.path, as `python -c`
+    would find it)."""
     if spec == "signature":
         return signature_reward
     if Path(spec).is_dir():
-        return RewardModelScore(spec, chat_template)
+        return RewardModelScore(spec, chat_template, device)
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(

@@ -243,7 +243,7 @@ def build_task(
     if d.task == "reward":
         return RewardTask(train_ex, val_ex, center=run.reward.center_coefficient, **common)
     if d.task == "grpo":
-        reward = load_reward(run.grpo.reward, d.chat_template)
+        reward = load_reward(run.grpo.reward, d.chat_template, resolve_device(t.device))
         return GRPOTask(
             train_ex,
             val_ex,

@@ -702,3 +702,20 @@ def test_a_reward_function_that_returns_no_number_stops_in_one_line(base, tmp_pa
     err = capsys.readouterr().err.strip()
     assert err.startswith("attnlab finetune: error: the reward function ") and "\n" not in err
     assert "tests.cli.test_finetune:not_a_number returned 'high'" in err
+
+
+@pytest.mark.slow
+def test_grpo_resumes_exactly(base, tmp_path):
+    """GRPO samples inside its batches from a seed the run's generator draws: 2 steps, then
+    --resume to 4, equal 4 steps in one go (the same losses and weights)."""
+    common = ("--train.schedule=constant", "--train.warmup=0", "--train.eval_every=2")
+    common += ("--train.ckpt_every=2", "--train.batch_size=2", "--data.eval_examples=2")
+    common += ("--grpo.reward=tests.cli.test_finetune:uppercase_share", "--grpo.beta=0.1")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(args(base, "grpo", whole, "--train.steps=4", *common)) == 0
+    assert main(args(base, "grpo", split, "--train.steps=2", *common)) == 0
+    assert main(args(base, "grpo", split, "--train.steps=4", "--resume", *common)) == 0
+    assert [r["train_loss"] for r in records(split)] == [r["train_loss"] for r in records(whole)]
+    a = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
