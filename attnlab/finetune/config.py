@@ -65,6 +65,12 @@ class FinetuneDataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_examples < 0:
             raise ValueError(f"data.max_examples must be >= 0 (0: all), got {self.max_examples}")
+        signature_task = self.task in ("sft", "dpo", "reward", "grpo")
+        if self.builtin != "docstring" and (self.source != "builtin" or not signature_task):
+            raise ValueError(
+                f"data.builtin={self.builtin!r} chooses the built-in signature examples: it "
+                "applies to --task sft, dpo, reward or grpo on --data.source builtin only"
+            )
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,14 @@ def test_pairs_per_prompt_off_the_builtin_pairs_is_one_clear_error(base, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_builtin_spec_with_a_jsonl_source_is_one_clear_error(base, tmp_path, capsys):
+    argv = args(base, "reward", tmp_path / "out", "--train.steps=1", "--data.builtin=spec")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: ") and "\n" not in err
+    assert "data.builtin='spec' chooses the built-in" in err
+
+
 def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "summarize"])
