@@ -7,8 +7,7 @@ its evaluation. `attnlab finetune` (attnlab/cli/finetune.py) is a thin command o
 
 - classify / tag put a fresh head on the base (`finetune.heads_tasks.build_head_task`: an
   encoder or decoder for classify, an encoder for tag); with LoRA the head trains in full
-  beside the adapters (peft's modules_to_save), and the run is an attnlab checkpoint only
-  (`save_peft` refuses a trained head).
+  beside the adapters (peft's modules_to_save; `save_peft` writes it in the adapter).
 - sft / dpo fine-tune a decoder LM through the tokenizer's chat template when it has one.
   DPO's reference is a frozen copy of the base, or under LoRA the policy with its adapters off
   (`adapters.lora.disable_adapters`); dpo.precompute_reference computes its log-probs once.
