@@ -61,6 +61,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.adapters.lora import LoRALinear, add_lora, is_linear_like, lora_modules
+from attnlab.checkpoint import check_output_dir, open_checkpoint, resolve_checkpoint
+from attnlab.interop.convert import detect_format
 from attnlab.interop.hf import converter_for
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
@@ -467,6 +469,46 @@ def save_peft(
     (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
     return path
+
+
+def _hf_base(run: dict) -> str | None:
+    """The base checkpoint a fine-tuning run started from, when it is an HF directory (peft
+    reads `base_model_name_or_path` to load it); None for an attnlab one."""
+    base = run.get("base")
+    try:
+        return base if base and detect_format(base) == "hf" else None
+    except ValueError:
+        return None
+
+
+def save_run_peft(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
+    """The LoRA adapters of a fine-tuning run (`attnlab finetune --lora.rank R`) as a peft
+    adapter directory: `attnlab convert --from attnlab RUN --to peft DIR`.
+
+    peft loads it onto the HF export of the run's base (`attnlab convert --from attnlab BASE
+    --to hf DIR`; a QLoRA run's: the float checkpoint its base was quantized from). A task
+    head, and the biases and modules that trained beside the adapters, are in it as peft
+    writes them.
+
+    Args:
+        src: the run directory (its latest checkpoint) or one of its checkpoints.
+        dst: the adapter directory to write: new or empty, unless `overwrite` (then only
+            adapter_config.json and adapter_model.safetensors are replaced there).
+
+    Returns:
+        dst.
+    """
+    src = resolve_checkpoint(src)
+    if Path(dst).resolve() == src.resolve():
+        raise ValueError(f"the output directory is the input directory ({str(src)!r})")
+    check_output_dir(dst, overwrite)
+    loaded = open_checkpoint(src, keep_adapters=True)
+    if not lora_modules(loaded.model):
+        raise ValueError(
+            f"{str(src)!r} holds no LoRA adapters (only a run of attnlab finetune --lora.rank R "
+            "has them); convert --to hf exports a whole model"
+        )
+    return save_peft(loaded.model, loaded.config, dst, _hf_base(loaded.run))
 
 
 def read_peft_config(path: str | Path) -> dict:
