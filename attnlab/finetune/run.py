@@ -129,7 +129,9 @@ def load_examples(d: FinetuneDataConfig, seed: int = 0) -> tuple[list[dict], lis
     return train_ex, val_ex
 
 
-def hold_out(examples: list[dict], d: FinetuneDataConfig, seed: int):
+def hold_out(
+    examples: list[dict], d: FinetuneDataConfig, seed: int
+) -> tuple[list[dict], list[dict]]:
     """(train, validation) of a JSONL file's examples: val_fraction of them (at least one,
     never all) drawn at random with `seed`, so that a file sorted by label or by source does
     not hold out its last kind only. The same seed gives the same split (`attnlab eval`
@@ -140,9 +142,9 @@ def hold_out(examples: list[dict], d: FinetuneDataConfig, seed: int):
             "add examples or give --data.val_source"
         )
     n_val = min(max(1, round(len(examples) * d.val_fraction)), len(examples) - 1)
-    held = sorted(random.Random(seed).sample(range(len(examples)), n_val))
-    kept = set(range(len(examples))) - set(held)
-    return [examples[i] for i in sorted(kept)], [examples[i] for i in held]
+    held = set(random.Random(seed).sample(range(len(examples)), n_val))
+    train = [ex for i, ex in enumerate(examples) if i not in held]
+    return train, [ex for i, ex in enumerate(examples) if i in held]
 
 
 SMALL_HELD_OUT = 10  # fewer held-out examples than this give metrics too noisy to compare
