@@ -98,8 +98,8 @@ def add_heads_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=HeadsLab.check_induction,
         metavar="K",
-        help="check the top K induction heads: masked against K random heads, and per-head "
-        "patching from [r, r] into [r', r] (L*H more forwards; default: off)",
+        help="check the top K induction heads: masked against K random heads (5 draws), and "
+        "per-head patching from [r, r] into [r', r] (L*H + 11 more forwards; default: off)",
     )
     for name, text in SIZE_FLAGS.items():
         default = getattr(HeadsLab, name)
@@ -115,7 +115,7 @@ SIZE_FLAGS = {
     "batch_size": "sequences per batch (and [r, r] sequences)",
     "context": "tokens per sequence (default: the checkpoint's training context)",
     "repeat_len": "n of the [r, r] sequences (default: context / 2)",
-    "random_orders": "random pruning orders, and random head sets of the induction check",
+    "random_orders": "random pruning orders, the control",
 }
 
 

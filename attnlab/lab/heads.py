@@ -184,7 +184,7 @@ class HeadsLab:
     orders, the control.  repeat_len: n of the [r, r] induction sequences; None = context / 2.
     curves: the pruning curves at every level ("full"), at COARSE_LEVELS + 1 ("coarse") or
     none.  check_induction: K > 0 checks the top K induction heads by ablation and per-head
-    patching (lab/induction.py; L*H + 2 more forwards on the [r, r] batch).
+    patching (lab/induction.py; L*H + 11 more forwards on the [r, r] batch).
     """
 
     ckpt: str
@@ -370,7 +370,7 @@ def measure(
     if opts.check_induction:
         k = min(opts.check_induction, L * H - 1)
         args = (vocab, n, opts.batch_size, scores["induction"], k, opts.seed)
-        result["induction_check"] = induction_check(model, *args, n_random=opts.random_orders)
+        result["induction_check"] = induction_check(model, *args)
     return result, scores
 
 
