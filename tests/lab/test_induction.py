@@ -1,14 +1,25 @@
 """attnlab/lab/induction.py and patching.patch_heads, against references: the cross-entropy of
-torch on the second copy, `patch`'s one-head cells, hooks written by hand."""
+torch on the second copy, `patch`'s one-head cells, hooks written by hand; and SmolLM2's
+induction heads, found by their score, checked by ablation."""
 
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from attnlab.components.hooks import hooks, run_with_cache
-from attnlab.lab.head_scores import repeated_tokens
-from attnlab.lab.induction import corrupt_first_copy, induction_check, repeat_logprob, top_heads
+from attnlab.lab.head_scores import induction_chance, induction_scores, repeated_tokens
+from attnlab.lab.induction import (
+    ablation_check,
+    corrupt_first_copy,
+    induction_check,
+    repeat_logprob,
+    top_heads,
+)
 from attnlab.lab.patching import patch, patch_heads, patch_names
 from tests.lab.helpers import tiny_lm
+from tests.realmodel import open_smollm2
 
 
 def test_repeat_logprob_is_minus_the_cross_entropy_of_the_second_copy_from_its_second_token():
@@ -61,3 +72,21 @@ def test_induction_check_on_a_tiny_model_has_every_part():
     assert len(check["heads"]) == 2 and len(check["ablation"]["random"]) == 3
     assert all(set(draw).isdisjoint(check["heads"]) for draw in check["ablation"]["random_heads"])
     assert torch.tensor(check["patching"]["per_head"]).shape == (2, 4)
+
+
+@pytest.mark.slow
+def test_smollm2s_top_induction_heads_do_its_in_context_copying():
+    """On SmolLM2-135M-Instruct: the 5 heads of highest induction score on [r, r] score far
+    above uniform attention, the model copies the second copy (loss far below log V), and
+    masking those heads raises that loss several times more than masking 5 heads drawn at
+    random (the mean of 5 draws): the score found heads that do the copying."""
+    model = open_smollm2().model
+    vocab, n = model.embed.num_embeddings, 24
+    scores = induction_scores(model, vocab, n, 2, seed=0)
+    heads = top_heads(scores, 5)
+    assert min(scores[h] for h in heads) > 10 * induction_chance(n)
+    a = ablation_check(model, repeated_tokens(vocab, n, 2, 0), heads, 5, seed=0)
+    assert a["loss"] < 0.3 * math.log(vocab)  # measured: 2.39 nats; log V = 10.8
+    rise = a["ablated"] - a["loss"]
+    random_rise = sum(r - a["loss"] for r in a["random"]) / len(a["random"])
+    assert rise > 4 * max(random_rise, 0.05)  # measured: 8.10 against 0.96 (8.4x)
