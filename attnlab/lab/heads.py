@@ -18,8 +18,9 @@ heads in the order of one importance pass, least important first (HF transformer
 example recomputes the scores between pruning steps; not done here), beside the order of the
 scores not normalised and seeded random orders as the control, all measured on held-out batches.
 A full curve costs L*H + 1 evaluations per order: on a 30-layer model of 270 heads that is
-hours on a laptop CPU, so `curves="coarse"` measures COARSE_LEVELS + 1 evenly spaced levels
-instead (the prunable fraction is then read off that grid) and `curves="none"` skips them.
+over half an hour on 2 CPU cores even with --fast's small batches, so `curves="coarse"`
+measures COARSE_LEVELS + 1 evenly spaced levels instead (the prunable fraction is then read
+off that grid) and `curves="none"` skips them.
 
 The experiments run on causal language models (`DecoderLM`): the loss is next-token cross-entropy.
 
@@ -114,7 +115,7 @@ def pruning_levels(n: int, curves: str = "full") -> list[int]:
             a model with fewer heads than that).
     """
     if curves not in CURVES[:2]:
-        raise ValueError(f"pruning curves {curves!r}: choose one of {', '.join(CURVES)}")
+        raise ValueError(f"pruning curves {curves!r}: choose full or coarse")
     if curves == "full" or n <= COARSE_LEVELS:
         return list(range(n + 1))
     return sorted({round(i * n / COARSE_LEVELS) for i in range(COARSE_LEVELS + 1)})
@@ -199,6 +200,17 @@ class HeadsLab:
     seed: int = 0
     curves: str = "full"
     check_induction: int = 0
+
+    def __post_init__(self):
+        least = {"batches": 1, "batch_size": 1, "context": 2, "repeat_len": 2}
+        least |= {"random_orders": 0, "check_induction": 0}
+        for name, low in least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {value}: give at least {low}")
+        if self.curves not in CURVES:
+            raise ValueError(f"--curves {self.curves!r}: choose one of {', '.join(CURVES)}")
 
     def sized(self) -> "HeadsLab":
         """These options, shrunk in fast mode."""
@@ -301,8 +313,6 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         The dict saved as heads.json.
     """
     started, out, opts = time.perf_counter(), Path(out), opts.sized()
-    if opts.curves not in CURVES:
-        raise ValueError(f"--curves {opts.curves!r}: choose one of {', '.join(CURVES)}")
     loaded = open_checkpoint(opts.ckpt)
     model = loaded.model.eval()
     try:

@@ -15,6 +15,7 @@ from attnlab.components.attention import Attention
 from attnlab.components.mla import MultiHeadLatentAttention
 from attnlab.lab.head_masks import HeadGate, head_gates, set_head_mask
 from attnlab.lab.heads import (
+    HeadsLab,
     head_importance,
     lm_loss,
     prunable_fraction,
@@ -159,7 +160,7 @@ def test_a_coarse_curve_is_the_full_curve_at_seventeen_levels():
     assert pruning_levels(270, "coarse") == [round(i * 270 / 16) for i in range(17)]
     assert pruning_levels(8, "coarse") == list(range(9))  # fewer heads than levels: all
     assert pruning_levels(8) == list(range(9))
-    with pytest.raises(ValueError, match="choose one of full, coarse, none"):
+    with pytest.raises(ValueError, match="'some': choose full or coarse"):
         pruning_levels(8, "some")
     model = tiny_lm()
     ids = torch.randint(256, (3, 13))
@@ -204,3 +205,12 @@ def test_cli_lab_heads_end_to_end_in_fast_mode(tmp_path, capsys):
     assert "--fast sets the sizes itself; leave out --context" in capsys.readouterr().err
     assert main(["lab", "heads", "--ckpt", str(tmp_path / "nothing"), "--fast"]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_sizes_below_their_least_are_one_clear_error():
+    with pytest.raises(ValueError, match="--batches 0: give at least 1"):
+        HeadsLab(ckpt="run", batches=0)
+    with pytest.raises(ValueError, match="--repeat-len 1: give at least 2"):
+        HeadsLab(ckpt="run", repeat_len=1)
+    with pytest.raises(ValueError, match="--curves 'half': choose one of full, coarse, none"):
+        HeadsLab(ckpt="run", curves="half")
