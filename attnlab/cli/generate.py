@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.options import add_sampling_flags, sampling_and_device
+from attnlab.cli.options import add_sampling_flags, add_steer_flag, sampling_and_device
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
@@ -91,16 +91,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "its end of turn and print the reply only",
     )
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
-    p.add_argument(
-        "--steer",
-        nargs=4,
-        action="append",
-        default=[],
-        metavar=("LAYER", "TEXT_A", "TEXT_B", "SCALE"),
-        help="add SCALE x (mean activation of TEXT_A - that of TEXT_B) to the residual stream "
-        "entering block LAYER at every position (activation addition); repeatable, e.g. "
-        "--steer 3 ' love' ' hate' 4",
-    )
+    add_steer_flag(p)
     add_sampling_flags(p)
 
 

@@ -244,3 +244,18 @@ def sampling_and_device(args: argparse.Namespace):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return configs[SAMPLING], device
+
+
+def add_steer_flag(p: argparse.ArgumentParser) -> None:
+    """`--steer LAYER TEXT_A TEXT_B SCALE`, repeatable (`generate` and `serve` share it; the
+    values become steers through `inference.steering.text_steers`)."""
+    p.add_argument(
+        "--steer",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("LAYER", "TEXT_A", "TEXT_B", "SCALE"),
+        help="add SCALE x (mean activation of TEXT_A - that of TEXT_B) to the residual stream "
+        "entering block LAYER at every position (activation addition); repeatable, e.g. "
+        "--steer 3 ' love' ' hate' 4",
+    )
