@@ -7,7 +7,13 @@ import json
 import sys
 
 from attnlab.cli.options import CLIParser, require_device
-from attnlab.cli.threads import ThreadChoice, apply_threads, choose_threads
+from attnlab.cli.threads import (
+    ThreadChoice,
+    apply_threads,
+    choose_threads,
+    load_average,
+    usable_cores,
+)
 
 # Each subcommand is a module of attnlab.cli with add_parser(parser) and run(args); imported only
 # when chosen, so one command's dependencies never slow down (or break) another.
@@ -122,9 +128,8 @@ def _thread_choice(requested: int | None) -> ThreadChoice:
     """The policy's choice in a fresh process; in one that imported torch before calling main
     (a test, a notebook) the caller's setting stays unless --threads is given."""
     if "torch" in sys.modules and requested is None:
-        torch = sys.modules["torch"]
-        base = choose_threads()
-        return ThreadChoice(torch.get_num_threads(), base.cores, base.load, "caller")
+        threads = sys.modules["torch"].get_num_threads()
+        return ThreadChoice(threads, usable_cores(), load_average(), "caller")
     return choose_threads(requested)
 
 
