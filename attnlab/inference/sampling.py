@@ -74,6 +74,11 @@ class SamplingConfig:
                     f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}"
                 )
 
+    @property
+    def needs_counts(self) -> bool:
+        """Whether a penalty reads the prompt's and output's tokens (TokenCounts)."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
+
 
 def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """{id: bias} or (id, bias) pairs -> sorted (int id, float bias) pairs, each checked."""
@@ -182,18 +187,22 @@ class TokenCounts:
     generated: Tensor
 
     @classmethod
+    def empty(cls, B: int, vocab_size: int, device) -> "TokenCounts":
+        """B rows of no tokens."""
+        in_prompt = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+        return cls(in_prompt, torch.zeros(B, vocab_size, device=device))
+
+    @classmethod
     def of_prompts(cls, ids: Tensor, vocab_size: int) -> "TokenCounts":
         """ids: (B, T) prompt tokens (padding must repeat a token of the row's prompt)."""
-        in_prompt = torch.zeros(ids.shape[0], vocab_size, dtype=torch.bool, device=ids.device)
-        in_prompt.scatter_(1, ids, True)
-        return cls(in_prompt, torch.zeros(in_prompt.shape, device=ids.device))
+        counts = cls.empty(ids.shape[0], vocab_size, ids.device)
+        counts.in_prompt.scatter_(1, ids, True)
+        return counts
 
     @classmethod
     def cat(cls, rows: Sequence["TokenCounts"]) -> "TokenCounts":
         """Rows of one-row (or more) counts, stacked into one batch."""
-        return cls(
-            torch.cat([r.in_prompt for r in rows]), torch.cat([r.generated for r in rows])
-        )
+        return cls(torch.cat([r.in_prompt for r in rows]), torch.cat([r.generated for r in rows]))
 
     def add(self, tokens: Tensor) -> None:
         """Count each row's new token. tokens: (B,)."""

@@ -246,10 +246,11 @@ async def encode(tokenizer, text: str) -> list[int]:
 def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, chat: bool):
     """One engine request per prompt and choice. The n choices of a seeded request draw with
     seeds seed, seed + 1, ... (different from each other, each reproducible). Every request
-    stops at <eos>; a chat reply also at the template's <|end|>."""
+    stops at <eos>, a chat reply also at the template's <|end|>, unless it asks ignore_eos."""
     engine, settings, tokenizer = app.state.engine, app.state.settings, app.state.tokenizer
     loop = asyncio.get_running_loop()
     names = ["<eos>", "<|end|>"] if chat else ["<eos>"]
+    names = [] if params.ignore_eos else names
     stops = tuple(i for i in map(tokenizer.token_id, names) if i is not None)
     choices: list[Choice] = []
     wanted, room = len(prompts) * n, engine.max_queue
