@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from attnlab.inference.beam import beam_search
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import (
@@ -224,3 +225,16 @@ def test_a_bias_outside_the_vocabulary_is_named():
 def test_min_new_tokens_beyond_max_new_tokens_is_refused():
     with pytest.raises(ValueError, match="min_new_tokens must be in"):
         GenerationConfig(4, min_new_tokens=5)
+
+
+def test_beam_search_ends_no_hypothesis_before_min_new_tokens(tiny_model):
+    """As transformers' MinNewTokensLengthLogitsProcessor in beam search: the stop tokens (here
+    the likeliest first tokens, so the ban matters) are banned for the first tokens."""
+    prompt = [1, 2, 3, 4]
+    logits = tiny_model(torch.tensor([prompt]))[0, -1]
+    stops = tuple(logits.topk(5).indices.tolist())
+    config = GenerationConfig(8, stop_tokens=stops, num_beams=3, num_return_sequences=3)
+    ended_early = beam_search(tiny_model, [prompt], config)[0]
+    assert any(len(h.tokens) < 4 for h in ended_early)
+    kept = beam_search(tiny_model, [prompt], replace(config, min_new_tokens=4))[0]
+    assert all(len(h.tokens) >= 4 and not set(h.tokens[:4]) & set(stops) for h in kept)
