@@ -264,7 +264,7 @@ def top_p_filter(logits: Tensor, p: float | Tensor) -> Tensor:
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the tokens before it already reach p (so the crossing token stays).
     drop_sorted = (probs.cumsum(-1) - probs) >= p - ROUNDING_TOL
-    drop_sorted &= torch.as_tensor(p, device=logits.device) < 1.0  # p = 1: the row keeps all
+    drop_sorted &= p < 1.0  # p = 1: the row keeps all
     drop_sorted[:, 0] = False  # the most likely token always stays (p below the tolerance)
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
