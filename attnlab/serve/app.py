@@ -178,6 +178,8 @@ async def chat(request: Request):
     want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
     rule = f"in [0, {wire.MAX_LOGPROBS}]"
     k = wire.field_of(body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+    if k and not want:  # as OpenAI: the alternatives come with the log-probs or not at all
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     k = k if want else None
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)

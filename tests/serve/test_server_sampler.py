@@ -139,6 +139,13 @@ def test_chat_top_logprobs_are_the_models(server, client):
         assert entry.logprob == pytest.approx(float(logp[len(ids) - 1 + i, out[i]]), abs=1e-4)
 
 
+def test_chat_top_logprobs_without_logprobs_is_a_400(client):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+
+
 def test_chat_stream_include_usage_ends_with_a_usage_chunk(server, client):
     messages = [{"role": "user", "content": "the dog"}]
     kw = dict(model="tiny", messages=messages, max_tokens=6, temperature=0)
