@@ -4,6 +4,8 @@
                                 stream, logprobs, echo (echo + logprobs: the prompt's log-probs,
                                 which is how lm-eval's `local-completions` scores)
     POST /v1/chat/completions   messages through the tokenizer's chat template
+                                (both take the whole sampler: temperature, top_p, top_k, min_p,
+                                the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
 
