@@ -222,13 +222,16 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     defaults = SamplingConfig()
     for path, annotation in leaf_fields(SamplingConfig):
         name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        help_text = f"{name} (default {getattr(defaults, path)})"
+        if get_origin(annotation) is tuple:  # logit_bias: read as JSON (configs.parse_value)
+            help_text = """JSON {token id: bias in [-100, 100]}, e.g. '{"5": -100}'"""
         group.add_argument(
             f"--{SAMPLING}.{path}",
             f"--{path.replace('_', '-')}",
             dest=f"{SAMPLING}.{path}",
             default=None,
             metavar="V",
-            help=f"{name} (default {getattr(defaults, path)})",
+            help=help_text,
         )
 
 
