@@ -30,7 +30,8 @@ class FinetuneDataConfig:
     builtin (sft, dpo, reward, grpo on the built-in data): "docstring" (a docstring's first
         line -> the signature) or "spec" (the function's name and arguments -> its bare
         signature: the prompt decides the answer; the pairs break one part of it).
-    val_source: a JSONL file of held-out examples; "" takes the last val_fraction of `source`.
+    val_source: a JSONL file of held-out examples; "" holds out val_fraction of `source`,
+        drawn at random with the run's train.seed (finetune.run.hold_out).
     max_examples: use at most this many training examples (0: all of them).
     pairs_per_prompt (dpo, built-in data): training pairs per prompt, each rejecting another
         corruption of its signature (the held-out pairs stay one per prompt).

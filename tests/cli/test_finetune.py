@@ -727,3 +727,15 @@ def test_grpo_resumes_exactly(base, tmp_path):
     a = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
     b = load_file(str(split / "checkpoints" / "step_000004" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_help_says_what_finetune_and_convert_do():
+    """`attnlab --help` (the COMMANDS summaries) names every fine-tuning task and the ways to
+    train (it said "SFT or DPO" once heads had come), and convert's peft output."""
+    from attnlab.cli.__main__ import COMMANDS
+    from attnlab.finetune.run import FINETUNE_TASKS
+
+    summary = COMMANDS["finetune"]
+    assert all(task in summary.lower() for task in FINETUNE_TASKS), summary
+    assert "LoRA" in summary and "QLoRA" in summary and "full" in summary
+    assert "peft" in COMMANDS["convert"] and "GGUF" in COMMANDS["convert"]
