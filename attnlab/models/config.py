@@ -23,6 +23,13 @@ class AttentionConfig:
     n_kv_heads: None -> n_heads (MHA); 1 -> MQA; a divisor of n_heads -> GQA.
     head_dim: None -> d_model // n_heads.  softmax_scale: None -> 1/sqrt(head_dim) (T5: 1.0).
     sliding_window: each token sees itself and the window - 1 tokens before it (Mistral).
+    global_every: with a sliding_window, every global_every-th layer (layers n-1, 2n-1, ...)
+        sees the whole sequence and the others the window: Gemma 2 alternates (2), Gemma 3
+        has five local layers to each global one (6). None: every layer uses the window.
+    qk_norm: RMS-normalise q and k (components/qk_norm.py) over each head (qk_norm_scope
+        "head": Qwen3, Gemma 3) or over the whole projection ("projection": OLMo 2).
+    logit_softcap: soft-cap the attention logits, cap * tanh(s / cap) (Gemma 2: 50;
+        components/softcap.py); written out, so it needs backend "eager".
     backend: how scores become outputs (components/backends.py): "sdpa" (default), "eager",
         "flash", "flex", "triton", or "auto": sdpa, except that a layer given a score_mod bias or
         a BlockMask runs flex, and an ALiBi / T5 model gives its bias as a score_mod for long
@@ -40,8 +47,11 @@ class AttentionConfig:
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "projection"] = "head"
     softmax_scale: float | None = None
     sliding_window: int | None = None
+    global_every: int | None = None
+    logit_softcap: float | None = None
     backend: Literal["sdpa", "eager", "flash", "flex", "triton", "auto"] = "sdpa"
     kind: Literal["standard", "mla"] = "standard"
     kv_lora_rank: int | None = None
@@ -60,6 +70,31 @@ class AttentionConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        self._check_pattern()
+
+    def _check_pattern(self) -> None:
+        if self.global_every is not None:
+            if self.sliding_window is None:
+                raise ValueError(
+                    f"global_every={self.global_every} alternates windowed and global layers; "
+                    "set attention.sliding_window too"
+                )
+            if self.global_every < 2:
+                raise ValueError(f"global_every must be >= 2, got {self.global_every}")
+        if self.logit_softcap is not None:
+            if self.logit_softcap <= 0:
+                raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+            if self.backend != "eager":
+                raise ValueError(
+                    f"attention.logit_softcap={self.logit_softcap} is written out: set "
+                    f"attention.backend='eager' (not {self.backend!r})"
+                )
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` (0-based) attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.global_every is None or (layer + 1) % self.global_every != 0
 
     def _check_mla(self) -> None:
         dims = {
@@ -94,12 +129,19 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings (used when position == "rope")."""
+    """Rotary embedding settings (used when position == "rope").
+
+    local_theta: the base of the sliding-window layers of a model that alternates them with
+        global ones (attention.global_every), where it differs: Gemma 3 rotates its local
+        layers with base 10,000 and no scaling, its global ones with `theta` = 1,000,000 and
+        `scaling`. None: every layer uses theta and scaling.
+    """
 
     theta: float = 10000.0
     layout: Literal["half", "interleaved"] = "half"
     partial_rotary: float = 1.0
     scaling: RopeScaling | None = None
+    local_theta: float | None = None
 
     def __post_init__(self):
         check_literals(self)
@@ -197,7 +239,11 @@ class ModelConfig:
     n_decoder_layers: encoder-decoder only, None -> n_layers.
     d_ff: None -> 4 * d_model (mlp) or 8/3 * d_model rounded up to 64 (swiglu, geglu).
     activation: of the mlp, and of the geglu gate ("gelu" or "gelu_tanh"); swiglu uses SiLU.
-    final_norm: None -> a final norm after the last block exactly when norm_placement == "pre".
+    norm_placement: "pre", "post" (components/blocks.py), "sandwich": a pre-norm and a norm
+        of each sublayer's output (Gemma 2/3), "post_sublayer": the output norm alone (OLMo 2).
+    norm_unit_offset: every RMSNorm scales by (1 + weight), weights starting at 0 (Gemma).
+    final_norm: None -> a final norm after the last block unless norm_placement == "post".
+    logit_softcap: soft-cap the output logits, cap * tanh(z / cap) (Gemma 2: 30), or None.
     head_rescale: multiply the final hidden state by d_model^-0.5 before a tied head (T5 v1.0).
     embed_norm: a norm of the embeddings: in an encoder after adding positions and segments
         (BERT), in a decoder right after the token lookup (BLOOM's word_embeddings_layernorm).
@@ -218,10 +264,12 @@ class ModelConfig:
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    norm_placement: Literal["pre", "post"] = "pre"
+    norm_placement: Literal["pre", "post", "sandwich", "post_sublayer"] = "pre"
     norm_eps: float = 1e-5
     norm_bias: bool = True
+    norm_unit_offset: bool = False
     final_norm: bool | None = None
+    logit_softcap: float | None = None
     ffn: Literal["mlp", "swiglu", "geglu"] = "swiglu"
     activation: Literal["relu", "gelu", "gelu_tanh", "silu"] = "gelu"
     d_ff: int | None = None
@@ -257,6 +305,7 @@ class ModelConfig:
                     f"(rotary part {rotary_dim}) must be even"
                 )
         self._check_mla()
+        self._check_families()
         if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(
                 f"geglu gates with gelu or gelu_tanh, not activation={self.activation!r}"
@@ -265,6 +314,20 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_vision()
         self._check_head()
+
+    def _check_families(self) -> None:
+        """The fields of the newer dense families (Qwen3, Gemma 2/3, OLMo 2) that need others."""
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ValueError(f"norm_unit_offset scales an RMSNorm, not norm={self.norm!r}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+        if self.rope.local_theta is not None and (
+            self.position != "rope" or self.attention.global_every is None
+        ):
+            raise ValueError(
+                f"rope.local_theta={self.rope.local_theta} is the RoPE base of the windowed "
+                "layers: it needs position='rope' and attention.global_every"
+            )
 
     def _check_head(self) -> None:
         h = self.head
@@ -344,7 +407,7 @@ class ModelConfig:
 
     @property
     def has_final_norm(self) -> bool:
-        return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
+        return self.norm_placement != "post" if self.final_norm is None else self.final_norm
 
     @property
     def decoder_layers(self) -> int:
