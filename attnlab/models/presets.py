@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from attnlab.components.positions.rope import RopeScaling
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig, VisionConfig
+from attnlab.models.family_presets import FAMILY_PRESETS
 
 
 # --- the 2017 Transformer -------------------------------------------------------------------
@@ -400,6 +401,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "t5-base": t5_base,
     "t5-v1_1-small": t5_v1_1_small,
     "t5-tiny": t5_tiny,
+    **FAMILY_PRESETS,  # Qwen3, OLMo 2, Phi-3, Gemma 2, Gemma 3 (models/family_presets.py)
 }
 
 
