@@ -5,8 +5,9 @@
     attnlab convert --from gguf model.gguf --to hf ./exported     (dequantized to fp32)
     attnlab convert --from attnlab ./ours --to gguf ours.gguf --gguf-type q8_0   (llama.cpp runs it)
 
-HF families: GPT-2, Llama/Mistral/Qwen2, BLOOM, BERT and T5 (attnlab/interop/hf/). Only
-safetensors are read and written; the tokenizer.json travels along when there is one.
+HF families: GPT-2, Llama/Mistral/Qwen2, Qwen3, OLMo 2, Phi-3, Gemma 2/3, BLOOM, BERT and T5
+(attnlab/interop/hf/). Only safetensors are read and written; the tokenizer.json travels along
+when there is one.
 """
 
 import argparse

@@ -24,6 +24,10 @@ HF_STACKS = {
     "llama": {"": ("model.layers", "model.norm")},
     "mistral": {"": ("model.layers", "model.norm")},
     "qwen2": {"": ("model.layers", "model.norm")},
+    **{
+        family: {"": ("model.layers", "model.norm")}
+        for family in ("qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
+    },
     "bert": {"": ("bert.encoder.layer", None)},
     "t5": {
         "encoder.": ("encoder.block", "encoder.final_layer_norm"),
