@@ -29,7 +29,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         required=True,
         metavar=("FORMAT", "DIR"),
         help=f"the input: a format ({', '.join(FORMATS)}) and a directory or .gguf file "
-        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2)",
+        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2, qwen3)",
     )
     p.add_argument(
         "--to",

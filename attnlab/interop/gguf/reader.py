@@ -18,7 +18,8 @@ very same weights. A Q4_1 block (20 bytes) is d, m, then 16 bytes whose low nibb
 q[0..15] and high nibbles q[16..31].
 
 llama.cpp's converter permutes q/k rows of `llama` files from HF's "half" RoPE layout to the
-interleaved one (convert_hf_to_gguf.py, `LlamaModel.permute`); qwen2 files keep HF's rows. The
+interleaved one (convert_hf_to_gguf.py, `LlamaModel.permute`); qwen2 and qwen3 files keep HF's
+rows (a qwen3 file adds blk.{i}.attn_{q,k}_norm.weight, the per-head QK-norm). The
 rows are put back for layout="half" (per row, so it works on quantized rows too) and kept for
 layout="interleaved".
 """
@@ -37,7 +38,7 @@ from attnlab.models.weights import load_weights
 from attnlab.quantize.int4 import Int4Linear
 from attnlab.tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")  # general.architecture values read here
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # general.architecture values read here
 PERMUTED = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter
 INSTALL = "pip install 'attnlab[gguf]'"
 NAMES = {
@@ -54,6 +55,8 @@ BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "residuals.1.norm.weight",
     "ffn_gate.weight": "ffn.gate_proj.weight",
     "ffn_up.weight": "ffn.up_proj.weight",
@@ -124,6 +127,7 @@ def config_from_gguf(meta: dict, layout: str = "half", tied: bool = True) -> Mod
             head_dim=None if head_dim == d_model // n_heads else head_dim,
             qkv_bias=qwen,
             out_bias=False,
+            qk_norm=arch == "qwen3",
         ),
         position="rope",
         rope=RopeConfig(theta=float(get("rope.freq_base", 10000.0)), layout=layout),

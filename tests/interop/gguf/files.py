@@ -25,6 +25,8 @@ GGUF_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -50,7 +52,7 @@ def byte_level_tokenizer(vocab_size: int = 320):
 
 
 def tiny_hf_llama(vocab_size: int, family: str = "llama", tie: bool = True, seed: int = 0):
-    """A tiny random transformers LlamaForCausalLM (or Qwen2ForCausalLM) in fp32."""
+    """A tiny random transformers LlamaForCausalLM (or Qwen2 / Qwen3ForCausalLM) in fp32."""
     import transformers
 
     torch.manual_seed(seed)
@@ -69,6 +71,14 @@ def tiny_hf_llama(vocab_size: int, family: str = "llama", tie: bool = True, seed
     )
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields)).eval()
+    if family == "qwen3":
+        # head_dim 128 (not 64 / 4): transformers' GGUF loader reads no key_length for qwen3
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=128))
+        with torch.no_grad():  # QK-norm weights start at 1: make them matter
+            for name, p in model.named_parameters():
+                if "_norm." in name:
+                    p.add_(0.3 * torch.randn_like(p))
+        return model.eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
 
 
@@ -113,7 +123,11 @@ def write_gguf(
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer_meta:
         data = json.loads(tokenizer.to_str())

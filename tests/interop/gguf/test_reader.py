@@ -107,6 +107,16 @@ def test_qwen2_file_keeps_hf_rows_and_biases(tmp_path, tokenizer):
     assert (logits(loaded) - hf_gguf_logits(path)).abs().max() < FP32_NOISE
 
 
+def test_qwen3_file_reads_its_qk_norms(tmp_path, tokenizer):
+    hf = tiny_hf_llama(tokenizer.get_vocab_size(), family="qwen3")
+    path = write_gguf(tmp_path / "qwen3.gguf", hf, tokenizer, arch="qwen3")
+    loaded = open_checkpoint(path)
+    assert loaded.config.attention.qk_norm and not loaded.config.attention.qkv_bias
+    with torch.no_grad():
+        expected = hf(IDS).logits
+    assert (logits(loaded) - expected).abs().max() < FP32_NOISE
+
+
 def test_kept_int4_equals_the_dequantized_model(tmp_path, tokenizer, hf_model):
     """Q4_1 is attnlab's int4 at group size 32: the kept model holds the very same weights."""
     path = write_gguf(tmp_path / "q41.gguf", hf_model, tokenizer, quant="Q4_1")
