@@ -17,126 +17,71 @@ from attnlab.components.positions.rope import RopeScaling
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
 
 
-def _decoder(
-    d_model,
-    n_layers,
-    n_heads,
-    n_kv_heads,
-    head_dim,
-    d_ff,
-    vocab,
-    max_len,
-    theta,
-    eps,
-    attention: dict | None = None,
-    **extra,
-) -> ModelConfig:
-    """A Llama-shaped decoder; `attention` and `extra` set the family's own fields."""
+def _decoder(attention: AttentionConfig, theta: float, **fields) -> ModelConfig:
+    """A Llama-shaped decoder (RoPE, RMSNorm, SwiGLU unless `fields` say otherwise, untied)."""
+    fields = {"ffn": "swiglu", "tie_embeddings": False, "rope": RopeConfig(theta=theta)} | fields
     return ModelConfig(
-        arch="decoder",
-        d_model=d_model,
-        n_layers=n_layers,
-        vocab_size=vocab,
-        max_seq_len=max_len,
-        attention=AttentionConfig(n_heads, n_kv_heads, head_dim, **(attention or {})),
-        position="rope",
-        rope=extra.pop("rope", RopeConfig(theta=theta)),
-        norm="rmsnorm",
-        norm_eps=eps,
-        ffn=extra.pop("ffn", "swiglu"),
-        d_ff=d_ff,
-        tie_embeddings=extra.pop("tie_embeddings", False),
-        **extra,
+        arch="decoder", attention=attention, position="rope", norm="rmsnorm", **fields
     )
 
 
 def qwen3_0_6b() -> ModelConfig:
     """Qwen3-0.6B (QK-norm per head, head_dim 128 > d_model / n_heads, tied):
     huggingface.co/Qwen/Qwen3-0.6B/config.json; Qwen3 Technical Report, arXiv:2505.09388."""
-    return _decoder(
-        1024, 28, 16, 8, 128, 3072, 151936, 40960, 1e6, 1e-6, {"qk_norm": True}, tie_embeddings=True
-    )
+    attention = AttentionConfig(n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True)
+    return _decoder(attention, 1e6, d_model=1024, n_layers=28, d_ff=3072, vocab_size=151936,
+                    max_seq_len=40960, norm_eps=1e-6, tie_embeddings=True)  # fmt: skip
 
 
 def olmo2_7b() -> ModelConfig:
     """OLMo-2-1124-7B (QK-norm over the projections, norms on the sublayer outputs only):
     huggingface.co/allenai/OLMo-2-1124-7B/config.json; OLMo 2, arXiv:2501.00656 §3.2."""
-    return _decoder(
-        4096,
-        32,
-        32,
-        32,
-        None,
-        11008,
-        100352,
-        4096,
-        500000.0,
-        1e-6,
-        {"qk_norm": True, "qk_norm_scope": "projection"},
-        norm_placement="post_sublayer",
-    )
+    attention = AttentionConfig(n_heads=32, qk_norm=True, qk_norm_scope="projection")
+    return _decoder(attention, 500000.0, d_model=4096, n_layers=32, d_ff=11008,
+                    vocab_size=100352, max_seq_len=4096, norm_eps=1e-6,
+                    norm_placement="post_sublayer")  # fmt: skip
 
 
 def phi3_mini() -> ModelConfig:
     """Phi-3-mini-4k-instruct (a Llama with fused qkv / gate_up in HF, window 2047):
     huggingface.co/microsoft/Phi-3-mini-4k-instruct/config.json; arXiv:2404.14219."""
-    return _decoder(
-        3072, 32, 32, 32, None, 8192, 32064, 4096, 10000.0, 1e-5, {"sliding_window": 2047}
-    )
+    attention = AttentionConfig(n_heads=32, sliding_window=2047)
+    return _decoder(attention, 10000.0, d_model=3072, n_layers=32, d_ff=8192, vocab_size=32064,
+                    max_seq_len=4096, norm_eps=1e-5)  # fmt: skip
 
 
-def _gemma(
-    d_model,
-    n_layers,
-    n_heads,
-    n_kv_heads,
-    d_ff,
-    vocab,
-    max_len,
-    window,
-    every,
-    attention: dict | None = None,
-    **extra,
-) -> ModelConfig:
+def _gemma(attention: AttentionConfig, rope: RopeConfig, **fields) -> ModelConfig:
     """Sandwich norms with (1 + w), embeddings * sqrt(d_model), GeGLU with tanh GELU, head_dim
     256 and query_pre_attn_scalar 256 (so the usual 256^-0.5 scale), tied embeddings."""
-    attention = {"sliding_window": window, "global_every": every, **(attention or {})}
-    return _decoder(
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        256,
-        d_ff,
-        vocab,
-        max_len,
-        extra.pop("theta", 10000.0),
-        1e-6,
-        attention,
-        ffn="geglu",
-        activation="gelu_tanh",
-        norm_placement="sandwich",
-        norm_unit_offset=True,
-        scale_embeddings=True,
-        tie_embeddings=True,
-        **extra,
-    )
-
-
-GEMMA2_SOFTCAP = {"logit_softcap": 50.0, "backend": "eager"}  # soft-capping is written out
+    return _decoder(attention, rope.theta, rope=rope, ffn="geglu", activation="gelu_tanh",
+                    norm_placement="sandwich", norm_unit_offset=True, norm_eps=1e-6,
+                    scale_embeddings=True, tie_embeddings=True, **fields)  # fmt: skip
 
 
 def gemma2_2b() -> ModelConfig:
     """Gemma-2-2B (local window 4096 on every other layer; attention logits capped at 50,
     final logits at 30): huggingface.co/google/gemma-2-2b/config.json; arXiv:2408.00118."""
-    return _gemma(2304, 26, 8, 4, 9216, 256000, 8192, 4096, 2, GEMMA2_SOFTCAP, logit_softcap=30.0)
+    attention = AttentionConfig(
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=256,
+        sliding_window=4096,
+        global_every=2,
+        logit_softcap=50.0,
+        backend="eager",  # soft-capped attention is written out
+    )
+    return _gemma(attention, RopeConfig(theta=10000.0), d_model=2304, n_layers=26, d_ff=9216,
+                  vocab_size=256000, max_seq_len=8192, logit_softcap=30.0)  # fmt: skip
 
 
 def gemma3_1b() -> ModelConfig:
     """Gemma-3-1B (text; QK-norm, 5 local layers of window 512 per global one, local RoPE base
     10k, global 1M): huggingface.co/google/gemma-3-1b-pt/config.json; arXiv:2503.19786."""
+    attention = AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=256, sliding_window=512,
+                                global_every=6, qk_norm=True)  # fmt: skip
     rope = RopeConfig(theta=1e6, local_theta=10000.0)
-    return _gemma(1152, 26, 4, 1, 6912, 262144, 32768, 512, 6, {"qk_norm": True}, rope=rope)
+    return _gemma(attention, rope, d_model=1152, n_layers=26, d_ff=6912, vocab_size=262144,
+                  max_seq_len=32768)  # fmt: skip
 
 
 def _tiny(cfg: ModelConfig, **attention) -> ModelConfig:
