@@ -36,7 +36,7 @@ def qwen3_0_6b() -> ModelConfig:
 def olmo2_7b() -> ModelConfig:
     """OLMo-2-1124-7B (QK-norm over the projections, norms on the sublayer outputs only):
     huggingface.co/allenai/OLMo-2-1124-7B/config.json; OLMo 2, arXiv:2501.00656 §3.2."""
-    attention = AttentionConfig(n_heads=32, qk_norm=True, qk_norm_scope="projection")
+    attention = AttentionConfig(n_heads=32, n_kv_heads=32, qk_norm=True, qk_norm_scope="projection")
     return _decoder(attention, 500000.0, d_model=4096, n_layers=32, d_ff=11008,
                     vocab_size=100352, max_seq_len=4096, norm_eps=1e-6,
                     norm_placement="post_sublayer")  # fmt: skip
@@ -45,7 +45,7 @@ def olmo2_7b() -> ModelConfig:
 def phi3_mini() -> ModelConfig:
     """Phi-3-mini-4k-instruct (a Llama with fused qkv / gate_up in HF, window 2047):
     huggingface.co/microsoft/Phi-3-mini-4k-instruct/config.json; arXiv:2404.14219."""
-    attention = AttentionConfig(n_heads=32, sliding_window=2047)
+    attention = AttentionConfig(n_heads=32, n_kv_heads=32, sliding_window=2047)
     return _decoder(attention, 10000.0, d_model=3072, n_layers=32, d_ff=8192, vocab_size=32064,
                     max_seq_len=4096, norm_eps=1e-5)  # fmt: skip
 

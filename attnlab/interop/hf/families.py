@@ -147,7 +147,7 @@ def config_from_hf(hf: dict, layout: str = "half") -> ModelConfig:
 
 def _phi3_from_hf(hf: dict, view: dict, layout: str) -> ModelConfig:
     params = llama._rope_params(hf)
-    partial = float(params.pop("partial_rotary_factor", 1.0))
+    partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     base = llama.config_from_hf({**view, "rope_parameters": params, "rope_scaling": None}, layout)
     attention = replace(base.attention, sliding_window=hf.get("sliding_window"))
     return replace(base, attention=attention, rope=replace(base.rope, partial_rotary=partial))
@@ -174,19 +174,24 @@ def layer_type(local: bool) -> str:
 
 
 def _gemma_rope(hf: dict, family: str, local: bool) -> dict:
-    """Gemma 3 keeps one rope_parameters per layer type; Gemma 2 one for all layers."""
+    """The RoPE parameters of the local or the global layers: Gemma 3 keeps one set per layer
+    type (or, in older files, rope_local_base_freq beside rope_theta); Gemma 2 one set."""
+    if family != "gemma3_text":
+        return llama._rope_params(hf)
     params = hf.get("rope_parameters") or {}
-    if family == "gemma3_text" and "full_attention" in params:
+    if "full_attention" in params:
         params = params["sliding_attention" if local else "full_attention"]
-    if family == "gemma3_text" and not params:  # the older flat keys
-        theta = hf.get("rope_local_base_freq", 10000.0) if local else hf.get("rope_theta", 1e6)
-        params = {"rope_theta": theta, **({} if local else hf.get("rope_scaling") or {})}
+    elif local:
+        params = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    else:
+        params = {"rope_theta": hf.get("rope_theta", 1e6), **(hf.get("rope_scaling") or {})}
     return llama._rope_params({"rope_parameters": params})
 
 
 def _gemma_from_hf(hf: dict, view: dict, family: str, layout: str) -> ModelConfig:
     _refuse(hf, family, use_bidirectional_attention=lambda v: not v)
-    n, period = common.get(hf, "num_hidden_layers", required=True), 2 if family == "gemma2" else 6
+    n = common.get(hf, "num_hidden_layers", required=True)
+    period = hf.get("sliding_window_pattern", 2 if family == "gemma2" else 6)  # older files
     types = hf.get("layer_types") or [layer_type((i + 1) % period != 0) for i in range(n)]
     windowed, every = _pattern_from_hf(list(types), family)
     glob, local = _gemma_rope(hf, family, False), _gemma_rope(hf, family, True)

@@ -183,3 +183,53 @@ def test_a_family_refuses_what_it_cannot_hold(pair):
 
     with pytest.raises(ValueError, match="norm_placement='sandwich'"):
         families.config_to_hf(replace(cfg, norm_placement="sandwich"), "olmo2")
+
+
+# --- published config.json files (older transformers formats) ---------------------------------
+COMMON = dict(attention_dropout=0.0, initializer_range=0.02, hidden_act="silu", rope_scaling=None)
+PUBLISHED = {  # preset: the fields of its published config.json that attnlab reads
+    "qwen3-0.6b": COMMON | dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+        head_dim=128, hidden_size=1024, intermediate_size=3072, max_position_embeddings=40960,
+        max_window_layers=28, num_attention_heads=16, num_hidden_layers=28,
+        num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1000000, sliding_window=None,
+        tie_word_embeddings=True, use_sliding_window=False, vocab_size=151936,
+    ),
+    "olmo2-7b": COMMON | dict(
+        architectures=["Olmo2ForCausalLM"], model_type="olmo2", attention_bias=False,
+        hidden_size=4096, intermediate_size=11008, max_position_embeddings=4096,
+        num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=32, rms_norm_eps=1e-6,
+        rope_theta=500000, tie_word_embeddings=False, vocab_size=100352,
+    ),
+    "phi3-mini": COMMON | dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072,
+        intermediate_size=8192, max_position_embeddings=4096, num_attention_heads=32,
+        num_hidden_layers=32, num_key_value_heads=32, original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047, tie_word_embeddings=False,
+        vocab_size=32064,
+    ),
+    "gemma2-2b": COMMON | dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", attention_bias=False,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, head_dim=256,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", hidden_size=2304,
+        intermediate_size=9216, max_position_embeddings=8192, num_attention_heads=8,
+        num_hidden_layers=26, num_key_value_heads=4, query_pre_attn_scalar=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, vocab_size=256000,
+    ),
+    "gemma3-1b": COMMON | dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attention_bias=False,
+        attn_logit_softcapping=None, final_logit_softcapping=None, head_dim=256,
+        hidden_activation="gelu_pytorch_tanh", hidden_size=1152, intermediate_size=6912,
+        max_position_embeddings=32768, num_attention_heads=4, num_hidden_layers=26,
+        num_key_value_heads=1, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+        rope_local_base_freq=10000, rope_theta=1000000, sliding_window=512,
+        sliding_window_pattern=6, vocab_size=262144,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_config_reads_as_its_preset(preset):
+    from attnlab.models.presets import get_preset
+
+    assert families.config_from_hf(PUBLISHED[preset]) == get_preset(preset)
