@@ -15,5 +15,6 @@ from torch import Tensor
 
 
 def soft_cap(x: Tensor, cap: float) -> Tensor:
-    """cap * tanh(x / cap): x's shape and dtype, every value strictly inside (-cap, cap)."""
+    """cap * tanh(x / cap): x's shape and dtype, every value within [-cap, cap] (strictly
+    inside in exact arithmetic; fp32's tanh rounds to 1 past about 9 * cap)."""
     return torch.tanh(x / cap) * cap
