@@ -90,6 +90,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale, self.dropout, self.backend, self.cross = scale, dropout, backend, cross
         self.attend = BACKENDS[backend]  # (q, k, v, ...) -> (out, probabilities or None)
+        self.softcap = softcap
         if softcap is not None:
             self.attend = partial(eager_attention, softcap=softcap)
         kv_dim = d_model if kv_dim is None else kv_dim

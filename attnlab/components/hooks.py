@@ -178,7 +178,8 @@ def _watched(layer, q, k, v, args, out, weights) -> Tensor:
     if weights is None:
         B, H, T, _ = q.shape
         mask, bias = dense_terms(args["mask"], args["bias"], B, H, T, k.shape[2])
-        scores, mask = attention_scores(q, k, mask, bias, args["is_causal"], args["scale"])
+        softcap = getattr(layer, "softcap", None)  # Gemma 2's cap, applied before the mask
+        scores, mask = attention_scores(q, k, mask, bias, args["is_causal"], args["scale"], softcap)
         hooked = layer.hook_scores(scores)  # (B, H, T, S) fp32, -inf where masked
         weights = attention_probs(hooked, mask)
         edited = hooked is not scores

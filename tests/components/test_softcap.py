@@ -21,3 +21,19 @@ def test_eager_attention_caps_scores_before_the_mask():
     scores = scores.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
     torch.testing.assert_close(probs, scores.softmax(-1))
     torch.testing.assert_close(out, scores.softmax(-1) @ v)
+
+
+def test_hooked_scores_of_a_capped_layer_are_capped():
+    """hook_scores sees the scores the layer attends with: soft-capped, then masked."""
+    from attnlab.components.attention import Attention
+
+    torch.manual_seed(0)
+    layer = Attention(16, 2, backend="eager", softcap=0.5).eval()
+    seen = []
+    layer.hook_scores.add(lambda s, point: seen.append(s) or s)
+    x = torch.randn(1, 5, 16) * 10
+    with torch.no_grad():
+        out = layer(x)
+        layer.hook_scores.fns.clear()
+        assert torch.allclose(out, layer(x), atol=1e-6)  # the hooked path attends the same
+    assert seen[0].isfinite().all() and seen[0].abs().max() <= 0.5
