@@ -34,7 +34,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         required=True,
         metavar=("FORMAT", "DIR"),
         help=f"the input: a format ({', '.join(FORMATS)}) and a directory or .gguf file "
-        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2, qwen3)",
+        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2, qwen3, gemma2, gemma3)",
     )
     p.add_argument(
         "--to",
