@@ -6,7 +6,8 @@ a 70B config on a laptop.
 FLOPs convention (Kaplan et al. 2020, PaLM appendix B): a matmul of (1, n) by (n, m) is 2nm FLOPs;
 per token, every Linear costs 2 * in * out, and attention over a context of T keys costs
 2 * H * D * T for Q K^T plus the same for the weighted sum of V, in every layer (causal masking
-is not discounted). Embedding look-ups are free; norms, softmax and activations are left out.
+is not discounted; a sliding-window layer sees min(T, window) keys: Mistral, Gemma's local
+layers). Embedding look-ups are free; norms, softmax and activations are left out.
 MLA's scores are counted in its plain form (what training runs): 2 * H * (Dn + R) * T for the
 scores and 2 * H * Dv * T for the values.
 
@@ -64,12 +65,21 @@ def flops_per_token(model: nn.Module, cfg: ModelConfig, context: int) -> int:
     )
     H = cfg.attention.n_heads
     qk_dim, v_dim = _score_widths(cfg)
-    attn_layers = {
-        "decoder": cfg.n_layers,
-        "encoder": cfg.n_layers,
-        "encoder_decoder": cfg.n_layers + 2 * cfg.decoder_layers,
-    }[cfg.arch]
-    return linear + attn_layers * 2 * H * (qk_dim + v_dim) * context
+    if cfg.arch == "decoder":  # the keys each layer sees, summed over the layers
+        keys = sum(_keys_seen(cfg, i, context) for i in range(cfg.n_layers))
+    else:
+        attn_layers = cfg.n_layers + (
+            2 * cfg.decoder_layers if cfg.arch == "encoder_decoder" else 0
+        )
+        keys = attn_layers * context
+    return linear + 2 * H * (qk_dim + v_dim) * keys
+
+
+def _keys_seen(cfg: ModelConfig, layer: int, context: int) -> int:
+    """How many keys a decoder layer's query attends to at `context`: a windowed layer no more
+    than its window."""
+    a = cfg.attention
+    return min(context, a.sliding_window) if a.is_local(layer) else context
 
 
 def _score_widths(cfg: ModelConfig) -> tuple[int, int]:

@@ -69,3 +69,13 @@ def test_bad_fields_are_named_in_one_line(build, match):
     with pytest.raises(ValueError, match=match) as err:
         build()
     assert "\n" not in str(err.value)
+
+
+def test_windowed_layers_count_only_their_window_of_keys():
+    """gemma2-tiny at 32 keys: layer 1 (global) sees 32, layer 0 its window of 8 (4 H D each)."""
+    from attnlab.models.inspect import flops_split
+
+    cfg = get_preset("gemma2-tiny")
+    H, D = cfg.attention.n_heads, cfg.head_dim
+    assert flops_split(cfg, 32)["attention scores"] == 4 * H * D * (32 + 8)
+    assert flops_split(cfg, 6)["attention scores"] == 4 * H * D * (6 + 6)  # inside the window
