@@ -174,9 +174,7 @@ def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross:
     if cfg.tie_embeddings:
         tie_weights(head, embed)
     head_scale = cfg.d_model**-0.5 if cfg.head_rescale else 1.0
-    a = cfg.attention
-    local = [a.is_local(i) for i in range(n_layers)] if a.global_every is not None else None
-    local_positions = None if cfg.rope.local_theta is None else build_positions(cfg, True, True)
+    local, local_positions = _layer_pattern(cfg, n_layers)
     return DecoderLM(
         embed,
         build_positions(cfg, causal=True),
@@ -184,12 +182,23 @@ def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross:
         _final_norm(cfg),
         head,
         cfg.dropout,
-        a.sliding_window,
+        cfg.attention.sliding_window,
         head_scale,
         local,
         local_positions,
         cfg.logit_softcap,
     )
+
+
+def _layer_pattern(
+    cfg: ModelConfig, n_layers: int
+) -> tuple[list[bool] | None, PositionScheme | None]:
+    """Which of n_layers decoder layers use the window (None: all), and the position scheme of
+    the windowed ones where their RoPE base differs (None: the same as the others)."""
+    a = cfg.attention
+    local = [a.is_local(i) for i in range(n_layers)] if a.global_every is not None else None
+    local_positions = None if cfg.rope.local_theta is None else build_positions(cfg, True, True)
+    return local, local_positions
 
 
 def build_decoder_classifier(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
@@ -205,6 +214,7 @@ def build_decoder_classifier(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Modu
         cfg.dropout,
         cfg.attention.sliding_window,
         cfg.d_model**-0.5 if cfg.head_rescale else 1.0,
+        *_layer_pattern(cfg, cfg.n_layers),
         pad_token_id=cfg.head.pad_token_id,
     )
 
