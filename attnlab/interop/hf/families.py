@@ -80,7 +80,8 @@ def _norm_rows(family: str) -> common.KeyTable:
 
 
 def _table(cfg: ModelConfig, family: str) -> dict[str, str]:
-    """{our name: HF name} for `cfg` saved as `family` (before Phi-3's fusing, after it)."""
+    """{our name: HF name} for `cfg` saved as `family`; Phi-3's fused projections appear under
+    the fused names the transforms give them (qkv_proj, gate_up_proj)."""
     rows = [(ours, theirs) for ours, theirs in llama.TABLE if ".residuals." not in ours]
     if family == "phi3":
         rows = [r for r in rows if r[0] not in QKV + GATE_UP] + PHI3_FUSED
@@ -119,13 +120,6 @@ def _family(hf: dict) -> str:
     if family not in MODEL_TYPES:
         raise ValueError(f"model_type {family!r} is not one of {list(MODEL_TYPES)}")
     return family
-
-
-def _refuse(hf: dict, family: str, **unsupported) -> None:
-    """One line naming the config.json fields attnlab does not implement for `family`."""
-    bad = {k: hf[k] for k, ok in unsupported.items() if k in hf and not ok(hf[k])}
-    if bad:
-        raise ValueError(f"{family} config.json fields attnlab does not implement: {bad}")
 
 
 def config_from_hf(hf: dict, layout: str = "half") -> ModelConfig:
@@ -189,7 +183,11 @@ def _gemma_rope(hf: dict, family: str, local: bool) -> dict:
 
 
 def _gemma_from_hf(hf: dict, view: dict, family: str, layout: str) -> ModelConfig:
-    _refuse(hf, family, use_bidirectional_attention=lambda v: not v)
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"{family} use_bidirectional_attention=True is not implemented: attnlab's Gemma "
+            "decoders are causal"
+        )
     n = common.get(hf, "num_hidden_layers", required=True)
     period = hf.get("sliding_window_pattern", 2 if family == "gemma2" else 6)  # older files
     types = hf.get("layer_types") or [layer_type((i + 1) % period != 0) for i in range(n)]
