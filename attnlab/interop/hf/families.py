@@ -193,7 +193,8 @@ def _gemma_from_hf(hf: dict, view: dict, family: str, layout: str) -> ModelConfi
     types = hf.get("layer_types") or [layer_type((i + 1) % period != 0) for i in range(n)]
     windowed, every = _pattern_from_hf(list(types), family)
     glob, local = _gemma_rope(hf, family, False), _gemma_rope(hf, family, True)
-    if local["rope_type"] != "default":
+    both = windowed and every is not None and local != glob  # two RoPEs, one per layer type
+    if both and local["rope_type"] != "default":
         raise ValueError(
             f"{family} sliding_attention rope_type={local['rope_type']!r} is not implemented: "
             "attnlab rotates local layers without scaling"
@@ -215,11 +216,10 @@ def _gemma_from_hf(hf: dict, view: dict, family: str, layout: str) -> ModelConfi
         logit_softcap=softcap,
         backend="eager" if softcap is not None else base.attention.backend,
     )
-    same = local["rope_theta"] == glob["rope_theta"] or every is None
     return replace(
         base,
         attention=attention,
-        rope=replace(base.rope, local_theta=None if same else float(local["rope_theta"])),
+        rope=replace(base.rope, local_theta=float(local["rope_theta"]) if both else None),
         norm_placement="sandwich",
         norm_unit_offset=True,
         scale_embeddings=True,
@@ -286,6 +286,7 @@ def check_config(cfg: ModelConfig, family: str) -> None:
         k: _field(cfg, k) if v is ANY else v for k, v in (LLAMA_VALUES | CHANGES[family]).items()
     }
     expected["attention.out_bias"] = cfg.attention.qkv_bias  # one attention_bias for all four
+    expected["head"] = None  # only the ...ForCausalLM classes here
     if family == "phi3":
         expected["attention.qkv_bias"] = False
     common.require(cfg, family, expected)
@@ -353,9 +354,8 @@ def _gemma_to_hf(cfg: ModelConfig, family: str, hf: dict) -> None:
         final_logit_softcapping=cfg.logit_softcap,
     )
     if family == "gemma3_text":
-        glob = hf["rope_parameters"]
-        theta = cfg.rope.theta if cfg.rope.local_theta is None else cfg.rope.local_theta
-        local = {"rope_type": "default", "rope_theta": theta}
+        glob, theta = hf["rope_parameters"], cfg.rope.local_theta  # local: no scaling
+        local = glob if theta is None else {"rope_type": "default", "rope_theta": theta}
         hf["rope_parameters"] = {"full_attention": glob, "sliding_attention": local}
 
 
