@@ -79,3 +79,15 @@ def test_windowed_layers_count_only_their_window_of_keys():
     H, D = cfg.attention.n_heads, cfg.head_dim
     assert flops_split(cfg, 32)["attention scores"] == 4 * H * D * (32 + 8)
     assert flops_split(cfg, 6)["attention scores"] == 4 * H * D * (6 + 6)  # inside the window
+
+
+def test_embedding_scale_rounds_like_gemma_in_bf16():
+    """Gemma scales by sqrt(C) cast to the weights' dtype first (HF's Gemma2/3
+    TextScaledWordEmbedding: sqrt(3072) = 55.43 becomes 55.5 in bf16), not by the exact value."""
+    from attnlab.components.embedding import TokenEmbedding
+
+    ours = TokenEmbedding(10, 3072, scale=True).to(torch.bfloat16)
+    ids = torch.arange(10)[None]
+    rounded = torch.tensor(3072**0.5, dtype=torch.bfloat16)
+    assert rounded.item() == 55.5
+    assert torch.equal(ours(ids), ours.weight[ids] * rounded)
