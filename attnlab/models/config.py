@@ -70,9 +70,10 @@ class AttentionConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
-        self._check_pattern()
+        self._check_families()
 
-    def _check_pattern(self) -> None:
+    def _check_families(self) -> None:
+        """The window pattern and the soft-cap of the newer dense families (Gemma 2/3)."""
         if self.global_every is not None:
             if self.sliding_window is None:
                 raise ValueError(
