@@ -286,5 +286,5 @@ def update_router_bias(model: nn.Module, load: Tensor) -> None:
     """
     for m, layer_load in zip(moe_layers(model), load):
         if m.router_bias is not None and m.bias_update_rate > 0:
-            layer_load = layer_load.to(m.router_bias.device)
+            layer_load = layer_load.to(m.router_bias.device, torch.float32)
             m.router_bias += m.bias_update_rate * torch.sign(layer_load.mean() - layer_load)

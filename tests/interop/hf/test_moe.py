@@ -99,7 +99,9 @@ def test_cached_decoding_equals_full_forward(pair):
         steps = [prefill(ours, prompt_ids, cache)]
         T0 = prompt_ids.shape[1]
         for i in range(new.shape[1]):
-            steps.append(decode_step(ours, new[:, i : i + 1], torch.tensor([T0 + i]), cache)[:, None])
+            steps.append(
+                decode_step(ours, new[:, i : i + 1], torch.tensor([T0 + i]), cache)[:, None]
+            )
     torch.testing.assert_close(torch.cat(steps, 1)[mask], full[mask], atol=ATOL, rtol=0)
 
 
