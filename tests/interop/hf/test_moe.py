@@ -1,5 +1,6 @@
 """Mixture-of-Experts families against transformers: Mixtral, Qwen2-MoE (gated shared expert),
-Qwen3-MoE (QK-norm): logits, the load-balancing loss (output_router_logits), cached decoding,
+Qwen3-MoE (QK-norm), DeepSeek-V3 (MLA, sigmoid grouped routing with its bias, a dense first
+layer, a shared expert): logits, the load-balancing loss (output_router_logits), cached decoding,
 greedy generation, export and the fields attnlab refuses."""
 
 import pytest
@@ -11,7 +12,7 @@ from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.inference.steps import decode_step, left_pad, prefill
-from attnlab.interop.hf import load_hf, moe, save_hf
+from attnlab.interop.hf import converter_for_hf, load_hf, moe, save_hf
 from tests.interop.helpers import max_diff, padded_batch, same_state
 
 T = pytest.importorskip("transformers")
@@ -43,6 +44,23 @@ FAMILIES = {
         "Qwen3Moe",
         dict(num_experts=4, moe_intermediate_size=24, norm_topk_prob=True, head_dim=16),
     ),
+    "deepseek_v3": (  # MLA; a dense first layer, then 8 experts in 4 groups, 2 groups kept
+        "DeepseekV3",
+        dict(
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            moe_intermediate_size=24,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+        ),
+    ),
 }
 
 
@@ -54,6 +72,9 @@ def hf_model(name: str):
         for n, p in model.named_parameters():
             if "gate.weight" in n or "norm" in n:
                 p.uniform_(0.5, 1.5) if "norm" in n else p.normal_(0, 0.5)
+        for n, b in model.named_buffers():  # DeepSeek-V3's selection-only router bias
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model.eval()
 
 
@@ -69,6 +90,10 @@ def pair(request, tmp_path_factory):
 def test_config(pair):
     name, _, _, cfg = pair
     m = cfg.moe
+    if name == "deepseek_v3":
+        assert (m.n_experts, m.score, m.n_groups, m.topk_groups) == (8, "sigmoid", 4, 2)
+        assert (m.d_shared, m.first_dense_layers, cfg.attention.kind) == (24, 1, "mla")
+        return
     assert (m.n_experts, m.n_experts_per_token, m.score) == (4, 2, "softmax")
     assert m.normalize == (name != "qwen2_moe")  # Qwen2-MoE: norm_topk_prob False
     assert (m.d_shared, m.shared_gate) == ((40, True) if name == "qwen2_moe" else (0, False))
@@ -83,7 +108,8 @@ def test_logits_and_aux_loss_match_with_padding(pair):
         out = hf(input_ids=ids, attention_mask=mask.long(), output_router_logits=True)
         logits = ours(ids, mask)
     assert max_diff(logits, out.logits, mask) <= ATOL
-    assert abs(router_aux_loss(ours, mask).item() - out.aux_loss.item()) <= 1e-6
+    if out.aux_loss is not None:  # DeepSeek-V3 balances with its router bias, no aux loss
+        assert abs(router_aux_loss(ours, mask).item() - out.aux_loss.item()) <= 1e-6
 
 
 def test_cached_decoding_equals_full_forward(pair):
@@ -137,9 +163,11 @@ def test_export_and_round_trip(pair, tmp_path):
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
         ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
         ("mixtral", {"num_experts_per_tok": 5}, "n_experts_per_token"),
+        ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
+        ("deepseek_v3", {"n_group": 3}, "n_groups=3"),
     ],
 )
 def test_fields_attnlab_does_not_implement_are_named(family, extra, field):
     hf = getattr(T, f"{FAMILIES[family][0]}Config")(**BASE | FAMILIES[family][1]).to_dict()
     with pytest.raises(ValueError, match=field):
-        moe.config_from_hf(hf | extra)
+        converter_for_hf(hf).config_from_hf(hf | extra)
