@@ -60,7 +60,7 @@ class Sizes:
 
 
 FAST = Sizes(32, 2, 2, 64, 4, 2, 32, 8, 12, 3e-3, 6, 100_000)  # for tests (seconds)
-FULL = Sizes(128, 4, 4, 512, 8, 2, 128, 16, 1500, 3e-3, 100, 2_000_000)  # for the lead's run
+FULL = Sizes(128, 4, 4, 512, 8, 2, 128, 16, 1200, 3e-3, 100, 2_000_000)  # ~20 min, 2 cores
 
 
 @dataclass(frozen=True)

@@ -67,9 +67,11 @@ def _moe_rows(cfg: ModelConfig, family: str) -> common.KeyTable:
 
 
 def dense_config(cfg: ModelConfig) -> ModelConfig:
-    """The same model with dense FFNs and no QK-norm: what llama.py checks and writes."""
+    """The same model with dense FFNs and no QK-norm: what llama.py checks and writes. Mixtral
+    has one width, intermediate_size, for its experts (every layer is MoE, no dense d_ff)."""
     attention = replace(cfg.attention, qk_norm=False)
-    return replace(cfg, moe=None, attention=attention, d_ff=cfg.ffn_width)
+    d_ff = cfg.expert_width if family_of(cfg) == "mixtral" else cfg.ffn_width
+    return replace(cfg, moe=None, attention=attention, d_ff=d_ff)
 
 
 def _table(cfg: ModelConfig) -> dict[str, str]:
@@ -148,7 +150,6 @@ def check_config(cfg: ModelConfig) -> None:
     }
     if family == "mixtral":
         expected.update({"moe.normalize": True, "moe.d_shared": 0, "attention.qkv_bias": False})
-        expected["expert_width"] = cfg.ffn_width
     if family == "qwen2_moe":
         expected.update({"attention.qkv_bias": True, "attention.out_bias": False})
     if family == "qwen3_moe":

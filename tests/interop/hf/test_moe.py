@@ -13,6 +13,8 @@ from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.inference.steps import decode_step, left_pad, prefill
 from attnlab.interop.hf import converter_for_hf, load_hf, moe, save_hf
+from attnlab.models.build import build_model
+from attnlab.models.presets import get_preset
 from tests.interop.helpers import max_diff, padded_batch, same_state
 
 T = pytest.importorskip("transformers")
@@ -171,3 +173,17 @@ def test_fields_attnlab_does_not_implement_are_named(family, extra, field):
     hf = getattr(T, f"{FAMILIES[family][0]}Config")(**BASE | FAMILIES[family][1]).to_dict()
     with pytest.raises(ValueError, match=field):
         converter_for_hf(hf).config_from_hf(hf | extra)
+
+
+def test_an_attnlab_moe_model_exports_to_mixtral(tmp_path):
+    """moe-tiny's experts are narrower than its (unused) dense d_ff: Mixtral's one width."""
+    torch.manual_seed(0)
+    cfg = get_preset("moe-tiny")
+    ours = build_model(cfg).eval()
+    save_hf(ours, cfg, tmp_path)
+    theirs = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids, mask = padded_batch(vocab=cfg.vocab_size)
+    with torch.no_grad():
+        assert (
+            max_diff(ours(ids, mask), theirs(ids, attention_mask=mask.long()).logits, mask) <= ATOL
+        )
