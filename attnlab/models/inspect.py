@@ -259,7 +259,6 @@ def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
     from attnlab.components.attention import Attention
     from attnlab.components.ffn import MLP, GatedMLP
     from attnlab.components.mla import MultiHeadLatentAttention
-    from attnlab.components.moe import MoE
 
     context = cfg.max_seq_len if context is None else context
     with torch.device("meta"):
@@ -275,15 +274,13 @@ def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
 
     attention = Attention | MultiHeadLatentAttention
     attn = linear_flops(m for m in model.modules() if isinstance(m, attention))
-    in_moe = {id(e) for m in moe_layers(model) for e in m.modules()} - {
-        id(m) for m in moe_layers(model)
-    }
-    ffns = [
-        m for m in model.modules() if isinstance(m, MLP | GatedMLP | MoE) and id(m) not in in_moe
-    ]
-    ffn = linear_flops(ffns) - _skipped_experts(model, _linear_flops)  # MoE: router + k experts
+    moes = moe_layers(model)
+    inside = {id(m) for moe in moes for m in moe.modules()}  # experts counted with their MoE
+    dense = [m for m in model.modules() if isinstance(m, MLP | GatedMLP) and id(m) not in inside]
+    skipped = _skipped_experts(model, _linear_flops)  # the E - k experts a token does not run
+    ffn = linear_flops(dense + moes) - skipped
     total = flops_per_token(model, cfg, context)
-    scores = total - linear_flops([model]) + _skipped_experts(model, _linear_flops)
+    scores = total - (linear_flops([model]) - skipped)
     return {
         "attention projections": attn,
         "attention scores": scores,

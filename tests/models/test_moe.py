@@ -10,7 +10,7 @@ from attnlab.components.ffn import GatedMLP
 from attnlab.components.moe import MoE
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig, MoEConfig
-from attnlab.models.inspect import format_stats, inspect_config
+from attnlab.models.inspect import flops_split, format_stats, inspect_config
 from attnlab.models.presets import get_preset
 
 
@@ -54,3 +54,12 @@ def test_flops_count_the_k_experts_a_token_uses():
 def test_moe_needs_a_decoder_with_swiglu():
     with pytest.raises(ValueError, match="ffn='mlp'"):
         ModelConfig("decoder", 32, 2, 64, 16, ffn="mlp", moe=MoEConfig(4, 2))
+
+
+def test_the_flops_split_counts_the_router_and_k_experts_as_ffn():
+    cfg = get_preset("moe-tiny")
+    m, C = cfg.moe, cfg.d_model
+    split = flops_split(cfg, context=16)
+    per_layer = 2 * C * m.n_experts + m.n_experts_per_token * 2 * 3 * C * cfg.expert_width
+    assert split["ffn"] == cfg.n_layers * per_layer
+    assert sum(split.values()) == inspect_config(cfg, context=16).flops_per_token
