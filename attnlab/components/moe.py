@@ -184,7 +184,8 @@ class MoE(nn.Module):
         # What the last forwards saw (plain attributes, not buffers: statistics, not weights).
         self.router_logits: Tensor | None = None  # (N, E) of the last forward
         self.expert_load: Tensor | None = None  # (E,) tokens per expert, training forwards
-        self.hook_gates = HookPoint()  # (N, k) gates (components/hooks.py)
+        # (N, k) gates, and the layer's output as an FFN's hook_out (components/hooks.py)
+        self.hook_gates, self.hook_out = HookPoint(), HookPoint()
 
     @property
     def n_experts(self) -> int:
@@ -215,7 +216,7 @@ class MoE(nn.Module):
         if self.training:
             load = torch.bincount(experts.detach().reshape(-1), minlength=self.n_experts)
             self.expert_load = load if self.expert_load is None else self.expert_load + load
-        return y.view(B, T, C)
+        return self.hook_out(y.view(B, T, C))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnlab.components.ffn import GatedMLP
+from attnlab.components.hooks import run_with_cache
 from attnlab.components.moe import (
     MoE,
     grouped_experts,
@@ -19,7 +20,7 @@ from attnlab.components.moe import (
 from attnlab.models.config import MoEConfig
 
 PROPERTY = settings(
-    max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
@@ -137,3 +138,10 @@ def test_expert_load_and_the_loss_free_bias_step():
 def test_bad_moe_configs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         MoEConfig(**kwargs)
+
+
+def test_hooks_read_the_gates_and_the_output():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(8, 8, 4, 2))
+    out, cache = run_with_cache(model, torch.randn(1, 3, 8), names=["0.hook_gates", "0.hook_out"])
+    assert cache["0.hook_gates"].shape == (3, 2) and torch.equal(cache["0.hook_out"], out)
