@@ -474,17 +474,7 @@ def open_checkpoint(
     if str(path).endswith(".gguf"):
         return _open_gguf(Path(path), device, scheme, group_size, layout, dtype)
     path = resolve_checkpoint(path)
-    if not (path / CONFIG).is_file():
-        raise ValueError(
-            f"{str(path)!r} is not a checkpoint (no {CONFIG}; give a checkpoint directory, "
-            "or a run directory whose checkpoints/latest names one)"
-        )
-    try:
-        config = json.loads((path / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(path / CONFIG)!r} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{str(path / CONFIG)!r} must hold a JSON object")
+    config = _read_config(path)
     if is_hf_config(config):
         if scheme is not None:
             raise ValueError(f"{str(path)!r} is an HF directory, but {scheme} was asked for")
@@ -508,6 +498,22 @@ def open_checkpoint(
     return _open_attnlab(path, config, found, device, dtype)
 
 
+def _read_config(path: Path) -> dict:
+    """The JSON object in a checkpoint directory's config.json (attnlab's run config or HF's)."""
+    if not (path / CONFIG).is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint (no {CONFIG}; give a checkpoint directory, "
+            "or a run directory whose checkpoints/latest names one)"
+        )
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path / CONFIG)!r} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path / CONFIG)!r} must hold a JSON object")
+    return config
+
+
 def _lora_rank(run: dict) -> int:
     """The LoRA rank of a run config `attnlab finetune` wrote with adapters ("lora": {"rank"}),
     else 0."""
@@ -518,7 +524,8 @@ def _lora_rank(run: dict) -> int:
 def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:
     """A LoRA fine-tuning run: its checkpoint holds the frozen base's weights and the adapters
     apart (so that a resume is exact), and its run config the LoRA section. The adapters go
-    back on a model of the run's config, then (unless `keep_adapters`) merge into a float
+    back on a model of the run's config (and what trained beside them trainable again: the
+    section's bias and modules_to_save), then (unless `keep_adapters`) merge into a float
     base: a plain model with the same logits. A quantized (QLoRA) base keeps its adapters
     unmerged (re-quantizing W0 + BA would lose the update); its int8 / int4 layout is read
     from the base checkpoint the run recorded (run["base"])."""
@@ -537,7 +544,9 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
             model = quantized_like(build_model(cfg), model)
     else:
         model = build_model(cfg)
-    add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
+    add_lora(
+        model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias, lora.save_names
+    )
     copy_weights(model, weights, f"checkpoint {str(path)!r}")
     if not (
         quantized or keep_adapters
