@@ -6,10 +6,10 @@
     attnlab convert --from attnlab ./ours --to gguf ours.gguf --gguf-type q8_0   (llama.cpp runs it)
     attnlab convert --from attnlab runs/lora --to peft ./adapter  (a LoRA run's adapters)
 
-HF families: GPT-2, Llama/Mistral/Qwen2, BLOOM, BERT and T5 (attnlab/interop/hf/). Only
-safetensors are read and written; the tokenizer.json travels along when there is one. `--to
-peft` writes the adapters of an `attnlab finetune --lora.rank R` run (which opens merged
-everywhere else) as `peft` reads them, onto the HF export of the run's base
+HF families: GPT-2, Llama/Mistral/Qwen2, Qwen3, OLMo 2, Phi-3, Gemma 2/3, BLOOM, BERT and T5
+(attnlab/interop/hf/). Only safetensors are read and written; the tokenizer.json travels along
+when there is one. `--to peft` writes the adapters of an `attnlab finetune --lora.rank R` run
+(which opens merged everywhere else) as `peft` reads them, onto the HF export of the run's base
 (attnlab/finetune/peft_format.py).
 """
 
@@ -34,7 +34,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         required=True,
         metavar=("FORMAT", "DIR"),
         help=f"the input: a format ({', '.join(FORMATS)}) and a directory or .gguf file "
-        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2)",
+        f"(HF: {FAMILIES}; GGUF: llama, mistral, qwen2, qwen3, gemma2, gemma3)",
     )
     p.add_argument(
         "--to",
