@@ -537,7 +537,9 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
             model = quantized_like(build_model(cfg), model)
     else:
         model = build_model(cfg)
-    add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
+    add_lora(
+        model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias, rslora=lora.rslora
+    )
     copy_weights(model, weights, f"checkpoint {str(path)!r}")
     if not (
         quantized or keep_adapters

@@ -17,6 +17,8 @@ class LoraConfig:
     modules_to_save: comma-separated module-name endings whose modules train in full beside
         the adapters, as peft's modules_to_save (e.g. "norm": every LayerNorm). A task head
         always trains in full.
+    rslora: scale the update by alpha / sqrt(rank) (rsLoRA, Kalajdzievski 2023; peft's
+        use_rslora) instead of alpha / rank.
     """
 
     rank: int = 0
@@ -25,6 +27,7 @@ class LoraConfig:
     targets: str = "q_proj,v_proj"
     bias: Literal["none", "all", "lora_only"] = "none"
     modules_to_save: str = ""
+    rslora: bool = False
 
     def __post_init__(self):
         check_literals(self)

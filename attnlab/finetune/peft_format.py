@@ -41,7 +41,8 @@ written as peft writes them, and read back:
 Where each of our 1-D weights sits in the HF export is found as for the Linears: `hf_vectors`
 marks every one with its own numbers, runs the converter, and reads where they land (GPT-2's
 fused c_attn bias holds our q, k and v biases); a whole matrix in modules_to_save (an
-embedding) as a Linear's weight is (`hf_placements`). DoRA and rsLoRA raise a ValueError.
+embedding) as a Linear's weight is (`hf_placements`). rsLoRA's alpha / sqrt(r) scaling is
+`use_rslora` (the alpha written is then scale * sqrt(r)); DoRA raises a ValueError.
 
 A fresh task head is not written: LoRA with a fresh task head (`attnlab finetune --task
 classify|tag --lora.rank 8`) trains the head in full, and such a run is kept as an attnlab
@@ -75,7 +76,6 @@ BASE_LAYER = ".base_layer"  # peft's wrapped Linear: the bias of an adapted M is
 # adapter_config.json fields that change what LoRA computes, and the only value read here
 PLAIN_LORA = {
     "use_dora": False,
-    "use_rslora": False,
     "lora_bias": False,
 }
 BIAS_MODES = ("none", "all", "lora_only")  # adapter_config.json "bias": all are read
@@ -426,6 +426,10 @@ def save_peft(
         )
     if any(m.merged for m in adapters.values()):
         raise ValueError("unmerge the adapters before saving them (merged: the base holds them)")
+    rslora = {m.rslora for m in adapters.values()}
+    if len(rslora) > 1:
+        raise ValueError("some adapters scale by rsLoRA and some not: peft has one use_rslora")
+    rslora = rslora.pop()
     places = hf_placements(cfg, list(adapters))
     groups: dict[str, list[str]] = {}
     for name in adapters:
@@ -443,7 +447,7 @@ def save_peft(
         A = torch.cat([m.lora_A.detach().cpu() for m in members])  # (r_M, K)
         tensors[f"{PREFIX}{module}.lora_A.weight"] = A.contiguous()
         tensors[f"{PREFIX}{module}.lora_B.weight"] = B
-        ranks[module], alphas[module] = rank, scale * rank
+        ranks[module], alphas[module] = rank, scale * (rank**0.5 if rslora else rank)
     r = max(set(ranks.values()), key=list(ranks.values()).count)  # the most common rank
     alpha = next(alphas[m] for m in ranks if ranks[m] == r)
     first = next(iter(adapters.values()))
@@ -461,6 +465,7 @@ def save_peft(
         "init_lora_weights": True,
         "inference_mode": True,
         **PLAIN_LORA,
+        "use_rslora": rslora,
         "bias": bias,
         "modules_to_save": saved or None,
     }
@@ -570,7 +575,8 @@ def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]
                     f"the model needs ({r}, {lin.in_features}) and ({p.out_features}, {r})"
                 )
             ranks[name], alphas[name], values[name] = r, alpha, (A, B[p.rows])
-    names = add_lora(model, list(values), ranks, alphas, config.get("lora_dropout", 0.0))
+    dropout, rslora = config.get("lora_dropout", 0.0), bool(config.get("use_rslora", False))
+    names = add_lora(model, list(values), ranks, alphas, dropout, rslora=rslora)
     for name in names:
         lora: LoRALinear = model.get_submodule(name)
         A, B = values[name]

@@ -165,6 +165,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         dropout=lora.dropout,
         bias=lora.bias,
         modules_to_save=lora.save_names,
+        rslora=lora.rslora,
     )
     if has_task_head(model):
         for name in head_modules(model):
@@ -209,7 +210,14 @@ def build_task(
         )
     dpo = run.dpo
     return DPOTask(
-        train_ex, val_ex, beta=dpo.beta, reference=reference, rpo_alpha=dpo.rpo_alpha, **common
+        train_ex,
+        val_ex,
+        beta=dpo.beta,
+        reference=reference,
+        rpo_alpha=dpo.rpo_alpha,
+        loss=dpo.loss,
+        label_smoothing=dpo.label_smoothing,
+        **common,
     )
 
 
