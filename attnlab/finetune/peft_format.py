@@ -44,6 +44,11 @@ fused c_attn bias holds our q, k and v biases); a whole matrix in modules_to_sav
 embedding) as a Linear's weight is (`hf_placements`). rsLoRA's alpha / sqrt(r) scaling is
 `use_rslora` (the alpha written is then scale * sqrt(r)); DoRA raises a ValueError.
 
+Prefix tuning and prompt tuning (adapters/prompt_learning.py) are peft's PREFIX_TUNING and
+PROMPT_TUNING: one tensor, "prompt_embeddings", the prefix's keys and values (P, L * 2 * K*D)
+in the HF model's head order, or the soft prompt (P, C) (`save_prompt_learning`,
+`load_prompt_learning`).
+
 A fresh task head is not written: LoRA with a fresh task head (`attnlab finetune --task
 classify|tag --lora.rank 8`) trains the head in full, and such a run is kept as an attnlab
 checkpoint only (head and adapters; `attnlab eval` and `open_checkpoint` read it);
@@ -61,6 +66,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.adapters.lora import LoRALinear, add_lora, is_linear_like, lora_modules
+from attnlab.adapters.prompt_learning import PromptLearningLM
+from attnlab.components.attention import Attention
 from attnlab.interop.hf import converter_for
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
@@ -585,3 +592,112 @@ def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]
     if others:  # trained biases and norms (bias "all" / "lora_only", modules_to_save)
         _load_extras(model, cfg, others, repr(str(path)))
     return names
+
+
+# --- prefix tuning and prompt tuning (adapters/prompt_learning.py) -------------------------------
+
+PROMPT_TYPES = {"prefix": "PREFIX_TUNING", "prompt": "PROMPT_TUNING"}  # peft's peft_type
+PROMPT_KEY = "prompt_embeddings"  # the one tensor peft saves for a prompt-learning method
+
+
+def _kv_rows(model: nn.Module, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """For our key and value outputs (K*D each), the index of each in the HF model's: the HF
+    prefix holds layer i's keys as its k projection's outputs, which a RoPE layout may order
+    otherwise (`hf_placements`; GPT-2's c_attn holds them at an offset, taken off here)."""
+    attn = next(n for n, m in model.named_modules() if isinstance(m, Attention))
+    places = hf_placements(cfg, [f"{attn}.k_proj", f"{attn}.v_proj"])
+    rows = [places[f"{attn}.{p}"].rows for p in ("k_proj", "v_proj")]
+    return tuple(r - r.min() for r in rows)
+
+
+def save_prompt_learning(
+    model: PromptLearningLM,
+    cfg: ModelConfig,
+    path: str | Path,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write a prefix- or prompt-tuned model's prefix as a peft adapter directory for the HF
+    export of its base: `PeftModel.from_pretrained(hf_model, path)` gives the same logits.
+
+    As peft, the file holds the prefix alone ("prompt_embeddings": (P, L * 2 * K*D) keys and
+    values, or (P, C) embeddings): a prefix_projection MLP is saved as its output, and the
+    config says prefix_projection so that peft knows where it came from.
+    """
+    if not isinstance(model, PromptLearningLM):
+        raise ValueError(f"{type(model).__name__} has no prefix or soft prompt to save")
+    prefix = model.prefix().detach().float().cpu()
+    attn = model.decoder.blocks[0].self_attn
+    if model.method == "prefix":
+        L, P = len(model.decoder.blocks), model.num_virtual_tokens
+        rows_k, rows_v = _kv_rows(model.decoder, cfg)
+        ours = prefix.view(P, L, 2, -1)
+        theirs = torch.empty_like(ours)
+        theirs[..., 0, rows_k], theirs[..., 1, rows_v] = ours[..., 0, :], ours[..., 1, :]
+        prefix = theirs.reshape(P, -1)
+    heads = attn.n_kv_heads if model.method == "prefix" else attn.n_heads
+    token_dim = attn.n_kv_heads * attn.head_dim if model.method == "prefix" else cfg.d_model
+    config = {
+        "peft_type": PROMPT_TYPES[model.method],
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "num_virtual_tokens": model.num_virtual_tokens,
+        "token_dim": token_dim,
+        "num_layers": len(model.decoder.blocks),
+        "num_attention_heads": heads,
+        "num_transformer_submodules": 1,
+        "inference_mode": True,
+    }
+    if model.method == "prefix":
+        hidden = model.transform[0].out_features if model.transform is not None else token_dim
+        config |= {"prefix_projection": model.transform is not None, "encoder_hidden_size": hidden}
+    else:
+        config |= {"prompt_tuning_init": "RANDOM", "prompt_tuning_init_text": None}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({PROMPT_KEY: prefix.contiguous()}, str(path / WEIGHTS), metadata={"format": "pt"})
+    return path
+
+
+def load_prompt_learning(model: nn.Module, cfg: ModelConfig, path: str | Path) -> PromptLearningLM:
+    """A peft prefix- or prompt-tuning adapter (peft's `save_pretrained` or
+    `save_prompt_learning`) on an attnlab decoder LM: the PromptLearningLM that holds it (its
+    saved prefix, trainable; a prefix_projection MLP is not in the file, so none is rebuilt).
+
+    Raises:
+        ValueError naming the field or shape that does not fit `model`.
+    """
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} has no {CONFIG} (not a peft adapter directory)")
+    config = json.loads(file.read_text())
+    methods = {v: k for k, v in PROMPT_TYPES.items()}
+    method = methods.get(config.get("peft_type"))
+    if method is None:
+        raise ValueError(
+            f"{str(file)!r}: peft_type={config.get('peft_type')!r}, not one of {sorted(methods)}"
+        )
+    if config.get("num_transformer_submodules", 1) != 1 or cfg.arch != "decoder":
+        raise ValueError(f"{str(file)!r}: prefix and prompt tuning load onto a decoder LM only")
+    if config.get("num_layers") != len(model.blocks):
+        raise ValueError(
+            f"{str(file)!r} is for {config.get('num_layers')} layers, the model has "
+            f"{len(model.blocks)} (is it for another base model?)"
+        )
+    P = int(config["num_virtual_tokens"])
+    wrapped = PromptLearningLM(model, method, P)
+    state = load_file(str(Path(path) / WEIGHTS)) if (Path(path) / WEIGHTS).is_file() else {}
+    prefix = state.get(PROMPT_KEY)
+    if prefix is None or prefix.shape != wrapped.embedding.weight.shape:
+        got = None if prefix is None else tuple(prefix.shape)
+        raise ValueError(
+            f"{str(path)!r}: {PROMPT_KEY} is {got}, the model needs "
+            f"{tuple(wrapped.embedding.weight.shape)} (is it for another base model?)"
+        )
+    if method == "prefix":
+        rows_k, rows_v = _kv_rows(model, cfg)
+        theirs = prefix.view(P, len(model.blocks), 2, -1)
+        prefix = torch.stack([theirs[..., 0, rows_k], theirs[..., 1, rows_v]], dim=2).reshape(P, -1)
+    with torch.no_grad():
+        wrapped.embedding.weight.copy_(prefix)
+    return wrapped
