@@ -36,8 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora, remove_lora
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.configs import from_dict, to_dict
 from attnlab.interop.gguf import load_gguf
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
@@ -497,6 +498,12 @@ def open_checkpoint(
         raise ValueError(f"{str(path / CONFIG)!r} has no 'model' section (nor an HF model_type)")
     if not (path / WEIGHTS).is_file():
         raise ValueError(f"{str(path)!r} is not a checkpoint (no {WEIGHTS})")
+    if _prompt_method(config) != "none":
+        if scheme is not None:
+            raise ValueError(
+                f"{str(path)!r} is a prefix- or prompt-tuning run; open it without a scheme"
+            )
+        return _open_prompt_learning(path, config, device, dtype)
     if _lora_rank(config):
         if scheme is not None:
             raise ValueError(
@@ -513,6 +520,26 @@ def _lora_rank(run: dict) -> int:
     else 0."""
     lora = run.get("lora")
     return (lora.get("rank") or 0) if isinstance(lora, dict) else 0
+
+
+def _prompt_method(run: dict) -> str:
+    """The prompt-learning method of a run config `attnlab finetune --peft.method M` wrote
+    ("prefix" or "prompt"), else "none"."""
+    peft = run.get("peft")
+    return (peft.get("method") or "none") if isinstance(peft, dict) else "none"
+
+
+def _open_prompt_learning(path: Path, run: dict, device, dtype) -> Loaded:
+    """A prefix- or prompt-tuning run: the frozen base and its prefix, as the PromptLearningLM
+    it trained (adapters/prompt_learning.py), which generation knows how to run."""
+    cfg = from_dict(ModelConfig, run["model"])
+    p = from_dict(PromptLearningConfig, run["peft"])
+    model = PromptLearningLM(build_model(cfg), p.method, p.num_virtual_tokens, p.prefix_projection)
+    copy_weights(model, load_file(str(path / WEIGHTS)), f"checkpoint {str(path)!r}")
+    if dtype is not None:
+        model = model.to(dtype)
+    tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
+    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
 
 
 def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:

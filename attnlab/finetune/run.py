@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
 from attnlab.configs import from_dict
 from attnlab.finetune import data
@@ -62,6 +63,7 @@ DEFAULT_SECTIONS = {  # the run's sections beside its model, as they start
     "lora": LoraConfig(),
     "dpo": DPOConfig(),
     "head": HeadOptions(),
+    "peft": PromptLearningConfig(),
 }
 
 
@@ -77,6 +79,7 @@ class FinetuneRun:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     head: HeadOptions = field(default_factory=HeadOptions)
+    peft: PromptLearningConfig = field(default_factory=PromptLearningConfig)
 
 
 def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
@@ -254,6 +257,8 @@ def build_finetune(configs: dict, ckpt: str | Path):
             add_adapters(model, lora)
         return model, task, run
     model = loaded.model
+    if configs["peft"].method != "none":
+        return _prompt_learning(configs, loaded, run)
     # DPO's reference, the model before DPO: the policy with its adapters off under LoRA
     # (objectives.reference_model), else (or when base weights train too) a frozen copy
     copied = not lora.rank or lora.trains_base
@@ -263,6 +268,22 @@ def build_finetune(configs: dict, ckpt: str | Path):
     task = build_task(run, loaded.tokenizer, reference)
     if d.task == "dpo" and run.dpo.precompute_reference:
         task.precompute_reference(model, resolve_device(t.device))
+    return model, task, run
+
+
+def _prompt_learning(configs: dict, loaded: Loaded, run: FinetuneRun):
+    """(model, task, run) of a prefix- or prompt-tuning run (`--peft.method prefix|prompt`):
+    the base frozen inside a PromptLearningLM; DPO's reference is a frozen copy of the base."""
+    p, d = configs["peft"], configs["data"]
+    if configs["lora"].rank:
+        raise ValueError("--peft.method trains a prefix instead of LoRA: leave out --lora.rank")
+    if d.packing:
+        raise ValueError("--data.packing is not supported with --peft.method; leave it off")
+    reference = copy.deepcopy(loaded.model) if d.task == "dpo" else None
+    model = PromptLearningLM(loaded.model, p.method, p.num_virtual_tokens, p.prefix_projection)
+    task = build_task(run, loaded.tokenizer, reference)
+    if d.task == "dpo" and run.dpo.precompute_reference:
+        task.precompute_reference(model, resolve_device(configs["train"].device))
     return model, task, run
 
 
