@@ -2,12 +2,17 @@
 
     attnlab serve --ckpt runs/default                       # http://127.0.0.1:8000/v1
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
+    attnlab serve --ckpt gpt2-hf --lora sql=adapters/sql --lora chat=adapters/chat
 
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
 quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
-`sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
-requests finish for up to --stop-timeout seconds, then exits.
+`sequential` runs one request at a time. `--lora NAME=DIR` (repeatable) serves a LoRA adapter in
+the PEFT format (`finetune.peft_format.save_peft`'s or peft's) beside the base, listed in
+/v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
+requests for different adapters share one batched decode step (adapters/multi_lora.py).
+SIGTERM or Ctrl-C stops admitting, lets running requests finish for up to --stop-timeout
+seconds, then exits.
 """
 
 import argparse
@@ -20,8 +25,12 @@ import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
+from attnlab.adapters.multi_lora import add_multi_lora
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.steps import decoder_of, prefix_length
+from attnlab.models.config import ModelConfig
 from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
@@ -88,6 +97,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="the model id clients send (default: the checkpoint directory's name)",
     )
     p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve a LoRA adapter (a PEFT directory for this base) as model NAME; repeatable",
+    )
+    p.add_argument(
         "--stop-timeout",
         type=float,
         default=SETTINGS_DEFAULTS["stop_timeout"],
@@ -145,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     loaded = open_served(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    name = args.model_name or Path(args.ckpt).resolve().name
+    adapters = add_served_adapters(model, loaded.config, args.lora, name)
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)
     max_context = args.max_context or loaded.config.max_seq_len
@@ -165,11 +183,14 @@ def run(args: argparse.Namespace) -> int:
             if not args.compile_attention:
                 raise
             raise ValueError(f"{err}: serve without --compile-attention") from err
-    name = args.model_name or Path(args.ckpt).resolve().name
     settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
+    settings.adapters = adapters
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"attnlab serve: {name} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True)
+    served = "".join(f", {a}" for a in adapters)
+    print(
+        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True
+    )
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
     return 0
@@ -180,6 +201,11 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer."""
     loaded = open_checkpoint(ckpt, device)
     model = loaded.model
+    if isinstance(model, PromptLearningLM):
+        raise ValueError(
+            f"{ckpt!r} is a {model.method}-tuning run; attnlab serve does not serve a learned "
+            "prefix (its paged cache starts with the prompt): use attnlab generate"
+        )
     if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
         raise ValueError(
             f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
@@ -190,6 +216,40 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     if loaded.tokenizer is None:
         raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
     return loaded
+
+
+def add_served_adapters(
+    model: torch.nn.Module, cfg: ModelConfig, specs: list[str], base_name: str
+) -> dict[str, str]:
+    """Read every --lora NAME=DIR (a PEFT LoRA directory for this base) and put them all on
+    `model` as MultiLoRALinear stacks, adapter i + 1 the i-th named. Returns {NAME: DIR}.
+
+    Raises:
+        ValueError naming the flag for a malformed or repeated NAME, a directory that is no
+        LoRA adapter, or an adapter for another base model.
+    """
+    served: dict[str, str] = {}
+    stacks = []
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--lora {spec!r}: give NAME=DIR, e.g. --lora sql=adapters/sql")
+        if name == base_name or name in served:
+            raise ValueError(f"--lora {spec!r}: the model id {name!r} is already served")
+        try:
+            _, found, others = read_adapters(model, cfg, path)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--lora {spec!r}: {e}") from None
+        if others:
+            raise ValueError(
+                f"--lora {spec!r}: the adapter trains {sorted(others)[0]} beside A and B; "
+                "attnlab serve chooses adapters per request, and serves A and B only"
+            )
+        served[name] = str(Path(path).resolve())
+        stacks.append({n: (a.A, a.B, a.scale) for n, a in found.items()})
+    if stacks:
+        add_multi_lora(model, stacks)
+    return served
 
 
 def model_vocab(model: torch.nn.Module) -> int:

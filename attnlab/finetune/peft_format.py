@@ -544,6 +544,60 @@ def read_peft(path: str | Path) -> tuple[dict, dict[str, tuple[Tensor, Tensor]],
     return config, {m: (ab["A"], ab["B"]) for m, ab in parts.items()}, others
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """One of our Linears' adapter, read from a peft directory: A (r, K), B (N, r), alpha, and
+    rsLoRA's scaling or not (`LoRALinear`'s arguments)."""
+
+    A: Tensor
+    B: Tensor
+    alpha: float
+    rslora: bool
+
+    @property
+    def scale(self) -> float:
+        r = self.A.shape[0]
+        return self.alpha / (r**0.5 if self.rslora else r)
+
+
+def read_adapters(
+    model: nn.Module, cfg: ModelConfig, path: str | Path
+) -> tuple[dict, dict[str, Adapter], dict[str, Tensor]]:
+    """(adapter_config.json, {our Linear's name: Adapter}, {HF key: tensor} of the biases and
+    modules_to_save weights) of a peft directory made for the HF export of `model`.
+
+    Raises:
+        ValueError for a directory that is no LoRA adapter, or one for another base model
+        (a module its HF export does not have, or shapes that differ).
+    """
+    config, weights, others = read_peft(path)
+    linears = [n for n, m in model.named_modules() if is_linear_like(m)]
+    places = hf_placements(cfg, linears, strict=False)
+    by_module: dict[str, list[str]] = {}
+    for name, place in places.items():
+        by_module.setdefault(place.module, []).append(name)
+    unknown = sorted(set(weights) - set(by_module))
+    if unknown:
+        raise ValueError(
+            f"the adapter in {str(path)!r} adapts {unknown}, which this {cfg.arch} model's HF "
+            f"export does not have (is it for another base model?)"
+        )
+    rslora, adapters = bool(config.get("use_rslora", False)), {}
+    for module, (A, B) in weights.items():
+        r = _pattern(config.get("rank_pattern"), module, config["r"])
+        alpha = _pattern(config.get("alpha_pattern"), module, config["lora_alpha"])
+        for name in by_module[module]:
+            p, lin = places[name], model.get_submodule(name)
+            if A.shape != (r, lin.in_features) or B.shape != (p.out_features, r):
+                raise ValueError(
+                    f"adapter for {module}: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
+                    f"the model needs ({r}, {lin.in_features}) and ({p.out_features}, {r}) "
+                    "(is it for another base model?)"
+                )
+            adapters[name] = Adapter(A, B[p.rows], float(alpha), rslora)
+    return config, adapters, others
+
+
 @torch.no_grad()
 def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]:
     """Add the adapters of a peft directory (made for the HF export of `model`) to `model`.
@@ -558,37 +612,15 @@ def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]
     """
     if lora_modules(model):
         raise ValueError(f"the model already has LoRA on {list(lora_modules(model))}")
-    config, weights, others = read_peft(path)
-    linears = [n for n, m in model.named_modules() if is_linear_like(m)]
-    places = hf_placements(cfg, linears, strict=False)
-    by_module: dict[str, list[str]] = {}
-    for name, place in places.items():
-        by_module.setdefault(place.module, []).append(name)
-    unknown = sorted(set(weights) - set(by_module))
-    if unknown:
-        raise ValueError(
-            f"the adapter in {str(path)!r} adapts {unknown}, which this {cfg.arch} model's HF "
-            f"export does not have (is it for another base model?)"
-        )
-    ranks, alphas, values = {}, {}, {}
-    for module, (A, B) in weights.items():
-        r = _pattern(config.get("rank_pattern"), module, config["r"])
-        alpha = _pattern(config.get("alpha_pattern"), module, config["lora_alpha"])
-        for name in by_module[module]:
-            p, lin = places[name], model.get_submodule(name)
-            if A.shape != (r, lin.in_features) or B.shape != (p.out_features, r):
-                raise ValueError(
-                    f"adapter for {module}: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
-                    f"the model needs ({r}, {lin.in_features}) and ({p.out_features}, {r})"
-                )
-            ranks[name], alphas[name], values[name] = r, alpha, (A, B[p.rows])
+    config, adapters, others = read_adapters(model, cfg, path)
+    ranks = {n: a.A.shape[0] for n, a in adapters.items()}
+    alphas = {n: a.alpha for n, a in adapters.items()}
     dropout, rslora = config.get("lora_dropout", 0.0), bool(config.get("use_rslora", False))
-    names = add_lora(model, list(values), ranks, alphas, dropout, rslora=rslora)
+    names = add_lora(model, list(adapters), ranks, alphas, dropout, rslora=rslora)
     for name in names:
         lora: LoRALinear = model.get_submodule(name)
-        A, B = values[name]
-        lora.lora_A.copy_(A)
-        lora.lora_B.copy_(B)
+        lora.lora_A.copy_(adapters[name].A)
+        lora.lora_B.copy_(adapters[name].B)
     if others:  # trained biases and norms (bias "all" / "lora_only", modules_to_save)
         _load_extras(model, cfg, others, repr(str(path)))
     return names

@@ -27,9 +27,15 @@ sampling one sequence ends it with finish_reason "error"; a batched decode step 
 re-run one row at a time, so only the rows that raise alone fail. A failed sequence's blocks are
 zeroed before they go back to the pool.
 
+LoRA adapters served beside the base (`attnlab serve --lora NAME=DIR`) are chosen per request
+(`Request.adapter`): every forward runs row b through its sequence's adapter
+(adapters/multi_lora.py), so requests for different adapters share one decode step, and the
+prefix cache keeps their blocks apart (the same tokens have other keys under another adapter).
+
 Shapes: B running sequences, T tokens per row of a step, V vocab_size.
 """
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +44,7 @@ import torch
 from torch import nn
 
 from attnlab.accel.paged_attention import use_compiled_decode
+from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
 from attnlab.components.paged_kv_cache import PagedKVCache
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingConfig, sample
@@ -94,6 +101,9 @@ class Engine:
         self.max_queue = c.max_queue  # the server refuses a request that needs more
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
+        # LoRA adapters chosen per request (adapters/multi_lora.py): how many there are
+        stacks = multi_lora_modules(model)
+        self.n_adapters = stacks[0].A.shape[0] - 1 if stacks else 0
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
         self._cancels: set[str] = set()
         self._cond = threading.Condition()
@@ -276,7 +286,8 @@ class Engine:
         ids = torch.tensor([seq.tokens[start : start + n]], device=self.device)  # (1, n)
         step = self.cache.step([seq.id], [start], n)
         want_all = seq.request.params.prompt_logprobs
-        logits = self.decoder(ids, cache=step, slots=step.slots, last_only=not want_all)[0]
+        with self._adapters([seq]):
+            logits = self.decoder(ids, cache=step, slots=step.slots, last_only=not want_all)[0]
         if want_all:  # logits[i] scores token start + i + 1 of the prompt
             if start == 0:
                 seq.prompt_logprobs.append(None)
@@ -288,7 +299,7 @@ class Engine:
             seq.prompt_top += tops
         seq.cached += n
         if self.scheduler.prefix_caching:
-            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached)
+            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached, seq.salt)
         if not seq.prefilling:
             seq.logits = logits[-1]  # (V,)
 
@@ -361,10 +372,18 @@ class Engine:
         """Feed each sequence's last token at its own position; keep the next logits."""
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         step = self.cache.step([s.id for s in seqs], [s.cached for s in seqs], 1)
-        logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
+        with self._adapters(seqs):  # one step for all rows, each through its own adapter
+            logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
         for seq, row in zip(seqs, logits):
             seq.cached += 1
             seq.logits = row  # (V,)
+
+    def _adapters(self, seqs: list[Sequence]):
+        """The block in which row b of a forward runs through seqs[b]'s LoRA adapter."""
+        if not self.n_adapters:
+            return contextlib.nullcontext()
+        rows = torch.tensor([s.request.adapter for s in seqs], device=self.device)  # (B,)
+        return adapter_rows(self.model, rows)
 
     def _finish(
         self,
@@ -396,6 +415,10 @@ class Engine:
         p, n = request.params, len(request.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
+        if not 0 <= request.adapter <= self.n_adapters:
+            raise ValueError(
+                f"adapter {request.adapter} is not one of the {self.n_adapters} served"
+            )
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -75,6 +75,13 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def salt(self) -> tuple:
+        """What keeps this prompt's cached blocks apart from the same tokens' under another
+        LoRA adapter (the prefix cache's key; none for the base)."""
+        adapter = self.request.adapter
+        return (("adapter", adapter),) if adapter else ()
+
+    @property
     def prompt(self) -> list[int]:
         return self.tokens[: self.n_prompt]
 
@@ -147,7 +154,7 @@ class Scheduler:
             if self.prefix_caching and not seq.request.params.prompt_logprobs:
                 # Whole blocks of a prompt prefix seen before are shared, not recomputed
                 # (prompt log-probabilities need every position computed, so they skip this).
-                seq.cached = seq.prefix_hits = self.cache.match_prefix(seq.id, seq.prompt)
+                seq.cached = seq.prefix_hits = self.cache.match_prefix(seq.id, seq.prompt, seq.salt)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
