@@ -8,7 +8,8 @@ Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, co
 quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. `--lora NAME=DIR` (repeatable) serves a LoRA adapter in
-the PEFT format (`finetune.peft_format.save_peft`'s or peft's) beside the base, listed in
+the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab finetune
+--lora.rank R` run on the same base, beside the base, listed in
 /v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
 requests for different adapters share one batched decode step (adapters/multi_lora.py).
 SIGTERM or Ctrl-C stops admitting, lets running requests finish for up to --stop-timeout
@@ -25,9 +26,12 @@ import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
+from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.configs import from_dict
 from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.config import ModelConfig
@@ -101,7 +105,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=DIR",
-        help="serve a LoRA adapter (a PEFT directory for this base) as model NAME; repeatable",
+        help="serve a LoRA adapter for this base (a PEFT directory, or an attnlab finetune "
+        "--lora.rank run) as model NAME; repeatable",
     )
     p.add_argument(
         "--stop-timeout",
@@ -221,7 +226,7 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
 def add_served_adapters(
     model: torch.nn.Module, cfg: ModelConfig, specs: list[str], base_name: str
 ) -> dict[str, str]:
-    """Read every --lora NAME=DIR (a PEFT LoRA directory for this base) and put them all on
+    """Read every --lora NAME=DIR (`adapter_weights`) and put them all on
     `model` as MultiLoRALinear stacks, adapter i + 1 the i-th named. Returns {NAME: DIR}.
 
     Raises:
@@ -237,19 +242,38 @@ def add_served_adapters(
         if name == base_name or name in served:
             raise ValueError(f"--lora {spec!r}: the model id {name!r} is already served")
         try:
-            _, found, others = read_adapters(model, cfg, path)
+            stacks.append(adapter_weights(model, cfg, Path(path)))
         except (ValueError, OSError) as e:
             raise ValueError(f"--lora {spec!r}: {e}") from None
-        if others:
-            raise ValueError(
-                f"--lora {spec!r}: the adapter trains {sorted(others)[0]} beside A and B; "
-                "attnlab serve chooses adapters per request, and serves A and B only"
-            )
         served[name] = str(Path(path).resolve())
-        stacks.append({n: (a.A, a.B, a.scale) for n, a in found.items()})
     if stacks:
         add_multi_lora(model, stacks)
     return served
+
+
+def adapter_weights(model: torch.nn.Module, cfg: ModelConfig, path: Path) -> dict[str, tuple]:
+    """{our Linear's name: (A, B, scale)} of the LoRA adapter in `path`: a PEFT directory, or
+    a LoRA run of `attnlab finetune --lora.rank R` on this very base (its config and weights).
+    Either must train A and B alone: biases or whole modules trained beside them would change
+    the base for every request."""
+    if (path / "adapter_config.json").is_file() or not (path / "config.json").is_file():
+        _, found, others = read_adapters(model, cfg, path)
+        if others:
+            raise ValueError(f"the adapter trains {sorted(others)[0]} beside A and B")
+        return {n: (a.A, a.B, a.scale) for n, a in found.items()}
+    run = open_checkpoint(path, keep_adapters=True)
+    adapters = lora_modules(run.model)
+    if not adapters:
+        raise ValueError(f"{str(path)!r} holds no LoRA adapters (nor an adapter_config.json)")
+    ours = dict(model.named_parameters())
+    base = {
+        k.replace(".base.", "."): p for k, p in run.model.named_parameters() if "lora_" not in k
+    }
+    if run.config != cfg or any(not torch.equal(p, ours[k]) for k, p in base.items() if k in ours):
+        raise ValueError(f"{str(path)!r} was trained on another base model than --ckpt's")
+    if from_dict(LoraConfig, run.run["lora"]).trains_base:
+        raise ValueError(f"{str(path)!r} trains biases or modules beside A and B")
+    return {n: (m.lora_A.detach(), m.lora_B.detach(), m.scale) for n, m in adapters.items()}
 
 
 def model_vocab(model: torch.nn.Module) -> int:

@@ -8,12 +8,14 @@ import openai
 import pytest
 import torch
 
+from attnlab.adapters.config import LoraConfig
 from attnlab.adapters.lora import add_lora, lora_modules, merge_lora
 from attnlab.adapters.multi_lora import MultiLoRALinear, adapter_rows
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
-from attnlab.cli.serve import add_served_adapters
+from attnlab.cli.serve import adapter_weights, add_served_adapters
 from attnlab.finetune.peft_format import load_peft, save_peft
+from attnlab.finetune.run import FinetuneRun
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
@@ -156,3 +158,29 @@ def test_a_bad_lora_flag_is_one_line(served, tmp_path, capsys, spec, message):
     err = capsys.readouterr().err
     assert message in err and "--lora" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_attnlab_lora_run_serves_as_its_peft_export_does(served, tmp_path):
+    """--lora DIR may name an `attnlab finetune --lora.rank R` run on the same base: the same
+    adapter as its PEFT export; a run on another base (other weights) is refused."""
+    ckpt, _ = served
+    loaded = open_checkpoint(ckpt)
+    model = copy.deepcopy(loaded.model)
+    add_lora(model, ("q", "v"), rank=4, alpha=8.0)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.normal_(0.0, 0.3)
+    lora = LoraConfig(rank=4, alpha=8.0, targets="q_proj,v_proj")
+    run = FinetuneRun(model=loaded.config, lora=lora)
+    save_checkpoint(tmp_path / "run", model, None, run, {})
+    save_peft(model, loaded.config, tmp_path / "peft")
+    from_run = adapter_weights(loaded.model, loaded.config, tmp_path / "run")
+    from_peft = adapter_weights(loaded.model, loaded.config, tmp_path / "peft")
+    assert sorted(from_run) == sorted(from_peft)
+    for name, (A, B, s) in from_run.items():
+        A2, B2, s2 = from_peft[name]
+        assert torch.equal(A, A2) and torch.allclose(B, B2) and s == s2
+    with torch.no_grad():
+        next(loaded.model.parameters()).add_(1.0)  # the served base is another model now
+    with pytest.raises(ValueError, match="trained on another base model"):
+        adapter_weights(loaded.model, loaded.config, tmp_path / "run")
