@@ -272,6 +272,7 @@ def test_prefix_and_prompt_tuning_train_only_the_prefix_and_reopen(base, tmp_pat
     if method == "prefix":
         peft_flags += ("--peft.prefix_projection=16",)
     assert main(args(base, "sft", out, *extra, *peft_flags)) == 0
+    assert f"trained: {method} tuning, 4 virtual tokens" in capsys.readouterr().out
     rows = records(out)
     losses = [r["train_loss"] for r in rows]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
