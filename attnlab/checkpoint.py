@@ -528,6 +528,18 @@ def _lora_rank(run: dict) -> int:
     return (lora.get("rank") or 0) if isinstance(lora, dict) else 0
 
 
+def plain_model(loaded: "Loaded", what: str) -> "Loaded":
+    """`loaded`, unless it is a prefix- or prompt-tuning run (a PromptLearningLM), which `what`
+    (a command's work on a plain model: export, quantize, analyze) cannot take: then a
+    ValueError naming the checkpoint."""
+    if isinstance(loaded.model, PromptLearningLM):
+        raise ValueError(
+            f"{str(loaded.path)!r} is a {loaded.model.method}-tuning run (a frozen base and a "
+            f"learned prefix): {what}"
+        )
+    return loaded
+
+
 def _prompt_method(run: dict) -> str:
     """The prompt-learning method of a run config `attnlab finetune --peft.method M` wrote
     ("prefix" or "prompt"), else "none"."""

@@ -164,9 +164,13 @@ def run(args: argparse.Namespace) -> int:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
-    loaded = open_served(args.ckpt, device)
+    loaded = open_served(args.ckpt, device, sequential=Engine is SequentialEngine)
     model, tokenizer = loaded.model, loaded.tokenizer
     name = args.model_name or Path(args.ckpt).resolve().name
+    if args.lora and isinstance(model, PromptLearningLM):
+        raise ValueError(
+            "--lora adapters go on a plain base, not on a prefix- or prompt-tuning run"
+        )
     adapters = add_served_adapters(model, loaded.config, args.lora, name)
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)
@@ -201,16 +205,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_served(ckpt: str, device: str = "cpu") -> Loaded:
+def open_served(ckpt: str, device: str = "cpu", sequential: bool = False) -> Loaded:
     """The checkpoint `attnlab serve --ckpt` serves (any kind `open_checkpoint` reads; a LoRA
-    run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer."""
+    run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer. A
+    prefix- or prompt-tuning run is served by the sequential engine only (its cache is
+    `fill_cache`'s, which writes the prefix first; the batched engine's paged cache starts
+    with the prompt)."""
     loaded = open_checkpoint(ckpt, device)
     model = loaded.model
     if isinstance(model, PromptLearningLM):
-        raise ValueError(
-            f"{ckpt!r} is a {model.method}-tuning run; attnlab serve does not serve a learned "
-            "prefix (its paged cache starts with the prompt): use attnlab generate"
-        )
+        if not sequential:
+            raise ValueError(
+                f"{ckpt!r} is a {model.method}-tuning run, which the batched engine cannot "
+                "serve (its paged cache has no prefix): give --engine sequential"
+            )
+        return loaded
     if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
         raise ValueError(
             f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "

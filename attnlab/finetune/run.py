@@ -28,7 +28,7 @@ import torch
 from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
-from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.checkpoint import Loaded, open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.finetune import data
 from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, HeadOptions
@@ -144,7 +144,7 @@ def as_words(example: dict) -> dict:
 def open_base(path: str | Path, task: str) -> Loaded:
     """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer. A LoRA
     fine-tuning run (say, the SFT run that DPO starts from) opens with its adapters merged."""
-    loaded = open_checkpoint(path)
+    loaded = plain_model(open_checkpoint(path), "fine-tune its base (run.base) instead")
     head = task_head_kind(loaded.config)
     if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or head is not None):
         kind = head or f"an {loaded.config.arch} model"

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.lab.head_scores import (
     Batch,
@@ -309,7 +309,7 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         The dict saved as heads.json.
     """
     started, out, opts = time.perf_counter(), Path(out), opts.sized()
-    loaded = open_checkpoint(opts.ckpt)
+    loaded = plain_model(open_checkpoint(opts.ckpt), "the heads experiments take a plain causal LM")
     model = loaded.model.eval()
     try:
         L, H = head_shape(model)

@@ -16,6 +16,8 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import load_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from attnlab.serve.sequential import SequentialEngine
+from attnlab.serve.types import EngineConfig, Request, SamplingParams
 
 T = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -171,3 +173,21 @@ def test_an_adapter_of_another_kind_or_base_is_refused_by_name(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "IA3"}))
     with pytest.raises(ValueError, match="peft_type='IA3', not one of"):
         load_prompt_learning(build_model(cfg), cfg, tmp_path)
+
+
+def test_the_sequential_server_engine_serves_a_prefix_as_generate_does():
+    """`attnlab serve --engine sequential` on a prefix-tuning run: its requests go through
+    `fill_cache`, which writes the prefix first, so its tokens are generate's."""
+    torch.manual_seed(0)
+    model = PromptLearningLM(build_model(get_preset("gpt2-tiny")).eval(), "prefix", 3).eval()
+    engine = SequentialEngine(model, None, EngineConfig(max_context=32))
+    events = []
+    engine.start()
+    engine.submit(
+        Request("a", (5, 6, 7), SamplingParams(max_tokens=6, temperature=0)), events.append
+    )
+    engine.stop(30)  # lets the request finish first
+    got = [e.token_id for e in events if e.token_id is not None]
+    assert (
+        got == generate(model, [[5, 6, 7]], GenerationConfig(6, SamplingConfig(temperature=0)))[0]
+    )
