@@ -563,7 +563,8 @@ def _open_prompt_learning(path: Path, run: dict, device, dtype) -> Loaded:
 def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:
     """A LoRA fine-tuning run: its checkpoint holds the frozen base's weights and the adapters
     apart (so that a resume is exact), and its run config the LoRA section. The adapters go
-    back on a model of the run's config, then (unless `keep_adapters`) merge into a float
+    back on a model of the run's config (and what trained beside them trainable again: the
+    section's bias and modules_to_save), then (unless `keep_adapters`) merge into a float
     base: a plain model with the same logits. A quantized (QLoRA) base keeps its adapters
     unmerged (re-quantizing W0 + BA would lose the update); its int8 / int4 layout is read
     from the base checkpoint the run recorded (run["base"])."""
@@ -583,7 +584,14 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
     else:
         model = build_model(cfg)
     add_lora(
-        model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias, rslora=lora.rslora
+        model,
+        lora.target_names,
+        lora.rank,
+        lora.alpha,
+        lora.dropout,
+        lora.bias,
+        lora.save_names,
+        rslora=lora.rslora,
     )
     copy_weights(model, weights, f"checkpoint {str(path)!r}")
     if not (

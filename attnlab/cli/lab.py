@@ -11,7 +11,7 @@ from pathlib import Path
 
 from attnlab.cli.options import add_dataclass_flags, apply_config_flags, options_from_args
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
-from attnlab.lab.heads import HeadsLab, format_report, heads_lab
+from attnlab.lab.heads import COARSE_LEVELS, CURVES, HeadsLab, format_report, heads_lab
 from attnlab.lab.patching import patch_lab
 
 EXTRAPOLATE_HELP = (
@@ -85,15 +85,54 @@ def add_heads_flags(p: argparse.ArgumentParser) -> None:
         "checkpoint's own data source)",
     )
     p.add_argument("--seed", type=int, default=HeadsLab.seed, help="seed of batches and orders")
+    p.add_argument(
+        "--curves",
+        choices=CURVES,
+        default=HeadsLab.curves,
+        help="pruning curves at every level (L*H + 1 evaluations per order), at "
+        f"{COARSE_LEVELS + 1} levels (coarse: a large model in minutes), or none "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--check-induction",
+        type=int,
+        default=HeadsLab.check_induction,
+        metavar="K",
+        help="check the top K induction heads: masked against K random heads (5 draws), and "
+        "per-head patching from [r, r] into [r', r] (L*H + 11 more forwards; default: off)",
+    )
+    for name, text in SIZE_FLAGS.items():
+        default = getattr(HeadsLab, name)
+        text += "" if default is None else f" (default {default}; --fast shrinks it)"
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=None, metavar="N", help=text
+        )
+
+
+# HeadsLab's sizes, each a flag (--fast sets them all)
+SIZE_FLAGS = {
+    "batches": "importance batches, and as many held-out ones",
+    "batch_size": "sequences per batch (and [r, r] sequences)",
+    "context": "tokens per sequence (default: the checkpoint's training context)",
+    "repeat_len": "n of the [r, r] sequences (default: context / 2)",
+    "random_orders": "random pruning orders, the control",
+}
 
 
 def heads_main(args: argparse.Namespace) -> int:
     """`attnlab lab heads`: measure one checkpoint; print the summary."""
-    opts = HeadsLab(ckpt=args.ckpt, source=args.source, fast=args.fast, seed=args.seed)
+    given = [n for n in SIZE_FLAGS if getattr(args, n) is not None]
+    if args.fast and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"--fast sets the sizes itself; leave out {flag} or --fast")
+    opts = options_from_args(HeadsLab, args)
     result = heads_lab(opts, args.out)
     print(format_report(result))
     print(f"\n{result['seconds']:.0f} s")
-    print(f"wrote {args.out}/heads.json, heads.png, pruning.png, attention.html")
+    drawn = ["heads.json", "heads.png"]
+    drawn += ["pruning.png"] * (result["pruning"] is not None)
+    drawn += ["induction.png"] * ("induction_check" in result)
+    print(f"wrote {args.out}/{', '.join(drawn)}, attention.html")
     return 0
 
 

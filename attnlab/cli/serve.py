@@ -14,6 +14,12 @@ the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab f
 requests for different adapters share one batched decode step (adapters/multi_lora.py).
 SIGTERM or Ctrl-C stops admitting, lets running requests finish for up to --stop-timeout
 seconds, then exits.
+
+    attnlab serve --ckpt runs/default --steer 3 ' love' ' hate' 4
+
+`--steer` (the syntax of `attnlab generate --steer`, inference/steering.py) steers every
+request: the vectors are added to the residual stream for the server's whole life, on both
+engines, so a served greedy completion is `attnlab generate`'s with the same steering.
 """
 
 import argparse
@@ -31,8 +37,10 @@ from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.cli.options import add_steer_flag
 from attnlab.configs import from_dict
 from attnlab.finetune.peft_format import read_adapters
+from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.config import ModelConfig
 from attnlab.models.heads import task_head_kind
@@ -116,6 +124,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds running requests get to finish (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
+    add_steer_flag(p)
     p.add_argument(
         "--compile-attention",
         action="store_true",
@@ -165,6 +174,14 @@ def run(args: argparse.Namespace) -> int:
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
     loaded = open_served(args.ckpt, device, sequential=Engine is SequentialEngine)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    with steering(model, text_steers(model, tokenizer, args.steer)):  # every request, if any
+        return serve(args, loaded, Engine, threads, device)
+
+
+def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device: str) -> int:
+    """Start the engine on the opened checkpoint (with its --lora adapters) and serve until
+    stopped."""
     model, tokenizer = loaded.model, loaded.tokenizer
     name = args.model_name or Path(args.ckpt).resolve().name
     if args.lora and isinstance(model, PromptLearningLM):

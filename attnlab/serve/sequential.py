@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
 from attnlab.inference.generate import context_window
-from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.sampling import SamplingRows, TokenCounts, sample
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
 from attnlab.serve.types import (
     DEFAULT_ENGINE,
@@ -31,6 +31,7 @@ from attnlab.serve.types import (
     QueueFull,
     Request,
     TokenEvent,
+    check_params,
     prompt_scores,
 )
 
@@ -62,12 +63,7 @@ def check_request(request: Request, vocab_size: int, context: int) -> None:
             f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
             f"context of {context} tokens: shorten the prompt or lower max_tokens"
         )
-    if p.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.logprobs is not None and not 0 <= p.logprobs <= vocab_size:
-        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {p.logprobs}")
+    check_params(p, vocab_size)
 
 
 def token_logprobs(logits: Tensor, token: int, k: int | None):
@@ -219,20 +215,25 @@ class SequentialEngine:
             final = TokenEvent(rid, None, None, None, "length", prompt_lp, prompt_top=prompt_top)
             on_event(final)
             return _NO_FINAL
-        sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
+        rows = SamplingRows.stack([p.sampling()], self.vocab_size, self.device)
+        counts = TokenCounts.of_prompts(ids, self.vocab_size) if rows.needs_counts else None
+        stop_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        stop_mask[list(p.stop_token_ids)] = True
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
         mask = torch.ones_like(ids, dtype=torch.bool)
         logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
-        history, text_ids = ids, []
+        text_ids = []
         for i in range(p.max_tokens):
             if rid in self._cancelled:
                 return "cancelled"
-            token = sample(logits, sampling, history, gen)  # (1,)
+            banned = stop_mask if i < p.min_tokens else None
+            token = sample(logits, rows, counts, gen, banned)  # (1,)
+            if counts is not None:
+                counts.add(token)
             t = int(token)
             lp, top = token_logprobs(logits[0], t, p.logprobs)
-            history = torch.cat([history, token[:, None]], dim=1)  # (1, T0 + i + 1)
             text_ids.append(t)
             reason = self._finish_reason(t, text_ids, p, i)
             if i == 0:
