@@ -494,8 +494,9 @@ def _hf_base(run: dict) -> str | None:
 
 
 def save_run_peft(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
-    """The LoRA adapters of a fine-tuning run (`attnlab finetune --lora.rank R`) as a peft
-    adapter directory: `attnlab convert --from attnlab RUN --to peft DIR`.
+    """The LoRA adapters of a fine-tuning run (`attnlab finetune --lora.rank R`), or its prefix
+    (`--peft.method prefix|prompt`), as a peft adapter directory: `attnlab convert --from
+    attnlab RUN --to peft DIR`.
 
     peft loads it onto the HF export of the run's base (`attnlab convert --from attnlab BASE
     --to hf DIR`; a QLoRA run's: the float checkpoint its base was quantized from). A task
@@ -515,6 +516,8 @@ def save_run_peft(src: str | Path, dst: str | Path, overwrite: bool = False) -> 
         raise ValueError(f"the output directory is the input directory ({str(src)!r})")
     check_output_dir(dst, overwrite)
     loaded = open_checkpoint(src, keep_adapters=True)
+    if isinstance(loaded.model, PromptLearningLM):  # --peft.method prefix|prompt
+        return save_prompt_learning(loaded.model, loaded.config, dst, _hf_base(loaded.run))
     if not lora_modules(loaded.model):
         raise ValueError(
             f"{str(src)!r} holds no LoRA adapters (only a run of attnlab finetune --lora.rank R "

@@ -96,8 +96,7 @@ def convert(
     loaded = open_checkpoint(
         src, layout=layout if src_format in ("hf", "gguf") else "half", scheme=keep
     )
-    what = "its prefix has no place in a model format; finetune.peft_format.save_prompt_learning"
-    plain_model(loaded, what + " writes it as a peft adapter")
+    plain_model(loaded, "its prefix has no place in a model format: convert --to peft writes it")
     if dst_format == "gguf":
         return save_gguf(loaded.model, loaded.config, dst, loaded.tokenizer, gguf_type)
     quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, QUANTIZED)]

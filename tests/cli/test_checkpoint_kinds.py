@@ -110,7 +110,7 @@ REFUSALS = {
             ("viz", "viz draws a plain model's attention"),
             ("lab heads", "the heads experiments take a plain causal LM"),
             ("analyze rank", "analyze takes a plain model"),
-            ("convert", "its prefix has no place in a model format"),
+            ("convert", "its prefix has no place in a model format: convert --to peft writes it"),
             ("check", "check takes a plain model"),
             ("quantize", "quantize its base checkpoint instead"),
         ]

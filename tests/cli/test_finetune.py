@@ -19,7 +19,7 @@ from attnlab.cli.eval import evaluate_checkpoint
 from attnlab.cli.finetune import add_parser, configs_from_args
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
-from attnlab.finetune.peft_format import load_prompt_learning, save_prompt_learning
+from attnlab.finetune.peft_format import load_prompt_learning
 from attnlab.finetune.run import build_finetune, load_examples
 from attnlab.finetune.tasks import SFTTask
 from attnlab.models.build import build_model
@@ -287,7 +287,10 @@ def test_prefix_and_prompt_tuning_train_only_the_prefix_and_reopen(base, tmp_pat
     argv = ["generate", "--ckpt", str(out), "--prompt", "up ab:", "--max-new-tokens", "4"]
     assert main([*argv, "--temperature", "0", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("up ab:")
-    save_prompt_learning(loaded.model, loaded.config, tmp_path / "adapter")
+    assert (
+        main(["convert", "--from", "attnlab", str(out), "--to", "peft", str(tmp_path / "adapter")])
+        == 0
+    )
     frozen = copy.deepcopy(loaded.model.decoder)  # the base, on which the prefix loads again
     again = load_prompt_learning(frozen, loaded.config, tmp_path / "adapter")
     ids = torch.tensor([[3, 4, 5, 6, 7]])
