@@ -209,8 +209,9 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
             if not args.compile_attention:
                 raise
             raise ValueError(f"{err}: serve without --compile-attention") from err
-    settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
-    settings.adapters = adapters
+    settings = Settings(
+        name, context, model_vocab(model), args.api_key, args.stop_timeout, adapters=adapters
+    )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     served = "".join(f", {a}" for a in adapters)

@@ -314,8 +314,9 @@ def _prompt_learning(configs: dict, loaded: Loaded, run: FinetuneRun):
     p, d = configs["peft"], configs["data"]
     if configs["lora"].rank:
         raise ValueError("--peft.method trains a prefix instead of LoRA: leave out --lora.rank")
-    if d.packing:
-        raise ValueError("--data.packing is not supported with --peft.method; leave it off")
+    if d.packing or configs["train"].compile:
+        flag = "--data.packing" if d.packing else "--train.compile"
+        raise ValueError(f"{flag} is not supported with --peft.method; leave it off")
     reference = copy.deepcopy(loaded.model) if d.task == "dpo" else None
     model = PromptLearningLM(loaded.model, p.method, p.num_virtual_tokens, p.prefix_projection)
     task = build_task(run, loaded.tokenizer, reference)

@@ -59,8 +59,14 @@ class Server:
         self.engine = engine_cls(
             self.model, self.tokenizer, EngineConfig(max_context=context, **engine_kw)
         )
-        settings = Settings(model_name, context, loaded.config.vocab_size, api_key, stop_timeout=5)
-        settings.adapters = adapters
+        settings = Settings(
+            model_name,
+            context,
+            loaded.config.vocab_size,
+            api_key,
+            stop_timeout=5,
+            adapters=adapters,
+        )
         self.app = create_app(self.engine, self.tokenizer, settings)
         sock = bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
