@@ -105,10 +105,14 @@ class PromptLearningLM(nn.Module):
         x = self.embedding.weight
         return x if self.transform is None else self.transform(x)
 
-    def write_prefix(self, cache: ModelCache) -> None:
-        """Fill the cache's slots 0..P-1 of every row with the prefix."""
-        B, P = cache.key_valid.shape[0], self.num_virtual_tokens
-        slots = torch.arange(P, device=cache.key_valid.device)
+    def write_prefix(self, cache, slots: Tensor | None = None) -> None:
+        """Fill the first P positions of every row of `cache` with the prefix: slots 0..P-1
+        of a ModelCache, or the (B, P) pool slots `slots` of a paged cache's step (the serve
+        engine's, components/paged_kv_cache.py)."""
+        P = self.num_virtual_tokens
+        if slots is None:
+            slots = torch.arange(P, device=self.embedding.weight.device)
+        B = slots.shape[0] if slots.dim() == 2 else cache.key_valid.shape[0]
         if self.method == "prefix":
             L, K, D = len(cache.layers), self.n_kv_heads, self.head_dim
             kv = self.prefix().view(P, L, 2, K, D).permute(1, 2, 3, 0, 4)  # (L, 2, K, P, D)

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
-    loaded = open_served(args.ckpt, device, sequential=Engine is SequentialEngine)
+    loaded = open_served(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
     with steering(model, text_steers(model, tokenizer, args.steer)):  # every request, if any
         return serve(args, loaded, Engine, threads, device)
@@ -223,22 +223,15 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
     return 0
 
 
-def open_served(ckpt: str, device: str = "cpu", sequential: bool = False) -> Loaded:
+def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     """The checkpoint `attnlab serve --ckpt` serves (any kind `open_checkpoint` reads; a LoRA
-    run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer. A
-    prefix- or prompt-tuning run is served by the sequential engine only (its cache is
-    `fill_cache`'s, which writes the prefix first; the batched engine's paged cache starts
-    with the prompt)."""
+    run's adapters merged; a prefix- or prompt-tuning run, whose prefix both engines write
+    first into each request's cache), checked: a decoder-only LM with an LM head and a
+    tokenizer."""
     loaded = open_checkpoint(ckpt, device)
     model = loaded.model
-    if isinstance(model, PromptLearningLM):
-        if not sequential:
-            raise ValueError(
-                f"{ckpt!r} is a {model.method}-tuning run, which the batched engine cannot "
-                "serve (its paged cache has no prefix): give --engine sequential"
-            )
-        return loaded
-    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
+    image = prefix_length(model) and not isinstance(model, PromptLearningLM)
+    if loaded.config.arch != "decoder" or hasattr(model, "encode") or image:
         raise ValueError(
             f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
             "language model checkpoint"

@@ -16,6 +16,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import load_hf
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from attnlab.serve.engine import Engine
 from attnlab.serve.sequential import SequentialEngine
 from attnlab.serve.types import EngineConfig, Request, SamplingParams
 
@@ -191,3 +192,29 @@ def test_the_sequential_server_engine_serves_a_prefix_as_generate_does():
     assert (
         got == generate(model, [[5, 6, 7]], GenerationConfig(6, SamplingConfig(temperature=0)))[0]
     )
+
+
+@pytest.mark.parametrize(("method", "projection"), [("prefix", 0), ("prompt", 0)])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_the_batched_engine_serves_a_prefix_as_generate_does(preset, method, projection):
+    """The continuous-batching engine writes the prefix into each sequence's first blocks (3
+    positions: not a whole block of 4), then its prompt in chunks after it: concurrent greedy
+    requests are token-identical to generate run on each alone."""
+    torch.manual_seed(0)
+    model = PromptLearningLM(build_model(get_preset(preset)).eval(), method, 3, projection).eval()
+    config = EngineConfig(max_batch=4, block_size=4, prefill_chunk=5, max_context=40)
+    engine = Engine(model, None, config)
+    prompts = [(5, 6, 7, 8, 9, 10, 11), (12, 13), (5, 6, 7, 8, 9, 10, 11, 12, 13, 14)]
+    events = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        request = Request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0))
+        engine.submit(request, events[i].append)
+    while engine.step():
+        pass
+    greedy = GenerationConfig(6, SamplingConfig(temperature=0))
+    for i, p in enumerate(prompts):
+        got = [e.token_id for e in events[i] if e.token_id is not None]
+        assert got == generate(model, [list(p)], greedy)[0], i
+    with torch.no_grad():  # the prefix matters
+        x = torch.tensor([prompts[0]])
+        assert (model(x) - model.decoder(x)).abs().max() > 1e-3

@@ -138,13 +138,9 @@ def test_every_command_opens_every_checkpoint_kind(ckpts, command, kind, capsys)
 @pytest.mark.parametrize("kind", KINDS)
 def test_serve_opens_every_checkpoint_kind(ckpts, kind):
     """attnlab serve's loading: every decoder kind opens (a LoRA run merged), a classifier (an
-    encoder's) is refused in one line, a prefix-tuning run by the batched engine only."""
+    encoder's) is refused in one line, a prefix-tuning run opens with its prefix."""
     if kind == "prefix":
-        with pytest.raises(ValueError, match="give --engine sequential"):
-            open_served(str(ckpts[kind]))
-        assert type(open_served(str(ckpts[kind]), sequential=True).model).__name__ == (
-            "PromptLearningLM"
-        )
+        assert type(open_served(str(ckpts[kind])).model).__name__ == "PromptLearningLM"
         return
     if kind == "classifier":
         with pytest.raises(ValueError, match="attnlab serve needs a decoder-only") as e:
