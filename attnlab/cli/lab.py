@@ -1,6 +1,7 @@
 """Experiments that test the seeds' claims: `attnlab lab extrapolate` (length extrapolation) and
 `attnlab lab heads` (what heads do),
-`attnlab lab patch` (activation patching and logit attribution).
+`attnlab lab patch` (activation patching and logit attribution),
+`attnlab lab moe` (dense against Mixture-of-Experts models at equal active and total parameters).
 
 A small dispatcher: each experiment is one subcommand with one `<name>_main(args)` function and
 its flags (attnlab/lab/).
@@ -12,6 +13,7 @@ from pathlib import Path
 from attnlab.cli.options import add_dataclass_flags, apply_config_flags, options_from_args
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
 from attnlab.lab.heads import COARSE_LEVELS, CURVES, HeadsLab, format_report, heads_lab
+from attnlab.lab.moe import MoELab, run_moe_lab
 from attnlab.lab.patching import patch_lab
 
 EXTRAPOLATE_HELP = (
@@ -169,11 +171,32 @@ def patch_main(args: argparse.Namespace) -> int:
     return 0
 
 
+MOE_HELP = (
+    "train a dense decoder and two Mixture-of-Experts ones, at its active and at its total "
+    "parameters, on the same tokens: held-out loss curves, tokens/s, tokens per expert"
+)
+
+
+def add_moe_flags(p: argparse.ArgumentParser) -> None:
+    add_dataclass_flags(p, MoELab)
+
+
+def moe_main(args: argparse.Namespace) -> int:
+    """`attnlab lab moe`: train the three models; print the table."""
+    result = run_moe_lab(options_from_args(MoELab, args))
+    print(Path(result["files"][1]).read_text(), end="")
+    print(f"\n{result['wall_s']:.0f} s")
+    for f in result["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
 # name: (help, add its flags, run it). One line per experiment.
 EXPERIMENTS = {
     "extrapolate": (EXTRAPOLATE_HELP, add_extrapolate_flags, extrapolate_main),
     "heads": (HEADS_HELP, add_heads_flags, heads_main),
     "patch": (PATCH_HELP, add_patch_flags, patch_main),
+    "moe": (MOE_HELP, add_moe_flags, moe_main),
 }
 
 

@@ -24,6 +24,10 @@ HF_STACKS = {
     "llama": {"": ("model.layers", "model.norm")},
     "mistral": {"": ("model.layers", "model.norm")},
     "qwen2": {"": ("model.layers", "model.norm")},
+    **{  # the Mixture-of-Experts families (interop/hf/moe.py, deepseek.py)
+        family: {"": ("model.layers", "model.norm")}
+        for family in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+    },
     "bert": {"": ("bert.encoder.layer", None)},
     "t5": {
         "encoder.": ("encoder.block", "encoder.final_layer_norm"),

@@ -15,6 +15,7 @@ from attnlab.components.embedding import TokenEmbedding, tie_weights
 from attnlab.components.ffn import ACTIVATIONS, MLP, GatedMLP
 from attnlab.components.init import init_weights
 from attnlab.components.mla import MultiHeadLatentAttention
+from attnlab.components.moe import MoE
 from attnlab.components.norms import build_norm
 from attnlab.components.positions import (
     ALiBi,
@@ -110,27 +111,51 @@ def build_attention(cfg: ModelConfig, cross: bool = False) -> nn.Module:
     )
 
 
-def build_ffn(cfg: ModelConfig) -> nn.Module:
+def build_ffn(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    """The FFN of block `layer`: an MoE when cfg.moe says so (past its first dense layers)."""
+    if cfg.moe is not None and layer >= cfg.moe.first_dense_layers:
+        return build_moe(cfg)
     if cfg.ffn == "mlp":
         return MLP(cfg.d_model, cfg.ffn_width, cfg.activation, cfg.ffn_bias, cfg.dropout)
     gate = "silu" if cfg.ffn == "swiglu" else cfg.activation
     return GatedMLP(cfg.d_model, cfg.ffn_width, gate, cfg.ffn_bias, cfg.dropout)
 
 
+def build_moe(cfg: ModelConfig) -> MoE:
+    m = cfg.moe
+    return MoE(
+        cfg.d_model,
+        cfg.expert_width,
+        m.n_experts,
+        m.n_experts_per_token,
+        m.score,
+        m.normalize,
+        m.n_groups,
+        m.topk_groups,
+        m.routed_scale,
+        m.d_shared,
+        m.shared_gate,
+        m.bias_update_rate,
+        dropout=cfg.dropout,
+    )
+
+
 def build_norm_for(cfg: ModelConfig) -> nn.Module:
     return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
 
 
-def build_block(cfg: ModelConfig, causal: bool, cross: bool = False) -> nn.Module:
-    """An EncoderBlock (causal=False) or a DecoderBlock, with cross-attention if `cross`."""
+def build_block(cfg: ModelConfig, causal: bool, cross: bool = False, layer: int = 0) -> nn.Module:
+    """An EncoderBlock (causal=False) or a DecoderBlock, with cross-attention if `cross`;
+    `layer` is its index in the stack (which FFN it gets, see build_ffn)."""
     norms = [build_norm_for(cfg) for _ in range(3 if cross else 2)]
     if not causal:
         return EncoderBlock(
             build_attention(cfg), build_ffn(cfg), norms, cfg.norm_placement, cfg.dropout
         )
     cross_attn = build_attention(cfg, cross=True) if cross else None
+    ffn = build_ffn(cfg, layer)
     return DecoderBlock(
-        build_attention(cfg), build_ffn(cfg), norms, cross_attn, cfg.norm_placement, cfg.dropout
+        build_attention(cfg), ffn, norms, cross_attn, cfg.norm_placement, cfg.dropout
     )
 
 
@@ -154,7 +179,7 @@ def build_encoder(cfg: ModelConfig, embed: TokenEmbedding) -> Encoder:
 
 
 def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross: bool) -> DecoderLM:
-    blocks = [build_block(cfg, causal=True, cross=cross) for _ in range(n_layers)]
+    blocks = [build_block(cfg, causal=True, cross=cross, layer=i) for i in range(n_layers)]
     head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     if cfg.tie_embeddings:
         tie_weights(head, embed)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from attnlab.components.ffn import gated_d_ff
+from attnlab.components.moe import check_routing
 from attnlab.components.positions.rope import RopeScaling
 from attnlab.components.vision import Patchify, PatchPosition, check_patch_geometry
 from attnlab.configs import check_literals
@@ -142,6 +143,55 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Sparse Mixture-of-Experts feed-forward layers in place of the dense FFN
+    (components/moe.py, which explains each field).
+
+    n_experts: E routed SwiGLU experts.  n_experts_per_token: k, the experts each token uses.
+    d_expert: each routed expert's hidden width; None -> the model's d_ff.
+    score: the router, "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3, with its
+        selection-only bias).  normalize: divide the k gates by their sum.
+    n_groups, topk_groups: DeepSeek-V3's group-limited routing (1, 1 = off).
+    routed_scale: multiplies the routed gates (DeepSeek's routed_scaling_factor).
+    d_shared: the width of the shared expert every token uses (0 = none; DeepSeek's
+        n_shared_experts * d_expert).  shared_gate: a sigmoid gate on it (Qwen2-MoE).
+    bias_update_rate: DeepSeek-V3's gamma, the auxiliary-loss-free bias step (sigmoid only).
+    first_dense_layers: the first layers keep a dense FFN (DeepSeek's first_k_dense_replace).
+    """
+
+    n_experts: int = 8
+    n_experts_per_token: int = 2
+    d_expert: int | None = None
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    normalize: bool = True
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0
+    d_shared: int = 0
+    shared_gate: bool = False
+    bias_update_rate: float = 0.0
+    first_dense_layers: int = 0
+
+    def __post_init__(self):
+        check_routing(
+            self.n_experts, self.n_experts_per_token, self.score, self.n_groups, self.topk_groups
+        )
+        check_literals(self)
+        small = {
+            k: getattr(self, k)
+            for k in ("d_shared", "bias_update_rate", "first_dense_layers")
+            if getattr(self, k) < 0
+        }
+        if small or (self.d_expert is not None and self.d_expert < 1):
+            raise ValueError(f"moe widths, rates and layer counts must be >= 0, got {small}")
+        if self.bias_update_rate and self.score != "sigmoid":
+            raise ValueError(
+                f"moe.bias_update_rate={self.bias_update_rate} balances a 'sigmoid' router; "
+                f"moe.score={self.score!r} has no bias (use the auxiliary loss)"
+            )
+
+
+@dataclass(frozen=True)
 class HeadConfig:
     """A task head in place of the LM / masked-LM head, for fine-tuning (models/heads.py).
 
@@ -204,6 +254,7 @@ class ModelConfig:
     type_vocab_size: BERT's segment embeddings.
     vision: the image encoder of a "vlm" (vision-language) model; None for every other arch.
     head: a task head (sequence or token classification) in place of the LM head; None: the LM.
+    moe: Mixture-of-Experts FFNs (a decoder's, ffn "swiglu"); None: dense FFNs.
     """
 
     arch: Arch
@@ -236,6 +287,7 @@ class ModelConfig:
     init_std: float = 0.02
     vision: VisionConfig | None = None
     head: HeadConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         check_literals(self)
@@ -265,6 +317,22 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_vision()
         self._check_head()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        m = self.moe
+        if m is None:
+            return
+        if self.arch != "decoder" or self.ffn != "swiglu":
+            raise ValueError(
+                f"moe needs arch='decoder' and ffn='swiglu' (SwiGLU experts), not "
+                f"arch={self.arch!r}, ffn={self.ffn!r}"
+            )
+        if self.ffn_bias or m.first_dense_layers > self.n_layers:
+            raise ValueError(
+                f"moe experts have no biases (ffn_bias={self.ffn_bias}) and "
+                f"moe.first_dense_layers={m.first_dense_layers} must be <= n_layers={self.n_layers}"
+            )
 
     def _check_head(self) -> None:
         h = self.head
@@ -341,6 +409,11 @@ class ModelConfig:
         if self.d_ff is not None:
             return self.d_ff
         return 4 * self.d_model if self.ffn == "mlp" else gated_d_ff(self.d_model)
+
+    @property
+    def expert_width(self) -> int:
+        """The resolved moe.d_expert (the model's d_ff when unset)."""
+        return self.ffn_width if self.moe.d_expert is None else self.moe.d_expert
 
     @property
     def has_final_norm(self) -> bool:

@@ -2,6 +2,7 @@
 tokenizers, which are already in HF's format (tokenizer.json), in and out of HF directories.
 
     load_hf(dir)              config.json architectures (or model_type) -> gpt2|llama|bloom|bert|t5
+                              (|moe: Mixtral, Qwen2-MoE, Qwen3-MoE |deepseek: DeepSeek-V3)
     save_hf(model, cfg, dir)  cfg -> the one family that can hold it
 """
 
@@ -12,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from attnlab.interop.hf import bert, bloom, common, gpt2, llama, t5
+from attnlab.interop.hf import bert, bloom, common, deepseek, gpt2, llama, moe, t5
 from attnlab.models.config import ModelConfig
 from attnlab.tokenizer import Tokenizer
 
@@ -23,6 +24,8 @@ ARCHITECTURES: dict[str, ModuleType] = {
     **{a: bloom for a in bloom.ARCHITECTURES},
     **{a: bert for a in bert.ARCHITECTURES},
     **{a: t5 for a in t5.ARCHITECTURES},
+    **{a: moe for a in moe.ARCHITECTURES},
+    **{a: deepseek for a in deepseek.ARCHITECTURES},
 }
 MODEL_TYPES: dict[str, ModuleType] = {
     "gpt2": gpt2,
@@ -32,6 +35,8 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "bloom": bloom,
     "bert": bert,
     "t5": t5,
+    **{family: moe for family in moe.DENSE},
+    "deepseek_v3": deepseek,
 }
 TOKENIZER = "tokenizer.json"
 
@@ -74,6 +79,8 @@ def converter_for(cfg: ModelConfig) -> ModuleType:
         raise ValueError(f"no supported HF family holds arch={cfg.arch!r}")
     if cfg.position == "learned":
         return gpt2
+    if cfg.moe is not None:
+        return deepseek if cfg.attention.kind == "mla" else moe
     if cfg.position == "rope":
         return llama
     if cfg.position == "alibi":
