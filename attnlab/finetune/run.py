@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora
-from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.adapters.prompt_learning import PromptLearningLM
+from attnlab.checkpoint import Loaded, open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.finetune import data
 from attnlab.finetune.config import (
@@ -78,6 +79,7 @@ DEFAULT_SECTIONS = {  # the run's sections beside its model, as they start
     "head": HeadOptions(),
     "reward": RewardConfig(),
     "grpo": GRPOConfig(),
+    "peft": PromptLearningConfig(),
 }
 
 
@@ -95,6 +97,7 @@ class FinetuneRun:
     head: HeadOptions = field(default_factory=HeadOptions)
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    peft: PromptLearningConfig = field(default_factory=PromptLearningConfig)
 
 
 def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
@@ -206,7 +209,7 @@ def open_base(path: str | Path, task: str) -> Loaded:
     """The base checkpoint, checked: a decoder LM for sft, dpo, reward and grpo, and a
     tokenizer. A LoRA fine-tuning run (say, the SFT run that DPO starts from) opens with its
     adapters merged."""
-    loaded = open_checkpoint(path)
+    loaded = plain_model(open_checkpoint(path), "fine-tune its base (run.base) instead")
     head = task_head_kind(loaded.config)
     if task in LM_TASKS and (loaded.config.arch != "decoder" or head is not None):
         kind = head or f"an {loaded.config.arch} model"
@@ -230,6 +233,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         dropout=lora.dropout,
         bias=lora.bias,
         modules_to_save=lora.save_names,
+        rslora=lora.rslora,
     )
     if has_task_head(model):
         for name in head_modules(model):
@@ -292,7 +296,14 @@ def build_task(
         )
     dpo = run.dpo
     return DPOTask(
-        train_ex, val_ex, beta=dpo.beta, reference=reference, rpo_alpha=dpo.rpo_alpha, **common
+        train_ex,
+        val_ex,
+        beta=dpo.beta,
+        reference=reference,
+        rpo_alpha=dpo.rpo_alpha,
+        loss=dpo.loss,
+        label_smoothing=dpo.label_smoothing,
+        **common,
     )
 
 
@@ -303,6 +314,11 @@ def build_finetune(configs: dict, ckpt: str | Path):
     t, d, lora = configs["train"], configs["data"], configs["lora"]
     if t.compile and d.task in ("dpo", "grpo"):
         raise ValueError(f"--train.compile is not supported with --task {d.task}; leave it off")
+    if configs["peft"].method != "none" and d.task not in ("sft", "dpo", "grpo"):
+        raise ValueError(
+            f"--peft.method {configs['peft'].method} trains a language model's prefix (--task "
+            f"sft, dpo or grpo); --task {d.task} trains a head: use LoRA or full fine-tuning"
+        )
     loaded = open_base(ckpt, d.task)
     run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
     torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
@@ -335,6 +351,8 @@ def build_finetune(configs: dict, ckpt: str | Path):
             add_adapters(model, lora)
         return model, build_task(run, loaded.tokenizer), run
     model = loaded.model
+    if configs["peft"].method != "none":
+        return _prompt_learning(configs, loaded, run)
     # DPO's and GRPO's reference, the model before: the policy with its adapters off under
     # LoRA (objectives.reference_model), else (or when base weights train too) a frozen copy
     copied = not lora.rank or lora.trains_base
@@ -345,6 +363,25 @@ def build_finetune(configs: dict, ckpt: str | Path):
     task = build_task(run, loaded.tokenizer, reference, policy=model)
     if d.task == "dpo" and run.dpo.precompute_reference:
         task.precompute_reference(model, resolve_device(t.device))
+    return model, task, run
+
+
+def _prompt_learning(configs: dict, loaded: Loaded, run: FinetuneRun):
+    """(model, task, run) of a prefix- or prompt-tuning run (`--peft.method prefix|prompt`):
+    the base frozen inside a PromptLearningLM; DPO's and GRPO's reference is a frozen copy of
+    the base."""
+    p, d = configs["peft"], configs["data"]
+    if configs["lora"].rank:
+        raise ValueError("--peft.method trains a prefix instead of LoRA: leave out --lora.rank")
+    if d.packing or configs["train"].compile:
+        flag = "--data.packing" if d.packing else "--train.compile"
+        raise ValueError(f"{flag} is not supported with --peft.method; leave it off")
+    wants = d.task == "dpo" or (d.task == "grpo" and run.grpo.beta > 0)
+    reference = copy.deepcopy(loaded.model) if wants else None
+    model = PromptLearningLM(loaded.model, p.method, p.num_virtual_tokens, p.prefix_projection)
+    task = build_task(run, loaded.tokenizer, reference, policy=model)
+    if d.task == "dpo" and run.dpo.precompute_reference:
+        task.precompute_reference(model, resolve_device(configs["train"].device))
     return model, task, run
 
 
