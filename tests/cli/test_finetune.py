@@ -193,6 +193,13 @@ def test_builtin_spec_with_a_jsonl_source_is_one_clear_error(base, tmp_path, cap
     assert "data.builtin='spec' chooses the built-in" in err
 
 
+def test_a_prefix_on_a_reward_head_is_one_clear_error(base, tmp_path, capsys):
+    argv = args(base, "reward", tmp_path / "out", "--train.steps=1", "--peft.method=prefix")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: --peft.method prefix") and "\n" not in err
+
+
 def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(args(base, "sft", tmp_path / "out")[:3] + ["--task", "summarize"])
