@@ -8,6 +8,7 @@ prompts, source tensors, callbacks) stays an argument of the function that uses 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from attnlab.inference.constraints import Constraint
 from attnlab.inference.sampling import SamplingConfig
 
 
@@ -35,6 +36,9 @@ class GenerationConfig:
         length_penalty: beam search's length exponent (> 0 favours longer outputs).
         early_stopping: beam search's rule for closing a prompt (see beam.py).
         num_return_sequences: beam hypotheses returned per prompt (<= num_beams).
+        constraint: every row's text must be JSON of a schema, match a regex or be one of some
+            choices (constraints.py); needs the tokenizer (`generate(..., tokenizer=)`) and a
+            stop token, and ends the row only where the text is complete.
     """
 
     max_new_tokens: int = 200
@@ -51,6 +55,7 @@ class GenerationConfig:
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = 1
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         # Lists are accepted and kept as tuples, so the config stays hashable and frozen.

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.beam import beam_search
 from attnlab.inference.config import GenerationConfig
+from attnlab.inference.constraints import Matcher, banned_by
 from attnlab.inference.sampling import SamplingConfig, SamplingRows, TokenCounts, sample
 from attnlab.inference.steps import (
     decode_step,
@@ -100,6 +101,7 @@ def stream_tokens(
     source_mask: Tensor | None = None,
     step_fn: Callable | None = None,
     on_notice: Callable[[str], None] | None = None,
+    tokenizer=None,
 ) -> Iterator[Tensor]:
     """Yield each step's new tokens (B,) as soon as they are chosen: the one generation loop.
 
@@ -114,6 +116,8 @@ def stream_tokens(
         step_fn: replaces `decode_step`, same signature (`compiled_step.compile_decode_step`).
         on_notice: gets the one-line notice of a crop the position table forces (default: a
             ContextCropWarning).
+        tokenizer: the model's Tokenizer, for `config.constraint` (each row gets its own
+            Matcher, whose mask bans tokens as the stop tokens are banned before min_new_tokens).
     """
     decoder = decoder_of(model)
     device = decoder.head.weight.device
@@ -139,9 +143,16 @@ def stream_tokens(
     stop_mask = torch.zeros(V, dtype=torch.bool, device=device).index_fill(0, stops, True)
     gen = None if config.seed is None else torch.Generator(device=device).manual_seed(config.seed)
     step = step_fn or decode_step
+    matchers = row_matchers(config, tokenizer, B, V)
     for i in range(n_new):
         banned = stop_mask if i < config.min_new_tokens else None
+        constrained = banned_by(matchers, device)  # (B, V) or None
+        if constrained is not None:
+            banned = constrained if banned is None else constrained | banned
         token = sample(logits, rows, counts, gen, banned)  # (B,)
+        for m, t in zip(matchers, token.tolist()):
+            if m is not None:
+                m.advance(t)
         if counts is not None:
             counts.add(token)
         if len(stops):
@@ -161,6 +172,15 @@ def stream_tokens(
             logits, cache, slot = fill_cache(
                 model, history[:, -keep:], seen[:, -keep:], window - keep, memory, source_mask
             )
+
+
+def row_matchers(config: GenerationConfig, tokenizer, B: int, V: int) -> list[Matcher | None]:
+    """One Matcher per row for `config.constraint` (None per row without one)."""
+    if config.constraint is None:
+        return [None] * B
+    if tokenizer is None:
+        raise ValueError("a constraint needs the tokenizer: pass tokenizer= to generate")
+    return [Matcher(config.constraint, tokenizer, config.stop_tokens, V) for _ in range(B)]
 
 
 class _Notice:
@@ -191,6 +211,7 @@ def generate(
     on_token: Callable[[Tensor], None] | None = None,
     step_fn: Callable | None = None,
     on_notice: Callable[[str], None] | None = None,
+    tokenizer=None,
 ) -> list[list[int]]:
     """Generate up to `config.max_new_tokens` per prompt and return only the new tokens of each
     row. A row ends at (and keeps) the first of `config.stop_tokens`; with `decode` (ids ->
@@ -200,7 +221,7 @@ def generate(
     Args:
         decode: token ids -> text, for stop strings (detokenized incrementally, text.py).
         on_token: called with each step's (B,) tokens as they come (streaming).
-        source, source_mask, step_fn, on_notice: see `stream_tokens`.
+        source, source_mask, step_fn, on_notice, tokenizer: see `stream_tokens`.
     """
     if config.stop_strings and decode is None:
         raise ValueError("stop_strings need a `decode` function (token ids -> text)")
@@ -216,6 +237,7 @@ def generate(
         source_mask=source_mask,
         step_fn=step_fn,
         on_notice=on_notice,
+        tokenizer=tokenizer,
     )
     for token in stream:
         if on_token is not None:
@@ -270,10 +292,11 @@ def generate_text(
     if max_new_tokens is not None:
         config = replace(config, max_new_tokens=max_new_tokens)
     if config.num_beams != 1:
-        if config.sampling != DEFAULT_SAMPLING or on_text is not None:
+        if config.sampling != DEFAULT_SAMPLING or on_text is not None or config.constraint:
             raise ValueError(
                 f"beam search (num_beams={config.num_beams}) is deterministic and returns "
-                "its best hypothesis at the end: no sampling settings, no streaming"
+                "its best hypothesis at the end: no sampling settings, no streaming, no "
+                "constraint"
             )
         best = beam_search(model, [ids], config, source=source, source_mask=source_mask)
         tokens = best[0][0].tokens
@@ -286,7 +309,13 @@ def generate_text(
             on_text(piece)
 
     for token in stream_tokens(
-        model, [ids], config, source=source, source_mask=source_mask, on_notice=on_notice
+        model,
+        [ids],
+        config,
+        source=source,
+        source_mask=source_mask,
+        on_notice=on_notice,
+        tokenizer=tokenizer,
     ):
         t = int(token[0])
         show(text.push(t))
