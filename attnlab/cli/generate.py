@@ -19,11 +19,13 @@ generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
 import argparse
 import sys
+from pathlib import Path
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import add_sampling_flags, add_steer_flag, sampling_and_device
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
+from attnlab.inference.constraints import Constraint
 from attnlab.inference.generate import generate_text
 from attnlab.inference.steering import steering, text_steers
 from attnlab.models.heads import task_head_kind
@@ -104,6 +106,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "its end of turn and print the reply only",
     )
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    only = p.add_mutually_exclusive_group()  # constrained decoding (inference/constraints.py)
+    only.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid against this schema"
+    )
+    only.add_argument("--regex", metavar="R", help="the output fully matches this regex")
+    only.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is one of these (repeat)"
+    )
     add_steer_flag(p)
     add_sampling_flags(p)
 
@@ -169,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=stop_tokens,
         min_new_tokens=args.min_new_tokens,
         ignore_eos=args.ignore_eos,
+        constraint=constraint_of(args),
     )
     with steering(model, text_steers(model, tokenizer, args.steer)):  # no --steer: no hooks
         text = generate_text(
@@ -183,6 +194,23 @@ def run(args: argparse.Namespace) -> int:
         show(args.prompt + text if echo else text)
     print()
     return 0
+
+
+def constraint_of(args: argparse.Namespace) -> Constraint | None:
+    """The constraint of --json-schema / --regex / --choice (None without one)."""
+    try:
+        if args.json_schema is not None:
+            return Constraint.json_schema(Path(args.json_schema).read_text())
+        if args.regex is not None:
+            return Constraint.regex(args.regex)
+        if args.choice:
+            return Constraint.choice(args.choice)
+    except OSError as err:
+        raise ValueError(f"--json-schema {args.json_schema}: {err.strerror}") from None
+    except ValueError as err:
+        flag = "--json-schema" if args.json_schema else "--regex" if args.regex else "--choice"
+        raise ValueError(f"{flag}: {err}") from None
+    return None
 
 
 def chat_prompt(tokenizer, message: str, ckpt: str, decoder_only: bool):

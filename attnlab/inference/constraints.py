@@ -109,10 +109,39 @@ def one_line(message: str) -> str:
 
 @lru_cache(maxsize=8)
 def vocabulary(tokenizer):
-    """llguidance's view of an attnlab Tokenizer (the bytes of each id, read from the HF
-    tokenizers JSON it wraps). Cached per tokenizer object: building it walks the vocabulary."""
+    """llguidance's view of an attnlab Tokenizer: the bytes of each id. Cached per tokenizer
+    object (building it walks the vocabulary).
+
+    The library reads a byte-level BPE's tokenizer JSON itself (its tokens spell bytes in
+    GPT-2's byte -> unicode alphabet); other tokenizers it cannot read (attnlab's character
+    tokenizer) are given as each id's decoded text."""
+    llg = library()
     eos = tokenizer.token_id("<eos>")
-    return library().LLTokenizer(tokenizer.backend.to_str(), eos_token=0 if eos is None else eos)
+    eos = 0 if eos is None else eos
+    try:
+        return llg.LLTokenizer(tokenizer.backend.to_str(), eos_token=eos)
+    except ValueError:
+        return llg.LLTokenizer(llg.TokenizerWrapper(_TokenTexts(tokenizer, eos)), eos_token=eos)
+
+
+class _TokenTexts:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: each id's bytes (special tokens
+    as 0xFF + name, the library's mark for tokens no text contains), and an encoder."""
+
+    def __init__(self, tokenizer, eos: int):
+        added = tokenizer.backend.get_added_tokens_decoder()
+        self.special_token_ids = sorted(i for i, t in added.items() if t.special)
+        self.tokens = [
+            b"\xff" + added[i].content.encode()
+            if i in added and added[i].special
+            else tokenizer.backend.decode([i], skip_special_tokens=False).encode()
+            for i in range(tokenizer.vocab_size)
+        ]
+        self.eos_token_id, self.bos_token_id = eos, tokenizer.token_id("<bos>")
+        self.encode = tokenizer.encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return self.encode(text.decode(errors="replace") if isinstance(text, bytes) else text)
 
 
 class Matcher:
@@ -149,6 +178,11 @@ class Matcher:
         allowed[:n] = bias[:n] > 0
         allowed[self.vocab.eos_token] = False  # the row's own stop tokens stand for EOS
         allowed[self.stops] = self.matcher.is_accepting()
+        if not allowed.any():
+            raise ValueError(
+                "no token of the vocabulary can continue the constraint here: this tokenizer "
+                "cannot write what it asks for"
+            )
         return allowed
 
     def advance(self, token: int) -> None:

@@ -191,6 +191,8 @@ def test_the_full_sampler_flags_are_the_librarys(run_dir, capsys):
         (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
         (["--num-beams", "0"], "num_beams must be >= 1, got 0"),
         (["--num-beams", "2", "--stream"], "no streaming"),
+        (["--regex", "(cat"], "--regex: invalid regex"),
+        (["--json-schema", "/nonexistent.json"], "--json-schema /nonexistent.json: No such"),
     ],
 )
 def test_bad_values_exit_2_with_the_value_named(run_dir, capsys, flags, message):
@@ -301,3 +303,25 @@ def test_steer_generates_what_the_library_generates_under_steering(run_dir, caps
     assert out != plain  # a scale this large changes the greedy text
     code, _, err = cli(capsys, *flags, "--steer", "7", "a", "b", "1")
     assert code == 2 and "outside this model's 1 blocks" in err
+
+
+@pytest.mark.slow
+def test_constraint_flags(run_dir, tmp_path, capsys):
+    """--regex, --choice and --json-schema outputs, with a character tokenizer (the constraint
+    itself: tests/inference/test_constraints.py)."""
+    import json
+    import re
+
+    base = ["--ckpt", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "30"]
+
+    def output(*flags: str) -> str:
+        code, out, err = cli(capsys, *base, *flags)
+        assert code == 0 and out.startswith(PROMPT), err
+        return out[len(PROMPT) : -1]
+
+    assert re.fullmatch("[a-z]{3} [a-z]{2}", output("--regex", "[a-z]{3} [a-z]{2}"))
+    assert output("--choice", "yes", "--choice", "no") in ("yes", "no")
+    (tmp_path / "s.json").write_text(json.dumps({"type": "boolean"}))
+    assert json.loads(output("--json-schema", str(tmp_path / "s.json"))) in (True, False)
+    code, _, err = cli(capsys, *base, "--regex", "[0-9]{3}")  # no digit in its vocabulary
+    assert code == 2 and "no token of the vocabulary" in err, err
