@@ -52,6 +52,7 @@ from attnlab.accel.paged_attention import use_compiled_decode
 from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.components.paged_kv_cache import PagedKVCache
+from attnlab.inference.constraints import Matcher, banned_by
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingRows, TokenCounts, draw, filter_logits
 from attnlab.inference.steps import decoder_of
@@ -190,6 +191,8 @@ class Engine:
             counts=counts,
             offset=self.n_prefix,
         )
+        if p.constraint is not None:
+            seq.matcher = Matcher(p.constraint, self.tokenizer, p.stop_token_ids, self.vocab_size)
         with self._cond:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
@@ -336,7 +339,7 @@ class Engine:
 
     def _filter_rows(self, seqs: list[Sequence]) -> torch.Tensor:
         """filter_logits over the sequences' logits (B, V), each row with its own settings,
-        penalty counts and stop tokens banned until its min_tokens."""
+        penalty counts, stop tokens banned until its min_tokens, and constraint's mask."""
         logits = torch.stack([s.logits for s in seqs]).float()  # (B, V)
         rows = SamplingRows.stack([s.sampling for s in seqs], self.vocab_size, self.device)
         counts = None
@@ -353,6 +356,9 @@ class Engine:
         if at:
             banned = torch.zeros_like(logits, dtype=torch.bool)
             banned[tuple(torch.tensor(at, device=self.device).T)] = True
+        constrained = banned_by([s.matcher for s in seqs], self.device)  # (B, V) or None
+        if constrained is not None:
+            banned = constrained if banned is None else banned | constrained
         return filter_logits(logits, rows, counts, banned)
 
     def _choose(self, seq: Sequence, filtered: torch.Tensor | None) -> bool:
@@ -376,6 +382,8 @@ class Engine:
         token = int(draw(filtered[None], seq.sampling.temperature == 0, seq.generator))
         if seq.counts is not None:
             seq.counts.add(torch.tensor([token], device=self.device))
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
         # log p(v) = logit(v) - logsumexp(logits): the whole (V,) log-softmax only for top-k.
         logits = logits.float()
         log_z = torch.logsumexp(logits, dim=-1)

@@ -11,6 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from attnlab.inference.constraints import Constraint
 from attnlab.inference.sampling import MAX_PENALTY, bias_pairs
 from attnlab.serve.choice import Choice
 from attnlab.serve.types import SamplingParams
@@ -232,7 +233,56 @@ def sampler_fields(body: dict, settings: Settings) -> dict:
         logit_bias=logit_bias(body, settings),
         min_tokens=field_of(body, "min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
         ignore_eos=field_of(body, "ignore_eos", bool, False, rule="a boolean"),
+        constraint=constraint(body),
     )
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice")  # vLLM's extra fields
+
+
+def constraint(body: dict) -> Constraint | None:
+    """What the output must be: OpenAI's response_format ({"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"schema": ...}}) or one of vLLM's guided_json /
+    guided_regex / guided_choice; a 400 naming the field when it is malformed or does not
+    compile, or when two are given."""
+    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give one of {given} (each constrains the whole output)", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    try:
+        if name == "guided_json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, dict):
+                raise ValueError(f"a JSON schema is an object, got {value!r}")
+            return Constraint.json_schema(schema)
+        if name == "guided_regex":
+            if not isinstance(value, str):
+                raise ValueError(f"a regular expression is a string, got {value!r}")
+            return Constraint.regex(value)
+        if name == "guided_choice":
+            if not isinstance(value, list):
+                raise ValueError(f"the choices are a list of strings, got {value!r}")
+            return Constraint.choice(value)
+        return response_format(value)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"{name}: {e}", name) from None
+
+
+def response_format(value) -> Constraint | None:
+    """OpenAI's response_format: text (no constraint), json_object, json_schema."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON schema (an object)")
+        return Constraint.json_schema(schema)
+    raise ValueError(f'type must be "text", "json_object" or "json_schema", got {value!r}')
 
 
 def sampling_params(

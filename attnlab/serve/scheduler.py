@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab.components.paged_kv_cache import PagedKVCache
+from attnlab.inference.constraints import Matcher
 from attnlab.inference.sampling import SamplingConfig, TokenCounts
 from attnlab.serve.types import QueueFull, Request, TokenEvent
 
@@ -55,6 +56,7 @@ class Sequence:
         logits: (V,) logits of the next token, once the prompt is in the cache.
         submitted, first_token: times (time.perf_counter) for the time to first token.
         counts: its prompt's and output's tokens, when its sampler has penalties.
+        matcher: its constraint's state (inference/constraints.py), when it has one.
         offset: cache positions before the prompt's (a prefix- or prompt-tuned model's learned
             prefix, adapters/prompt_learning.py): token i sits at position offset + i.
     """
@@ -73,6 +75,7 @@ class Sequence:
     logits: torch.Tensor | None = None
     first_token: float | None = None
     counts: TokenCounts | None = None
+    matcher: Matcher | None = None
     offset: int = 0
 
     @property

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
+from attnlab.inference.constraints import Matcher
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingRows, TokenCounts, sample
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
@@ -225,11 +226,19 @@ class SequentialEngine:
         mask = torch.ones_like(ids, dtype=torch.bool)
         logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
         text_ids = []
+        matcher = None
+        if p.constraint is not None:
+            matcher = Matcher(p.constraint, self.tokenizer, p.stop_token_ids, self.vocab_size)
         for i in range(p.max_tokens):
             if rid in self._cancelled:
                 return "cancelled"
             banned = stop_mask if i < p.min_tokens else None
+            if matcher is not None:
+                allowed = matcher.mask().to(self.device)
+                banned = ~allowed if banned is None else banned | ~allowed
             token = sample(logits, rows, counts, gen, banned)  # (1,)
+            if matcher is not None:
+                matcher.advance(int(token))
             if counts is not None:
                 counts.add(token)
             t = int(token)

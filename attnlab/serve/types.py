@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab.inference.constraints import Constraint
 from attnlab.inference.sampling import SamplingConfig
 
 
@@ -64,6 +65,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0  # stop_token_ids cannot be chosen before this many tokens (vLLM's)
     ignore_eos: bool = False  # the server adds no <eos> (or end of turn) to stop_token_ids
+    constraint: Constraint | None = None  # JSON schema / regex / choices (inference/constraints.py)
 
     def sampling(self) -> SamplingConfig:
         """The sampler these parameters ask for; a one-line ValueError names a bad value."""
@@ -90,6 +92,8 @@ def check_params(p: SamplingParams, vocab_size: int) -> None:
         raise ValueError(
             f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}"
         )
+    if p.constraint is not None and not p.stop_token_ids:
+        raise ValueError("a constrained reply needs a stop token to end on: leave out ignore_eos")
     for name, ids in (
         ("logit_bias", [t for t, _ in p.logit_bias]),
         ("stop_token_ids", p.stop_token_ids),

@@ -1,0 +1,124 @@
+"""Constrained decoding through the real server and the official `openai` client: OpenAI's
+response_format (json_object, json_schema) and vLLM's guided_json / guided_regex /
+guided_choice, in completions and chat, on both engines; with an untrained tiny model and many
+seeds every reply validates against its schema (`jsonschema`), fully matches its regex, or is
+one of its choices. Bad constraints are OpenAI-shaped 400s naming the field."""
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.inference.test_constraints import CHOICES, REGEX, SCHEMA
+from tests.serve.server_helpers import Server, engines, write_checkpoint
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+N, SEEDS = 10, (0, 100, 200)  # 30 replies per constraint (n choices draw with seed + j)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module", params=engines(), ids=lambda c: c.__name__)
+def client(request, ckpt):
+    server = Server(ckpt, request.param)
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    server.close()
+
+
+def completions(client, **extra) -> list[str]:
+    texts = []
+    for seed in SEEDS:
+        out = client.completions.create(
+            model="tiny",
+            prompt="the cat",
+            max_tokens=60,
+            n=N,
+            seed=seed,
+            temperature=1.5,
+            extra_body=extra,
+        )
+        assert all(c.finish_reason == "stop" for c in out.choices)
+        texts += [c.text for c in out.choices]
+    return texts
+
+
+def chats(client, **fields) -> list[str]:
+    texts = []
+    for seed in SEEDS:
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "a pet, as JSON"}],
+            max_tokens=60,
+            n=N,
+            seed=seed,
+            temperature=1.5,
+            **fields,
+        )
+        assert all(c.finish_reason == "stop" for c in out.choices)
+        texts += [c.message.content for c in out.choices]
+    return texts
+
+
+@pytest.mark.slow
+def test_guided_fields_in_completions(client):
+    for text in completions(client, guided_json=SCHEMA):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for text in completions(client, guided_regex=REGEX, top_k=20):
+        assert re.fullmatch(REGEX, text), text
+    assert set(completions(client, guided_choice=list(CHOICES))) <= set(CHOICES)
+
+
+@pytest.mark.slow
+def test_response_format_in_chat(client):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    for text in chats(client, response_format=schema_format):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    small = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }  # json_object: any object; this one always ends
+    format_ = {"type": "json_schema", "json_schema": {"name": "ok", "schema": small}}
+    assert all(
+        isinstance(json.loads(t)["ok"], bool) for t in chats(client, response_format=format_)
+    )
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        response_format={"type": "json_object"},
+    )
+    assert out.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"extra_body": {"guided_regex": "(cat"}}, "guided_regex"),
+        ({"extra_body": {"guided_json": {"type": "nonsense"}}}, "guided_json"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+            "guided_regex",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **fields
+        )
+    assert err.value.body["param"] == param, err.value.body
