@@ -4,6 +4,7 @@ BPE tokenizer: over many seeds, every output parses and validates against its JS
 its choices; bad schemas and regexes are one-line ValueErrors."""
 
 import json
+import random
 import re
 from dataclasses import replace
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.constraints import Constraint
+from attnlab.inference.constraints import Constraint, Matcher, vocabulary
 from attnlab.inference.generate import generate, generate_text
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
@@ -103,3 +104,33 @@ def test_bad_constraints_are_one_line_errors(make, culprit):
     with pytest.raises(ValueError, match=culprit) as err:
         make()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_regex_mask_is_the_reference_partial_match(lm):
+    """At every step of a sampled walk, the mask holds exactly the tokens whose bytes keep the
+    text a prefix of a full match (the `regex` module's partial matching), and <eos> only
+    where the text is a full match. (Tokens of no bytes are never allowed: they would not move
+    the text.)"""
+    regex = pytest.importorskip("regex")
+    model, tok = lm
+    eos = tok.token_id("<eos>")
+    matcher = Matcher(Constraint.regex(REGEX), tok, [eos], tok.vocab_size)
+    lt, specials = vocabulary(tok), set(tok.backend.get_added_tokens_decoder())
+    rng, text = random.Random(0), ""
+    for _ in range(12):
+        mask = matcher.mask()
+        expected = [
+            i not in specials
+            and lt.decode_bytes([i]) != b""
+            and regex.fullmatch(REGEX, text + lt.decode_bytes([i]).decode("latin-1"), partial=True)
+            is not None
+            for i in range(tok.vocab_size)
+        ]
+        expected[eos] = re.fullmatch(REGEX, text) is not None
+        assert mask.tolist() == expected, text
+        token = rng.choice(mask.nonzero().flatten().tolist())
+        if token == eos:
+            break
+        matcher.advance(token)
+        text += lt.decode_bytes([token]).decode("latin-1")

@@ -6,6 +6,7 @@ one of its choices. Bad constraints are OpenAI-shaped 400s naming the field."""
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -96,6 +97,34 @@ def test_response_format_in_chat(client):
         response_format={"type": "json_object"},
     )
     assert out.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.slow
+def test_requests_at_once_keep_their_own_constraints(client):
+    """Requests with different constraints (and one with none) at once: the batched engine
+    runs them as rows of one step, each with its own mask."""
+    asks = [{"guided_regex": REGEX, "top_k": 20}, {"guided_choice": list(CHOICES)}]
+    asks = (asks + [{"guided_json": SCHEMA}, {}]) * 3
+
+    def text(extra: dict) -> str:
+        out = client.completions.create(
+            model="tiny",
+            prompt="the cat",
+            max_tokens=60,
+            temperature=1.5,
+            seed=1,
+            extra_body=extra,
+        )
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        for extra, out in zip(asks, pool.map(text, asks)):
+            if "guided_regex" in extra:
+                assert re.fullmatch(REGEX, out), out
+            elif "guided_choice" in extra:
+                assert out in CHOICES
+            elif "guided_json" in extra:
+                jsonschema.validate(json.loads(out), SCHEMA)
 
 
 @pytest.mark.slow
