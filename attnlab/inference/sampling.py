@@ -93,6 +93,18 @@ def filter_logits(logits: Tensor, cfg: SamplingConfig, previous: Tensor | None =
     return logits
 
 
+def token_distribution(
+    logits: Tensor, cfg: SamplingConfig, previous: Tensor | None = None
+) -> Tensor:
+    """The distribution `sample` draws from, as probabilities: (B, V) logits -> (B, V) fp32.
+    Greedy (temperature 0) is the one-hot of the argmax. Speculative decoding compares two of
+    these (speculative.py)."""
+    logits = filter_logits(logits.float(), cfg, previous)
+    if cfg.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits, dim=-1)
+
+
 def sample(
     logits: Tensor,
     cfg: SamplingConfig,
