@@ -8,6 +8,9 @@ quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
 requests finish for up to --stop-timeout seconds, then exits.
+
+--speculative ngram|draft (inference/speculative.py) decodes one request at a time (batch 1):
+it runs the sequential engine, and /metrics gains the acceptance rate and tokens/s.
 """
 
 import argparse
@@ -21,6 +24,7 @@ import torch
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.cli.options import add_speculative_flags, speculative_from_args
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
@@ -114,6 +118,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "large temporaries then reuse memory instead of page-faulting fresh pages every step "
         "(the process keeps its peak memory; accel/host_memory.py)",
     )
+    add_speculative_flags(p)
 
 
 def engine_class(name: str):
@@ -138,6 +143,13 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_freed_memory and torch.device(device).type == "cpu":
         keep_freed_memory()  # for the whole process, from here on
     Engine = engine_class(args.engine)
+    if args.speculative is not None and Engine is not SequentialEngine:
+        print(
+            "attnlab serve: --speculative decodes one request at a time (batch 1): running "
+            "--engine sequential",
+            file=sys.stderr,
+        )
+        Engine = SequentialEngine
     threads = torch.get_num_threads()
     if Engine is not SequentialEngine:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
@@ -153,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if Engine is SequentialEngine:
         if args.compile_attention:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
-        engine = Engine(model, tokenizer, options)
+        engine = Engine(model, tokenizer, options, speculative_from_args(args, device, tokenizer))
     else:
         options = dataclasses.replace(
             options, threads=threads, compile_attention=args.compile_attention

@@ -52,6 +52,8 @@ from attnlab.inference.sampling import SamplingConfig, sample, token_distributio
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
 from attnlab.quantize.handler import quantize_model
 
+DEFAULT_DRAFT_TOKENS = 4  # K, drafts per round (Leviathan et al. measure gamma = 3 to 7)
+
 
 def accept_drafts(
     p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None = None
@@ -176,7 +178,7 @@ class Speculative:
     """Speculative decoding with `drafter` (NgramDrafter or ModelDrafter), up to
     `num_draft_tokens` drafts per round; `stats` adds up every generation it runs."""
 
-    def __init__(self, drafter, num_draft_tokens: int = 4):
+    def __init__(self, drafter, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter, self.k = drafter, num_draft_tokens
