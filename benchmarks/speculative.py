@@ -19,6 +19,8 @@ tokens over its wall time on all prompts (prefill included); the table gives the
 rounds, and the speedup is the median over rounds of that round's ratio to plain fp32 (a noisy
 neighbour slows both sides of a ratio alike). Acceptance = accepted / drafted tokens over all
 prompts (greedy: the same in every round). "same" checks each output against plain fp32's.
+Last, the cost of a verification: one forward of k+1 tokens against the cache, next to a
+one-token decode step (k = 0), interleaved.
 """
 
 import os
@@ -30,17 +32,25 @@ if os.getloadavg()[0] >= len(os.sched_getaffinity(0)):
 import argparse  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from _timing import cpu_name, use_all_cores  # noqa: E402
+from _timing import cpu_name, interleaved, median_ms, use_all_cores  # noqa: E402
 
 from attnlab.checkpoint import open_checkpoint  # noqa: E402
 from attnlab.inference.config import GenerationConfig  # noqa: E402
 from attnlab.inference.generate import generate  # noqa: E402
 from attnlab.inference.sampling import SamplingConfig  # noqa: E402
-from attnlab.inference.speculative import ModelDrafter, NgramDrafter, Speculative  # noqa: E402
+from attnlab.inference.speculative import (  # noqa: E402
+    ModelDrafter,
+    NgramDrafter,
+    Speculative,
+    SpeculativeStats,
+)
+from attnlab.inference.steps import fill_cache  # noqa: E402
 
 GGUF = Path.home() / ".cache/attnlab/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -93,6 +103,25 @@ def run_round(cases: dict, prompts: dict, config: GenerationConfig) -> dict:
     return result
 
 
+def forward_costs(model, ids: list[int], ks: list[int], rounds: int = 15) -> dict[int, float]:
+    """Median ms of one forward of k+1 tokens against a cache holding `ids` (k = 0: a plain
+    decode step), the sizes interleaved: what verifying K drafts costs next to one token."""
+    prompt = torch.tensor([ids])
+    _, cache, slot = fill_cache(model, prompt, torch.ones_like(prompt, dtype=bool), max(ks) + 1)
+    fns = {
+        k: partial(
+            model,
+            prompt[:, -1:].expand(1, k + 1),
+            cache=cache,
+            slots=torch.arange(slot, slot + k + 1),
+        )
+        for k in [0, *ks]
+    }
+    with torch.no_grad():
+        times = interleaved(fns, rounds)
+    return {k: median_ms(t) for k, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", default=str(GGUF), help="SmolLM2's GGUF (default %(default)s)")
@@ -120,9 +149,16 @@ def main() -> None:
     run_round(cases, ids, config)  # warm-up
     for _, spec in cases.values():
         if spec is not None:
-            spec.stats.__init__()  # count the timed rounds only
-    per_round = [run_round(cases, ids, config) for _ in range(rounds)]
+            spec.stats = SpeculativeStats()  # count the timed rounds only
+    per_round = []
+    for i in range(rounds):
+        per_round.append(run_round(cases, ids, config))
+        print(f"round {i + 1}/{rounds} done", file=sys.stderr, flush=True)
     report(cases, per_round, len(ids), n_new)
+    costs = forward_costs(fp32, ids[next(iter(ids))], args.k)
+    print()
+    print("one fp32 forward of k+1 tokens against the cache (median ms, interleaved, 15 rounds):")
+    print("  " + ", ".join(f"k={k}: {ms:.1f} ms ({ms / costs[0]:.2f}x)" for k, ms in costs.items()))
 
 
 def report(cases: dict, per_round: list[dict], n_prompts: int, n_new: int) -> None:
