@@ -474,17 +474,7 @@ def open_checkpoint(
     if str(path).endswith(".gguf"):
         return _open_gguf(Path(path), device, scheme, group_size, layout, dtype)
     path = resolve_checkpoint(path)
-    if not (path / CONFIG).is_file():
-        raise ValueError(
-            f"{str(path)!r} is not a checkpoint (no {CONFIG}; give a checkpoint directory, "
-            "or a run directory whose checkpoints/latest names one)"
-        )
-    try:
-        config = json.loads((path / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(path / CONFIG)!r} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{str(path / CONFIG)!r} must hold a JSON object")
+    config = _read_config(path)
     if is_hf_config(config):
         if scheme is not None:
             raise ValueError(f"{str(path)!r} is an HF directory, but {scheme} was asked for")
@@ -506,6 +496,22 @@ def open_checkpoint(
         return _open_lora(path, config, device, dtype, keep_adapters)
     found = _expected_scheme(path / WEIGHTS, scheme, group_size)
     return _open_attnlab(path, config, found, device, dtype)
+
+
+def _read_config(path: Path) -> dict:
+    """The JSON object in a checkpoint directory's config.json (attnlab's run config or HF's)."""
+    if not (path / CONFIG).is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint (no {CONFIG}; give a checkpoint directory, "
+            "or a run directory whose checkpoints/latest names one)"
+        )
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path / CONFIG)!r} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path / CONFIG)!r} must hold a JSON object")
+    return config
 
 
 def _lora_rank(run: dict) -> int:
