@@ -237,14 +237,10 @@ class Speculative:
         fed = torch.cat([history[:, -1:], drafts[None]], 1)  # (1, k+1)
         slots = torch.arange(n - 1, n + k, device=history.device)
         logits = decoder(fed, cache=cache, slots=slots)[0]  # (k+1, V)
-        p = torch.cat(
-            [
-                token_distribution(
-                    logits[j : j + 1], cfg, torch.cat([history, fed[:, 1 : j + 1]], 1)
-                )
-                for j in range(k + 1)
-            ]
-        )  # (k+1, V)
+        # position j's distribution, after the history and the first j drafts (its own history
+        # for the repetition penalty)
+        texts = [torch.cat([history, fed[:, 1 : j + 1]], 1) for j in range(k + 1)]
+        p = torch.cat([token_distribution(logits[j : j + 1], cfg, texts[j]) for j in range(k + 1)])
         if q is None:  # a certain draft: q is its one-hot
             q = torch.nn.functional.one_hot(drafts, p.shape[-1]).float()
         accepted, token = accept_drafts(p[None], q[None], drafts[None], gen)
