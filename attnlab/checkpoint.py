@@ -524,7 +524,8 @@ def _lora_rank(run: dict) -> int:
 def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:
     """A LoRA fine-tuning run: its checkpoint holds the frozen base's weights and the adapters
     apart (so that a resume is exact), and its run config the LoRA section. The adapters go
-    back on a model of the run's config, then (unless `keep_adapters`) merge into a float
+    back on a model of the run's config (and what trained beside them trainable again: the
+    section's bias and modules_to_save), then (unless `keep_adapters`) merge into a float
     base: a plain model with the same logits. A quantized (QLoRA) base keeps its adapters
     unmerged (re-quantizing W0 + BA would lose the update); its int8 / int4 layout is read
     from the base checkpoint the run recorded (run["base"])."""
@@ -543,7 +544,9 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
             model = quantized_like(build_model(cfg), model)
     else:
         model = build_model(cfg)
-    add_lora(model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias)
+    add_lora(
+        model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias, lora.save_names
+    )
     copy_weights(model, weights, f"checkpoint {str(path)!r}")
     if not (
         quantized or keep_adapters

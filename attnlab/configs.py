@@ -5,6 +5,7 @@ fields through `dataclasses.replace`, so every default is written once, in the d
 """
 
 import dataclasses
+import json
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -83,13 +84,19 @@ def check_literals(cfg) -> None:
 
 
 def parse_value(annotation, text: str) -> Any:
-    """Convert a command-line string to a field's type (int, float, bool, str, None, Literal)."""
+    """Convert a command-line string to a field's type (int, float, bool, str, None, Literal;
+    a tuple, list or dict field reads JSON: `--logit-bias '{"50256": -100}'`)."""
     args = get_args(annotation) if _is_union(annotation) else (annotation,)
     if text.lower() in ("none", "null") and type(None) in args:
         return None
     for arg in args:
         if arg is type(None):
             continue
+        if get_origin(arg) in (tuple, list, dict):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                continue
         if get_origin(arg) is Literal:
             if text in [str(c) for c in get_args(arg)]:
                 return next(c for c in get_args(arg) if str(c) == text)

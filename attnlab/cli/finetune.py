@@ -1,5 +1,5 @@
-"""Fine-tune a checkpoint: a task head (classify, tag), SFT or DPO, with LoRA adapters when
---lora.rank is given.
+"""Fine-tune a checkpoint: a task head (classify, tag), SFT or DPO, in full or with LoRA
+adapters when --lora.rank is given (QLoRA on an int8 / int4 checkpoint from attnlab quantize).
 
     attnlab finetune --ckpt runs/bert --task classify              # built-in: stdlib packages
     attnlab finetune --ckpt runs/bert --task tag --data.source ner.jsonl
@@ -14,7 +14,8 @@ A thin command over attnlab/finetune/run.py (what each task trains, LoRA, DPO's 
 A new run prints the base's metrics first, so a run reports them before and after. A LoRA
 run's checkpoints hold the frozen base weights and the adapters (so --resume is exact);
 `open_checkpoint` merges them on opening, as `attnlab eval` (the run's own task metrics) and
-`attnlab generate` do.
+`attnlab generate` do; `attnlab convert --from attnlab RUN --to peft DIR` writes them as a
+peft adapter.
 """
 
 import argparse

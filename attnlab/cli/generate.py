@@ -10,7 +10,8 @@ and generation stops at the template's end of turn; only the reply is printed. A
 fine-tuning checkpoint opens with its adapters merged (`open_checkpoint`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
-`--top-k`); their defaults live in the dataclass, the others in GenerationConfig's.
+`--top-k`; `--logit-bias '{"5": -100}'` reads JSON); their defaults live in the dataclass, the
+others in GenerationConfig's.
 An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint trained on
 generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
@@ -29,6 +30,7 @@ from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import (
     add_sampling_flags,
     add_speculative_flags,
+    add_steer_flag,
     sampling_and_device,
     speculative_from_args,
 )
@@ -67,6 +69,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="at most this many new tokens (default %(default)s)",
     )
     p.add_argument(
+        "--min-new-tokens",
+        type=int,
+        default=DEFAULTS.min_new_tokens,
+        metavar="N",
+        help="the stop tokens (<eos>, a chat's end of turn) cannot come before N new tokens",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past <eos> (until --max-new-tokens or a stop string)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=DEFAULTS.seed,
@@ -103,20 +117,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument(
-        "--steer",
-        nargs=4,
-        action="append",
-        default=[],
-        metavar=("LAYER", "TEXT_A", "TEXT_B", "SCALE"),
-        help="add SCALE x (mean activation of TEXT_A - that of TEXT_B) to the residual stream "
-        "entering block LAYER at every position (activation addition); repeatable, e.g. "
-        "--steer 3 ' love' ' hate' 4",
-    )
-    p.add_argument(
         "--verbose",
         action="store_true",
         help="print the generation's speed to stderr (with --speculative: its acceptance rate)",
     )
+    add_steer_flag(p)
     add_sampling_flags(p)
     add_speculative_flags(p)
 
@@ -180,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
         stop_tokens=stop_tokens,
+        min_new_tokens=args.min_new_tokens,
+        ignore_eos=args.ignore_eos,
     )
     speculative = speculative_from_args(args, device, tokenizer)
     start = time.perf_counter()

@@ -1,6 +1,7 @@
 """Experiments that test the seeds' claims: `attnlab lab extrapolate` (length extrapolation) and
 `attnlab lab heads` (what heads do),
-`attnlab lab patch` (activation patching and logit attribution).
+`attnlab lab patch` (activation patching and logit attribution),
+`attnlab lab moe` (dense against Mixture-of-Experts models at equal active and total parameters).
 
 A small dispatcher: each experiment is one subcommand with one `<name>_main(args)` function and
 its flags (attnlab/lab/).
@@ -11,7 +12,8 @@ from pathlib import Path
 
 from attnlab.cli.options import add_dataclass_flags, apply_config_flags, options_from_args
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
-from attnlab.lab.heads import HeadsLab, format_report, heads_lab
+from attnlab.lab.heads import COARSE_LEVELS, CURVES, HeadsLab, format_report, heads_lab
+from attnlab.lab.moe import MoELab, run_moe_lab
 from attnlab.lab.patching import patch_lab
 
 EXTRAPOLATE_HELP = (
@@ -85,15 +87,54 @@ def add_heads_flags(p: argparse.ArgumentParser) -> None:
         "checkpoint's own data source)",
     )
     p.add_argument("--seed", type=int, default=HeadsLab.seed, help="seed of batches and orders")
+    p.add_argument(
+        "--curves",
+        choices=CURVES,
+        default=HeadsLab.curves,
+        help="pruning curves at every level (L*H + 1 evaluations per order), at "
+        f"{COARSE_LEVELS + 1} levels (coarse: a large model in minutes), or none "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--check-induction",
+        type=int,
+        default=HeadsLab.check_induction,
+        metavar="K",
+        help="check the top K induction heads: masked against K random heads (5 draws), and "
+        "per-head patching from [r, r] into [r', r] (L*H + 11 more forwards; default: off)",
+    )
+    for name, text in SIZE_FLAGS.items():
+        default = getattr(HeadsLab, name)
+        text += "" if default is None else f" (default {default}; --fast shrinks it)"
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=None, metavar="N", help=text
+        )
+
+
+# HeadsLab's sizes, each a flag (--fast sets them all)
+SIZE_FLAGS = {
+    "batches": "importance batches, and as many held-out ones",
+    "batch_size": "sequences per batch (and [r, r] sequences)",
+    "context": "tokens per sequence (default: the checkpoint's training context)",
+    "repeat_len": "n of the [r, r] sequences (default: context / 2)",
+    "random_orders": "random pruning orders, the control",
+}
 
 
 def heads_main(args: argparse.Namespace) -> int:
     """`attnlab lab heads`: measure one checkpoint; print the summary."""
-    opts = HeadsLab(ckpt=args.ckpt, source=args.source, fast=args.fast, seed=args.seed)
+    given = [n for n in SIZE_FLAGS if getattr(args, n) is not None]
+    if args.fast and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"--fast sets the sizes itself; leave out {flag} or --fast")
+    opts = options_from_args(HeadsLab, args)
     result = heads_lab(opts, args.out)
     print(format_report(result))
     print(f"\n{result['seconds']:.0f} s")
-    print(f"wrote {args.out}/heads.json, heads.png, pruning.png, attention.html")
+    drawn = ["heads.json", "heads.png"]
+    drawn += ["pruning.png"] * (result["pruning"] is not None)
+    drawn += ["induction.png"] * ("induction_check" in result)
+    print(f"wrote {args.out}/{', '.join(drawn)}, attention.html")
     return 0
 
 
@@ -130,11 +171,32 @@ def patch_main(args: argparse.Namespace) -> int:
     return 0
 
 
+MOE_HELP = (
+    "train a dense decoder and two Mixture-of-Experts ones, at its active and at its total "
+    "parameters, on the same tokens: held-out loss curves, tokens/s, tokens per expert"
+)
+
+
+def add_moe_flags(p: argparse.ArgumentParser) -> None:
+    add_dataclass_flags(p, MoELab)
+
+
+def moe_main(args: argparse.Namespace) -> int:
+    """`attnlab lab moe`: train the three models; print the table."""
+    result = run_moe_lab(options_from_args(MoELab, args))
+    print(Path(result["files"][1]).read_text(), end="")
+    print(f"\n{result['wall_s']:.0f} s")
+    for f in result["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
 # name: (help, add its flags, run it). One line per experiment.
 EXPERIMENTS = {
     "extrapolate": (EXTRAPOLATE_HELP, add_extrapolate_flags, extrapolate_main),
     "heads": (HEADS_HELP, add_heads_flags, heads_main),
     "patch": (PATCH_HELP, add_patch_flags, patch_main),
+    "moe": (MOE_HELP, add_moe_flags, moe_main),
 }
 
 

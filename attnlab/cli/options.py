@@ -222,13 +222,16 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     defaults = SamplingConfig()
     for path, annotation in leaf_fields(SamplingConfig):
         name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        help_text = f"{name} (default {getattr(defaults, path)})"
+        if get_origin(annotation) is tuple:  # logit_bias: read as JSON (configs.parse_value)
+            help_text = """JSON {token id: bias in [-100, 100]}, e.g. '{"5": -100}'"""
         group.add_argument(
             f"--{SAMPLING}.{path}",
             f"--{path.replace('_', '-')}",
             dest=f"{SAMPLING}.{path}",
             default=None,
             metavar="V",
-            help=f"{name} (default {getattr(defaults, path)})",
+            help=help_text,
         )
 
 
@@ -244,6 +247,21 @@ def sampling_and_device(args: argparse.Namespace):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return configs[SAMPLING], device
+
+
+def add_steer_flag(p: argparse.ArgumentParser) -> None:
+    """`--steer LAYER TEXT_A TEXT_B SCALE`, repeatable (`generate` and `serve` share it; the
+    values become steers through `inference.steering.text_steers`)."""
+    p.add_argument(
+        "--steer",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("LAYER", "TEXT_A", "TEXT_B", "SCALE"),
+        help="add SCALE x (mean activation of TEXT_A - that of TEXT_B) to the residual stream "
+        "entering block LAYER at every position (activation addition); repeatable, e.g. "
+        "--steer 3 ' love' ' hate' 4",
+    )
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:

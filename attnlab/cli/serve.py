@@ -9,7 +9,13 @@ tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) i
 `sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
 requests finish for up to --stop-timeout seconds, then exits.
 
---speculative ngram|draft (inference/speculative.py) decodes one request at a time (batch 1):
+    attnlab serve --ckpt runs/default --steer 3 ' love' ' hate' 4
+
+`--steer` (the syntax of `attnlab generate --steer`, inference/steering.py) steers every
+request: the vectors are added to the residual stream for the server's whole life, on both
+engines, so a served greedy completion is `attnlab generate`'s with the same steering.
+
+`--speculative ngram|draft` (inference/speculative.py) decodes one request at a time (batch 1):
 it runs the sequential engine, and /metrics gains the acceptance rate and tokens/s.
 """
 
@@ -24,7 +30,8 @@ import torch
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.checkpoint import Loaded, open_checkpoint
-from attnlab.cli.options import add_speculative_flags, speculative_from_args
+from attnlab.cli.options import add_speculative_flags, add_steer_flag, speculative_from_args
+from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
@@ -99,6 +106,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds running requests get to finish (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
+    add_steer_flag(p)
+    add_speculative_flags(p)
     p.add_argument(
         "--compile-attention",
         action="store_true",
@@ -118,7 +127,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "large temporaries then reuse memory instead of page-faulting fresh pages every step "
         "(the process keeps its peak memory; accel/host_memory.py)",
     )
-    add_speculative_flags(p)
 
 
 def engine_class(name: str):
@@ -156,6 +164,13 @@ def run(args: argparse.Namespace) -> int:
         # keeps to one, so that the engine's OpenMP team is the only one (engine.py, "Threads").
         torch.set_num_threads(1)
     loaded = open_served(args.ckpt, device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    with steering(model, text_steers(model, tokenizer, args.steer)):  # every request, if any
+        return serve(args, loaded, Engine, threads, device)
+
+
+def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device: str) -> int:
+    """Start the engine on the opened checkpoint and serve until stopped."""
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)

@@ -73,6 +73,12 @@ def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
             return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
     except (OSError, ValueError, IndexError):
         pass
+    return load_average()
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (instant to read: for the header when no choice depends on
+    it), or None where the system does not keep one."""
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -82,11 +88,11 @@ def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
 def choose_threads(requested: int | None = None) -> ThreadChoice:
     """One thread per core the other processes leave free (at least one), or `requested`."""
     cores = usable_cores()
-    load = busy_cores()
-    if requested is not None:
+    if requested is not None:  # nothing to measure: the header shows the load average
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")
-        return ThreadChoice(requested, cores, load, "--threads")
+        return ThreadChoice(requested, cores, load_average(), "--threads")
+    load = busy_cores()
     free = cores if load is None else math.floor(cores - load + 0.5)
     return ThreadChoice(max(1, min(cores, free)), cores, load)
 

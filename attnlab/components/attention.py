@@ -13,14 +13,16 @@ knowing which scheme made them.
 Shapes: B batch, T query length, S key length, C d_model, H query heads, K kv heads, D head_dim.
 """
 
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 
-from attnlab.components.backends import BACKENDS, Backend
+from attnlab.components.backends import BACKENDS, Backend, eager_attention
 from attnlab.components.context import NO_CONTEXT, AttentionContext
 from attnlab.components.hooks import HookPoint, attend_heads
 from attnlab.components.kv_cache import KVCache
-from attnlab.components.norms import RMSNorm
+from attnlab.components.qk_norm import QKNorm, Scope
 
 
 class Attention(nn.Module):
@@ -33,7 +35,11 @@ class Attention(nn.Module):
         head_dim: per-head width D; None -> d_model // n_heads.
         kv_dim: width of the memory for cross attention; None -> d_model.
         qkv_bias: bias on q/k/v projections.  out_bias: bias on the output projection.
-        qk_norm: RMS-normalise q and k per head before the dot product (Dehghani et al. 2023).
+        qk_norm: RMS-normalise q and k before the dot product (components/qk_norm.py).
+        qk_norm_scope: "head" (Qwen3, Gemma 3) or "projection", all heads at once (OLMo 2).
+        norm_unit_offset: the QK-norms scale by (1 + weight) (Gemma 3).
+        softcap: soft-cap the attention logits at this value (Gemma 2, components/softcap.py);
+            written out, so it needs backend "eager".
         dropout: dropout on the attention probabilities (training only).
         scale: score scale; None -> 1 / sqrt(D) (T5 uses 1.0).
         backend: "sdpa" (fused kernels), "eager" (written out, can return probabilities) or
@@ -59,6 +65,9 @@ class Attention(nn.Module):
         backend: Backend = "sdpa",
         cross: bool = False,
         norm_eps: float = 1e-6,
+        qk_norm_scope: Scope = "head",
+        norm_unit_offset: bool = False,
+        softcap: float | None = None,
     ):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -73,16 +82,25 @@ class Attention(nn.Module):
             raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose from {list(BACKENDS)}")
+        if softcap is not None and backend != "eager":
+            raise ValueError(
+                f"attention soft-capping (softcap={softcap}) is written out: it needs "
+                f"backend='eager', not {backend!r}"
+            )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale, self.dropout, self.backend, self.cross = scale, dropout, backend, cross
         self.attend = BACKENDS[backend]  # (q, k, v, ...) -> (out, probabilities or None)
+        self.softcap = softcap
+        if softcap is not None:
+            self.attend = partial(eager_attention, softcap=softcap)
         kv_dim = d_model if kv_dim is None else kv_dim
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(kv_dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(kv_dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+        norm = partial(QKNorm, head_dim=head_dim, scope=qk_norm_scope, eps=norm_eps)
+        self.q_norm = norm(n_heads, unit_offset=norm_unit_offset) if qk_norm else nn.Identity()
+        self.k_norm = norm(n_kv_heads, unit_offset=norm_unit_offset) if qk_norm else nn.Identity()
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_scores, self.hook_pattern = HookPoint(), HookPoint()  # seen only when hooked
         self.hook_z, self.hook_out = HookPoint(), HookPoint()
@@ -104,7 +122,7 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, H, D).transpose(1, 2))  # (B, H, T, D)
+        q = self.q_norm(self.q_proj(x).view(B, T, H, D)).transpose(1, 2)  # (B, H, T, D)
         if self.cross:
             mask, bias, is_causal = ctx.memory_mask, None, False
             if cache is None:
@@ -135,7 +153,7 @@ class Attention(nn.Module):
             raise ValueError("cross attention needs the encoder memory (memory=None was given)")
         B, S, _ = source.shape
         K, D = self.n_kv_heads, self.head_dim
-        k = self.k_norm(self.k_proj(source).view(B, S, K, D).transpose(1, 2))  # (B, K, S, D)
+        k = self.k_norm(self.k_proj(source).view(B, S, K, D)).transpose(1, 2)  # (B, K, S, D)
         v = self.v_proj(source).view(B, S, K, D).transpose(1, 2)  # (B, K, S, D)
         return k, v
 

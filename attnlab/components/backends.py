@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from attnlab.components.flash import flash_attention
 from attnlab.components.flex import flex_attention_backend
 from attnlab.components.masks import causal_mask
+from attnlab.components.softcap import soft_cap
 from attnlab.components.triton_attention import triton_attention
 
 Backend = Literal["sdpa", "eager", "flash", "flex", "triton", "auto"]
@@ -59,6 +60,7 @@ def eager_attention(
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention written out step by step; softmax in fp32; fully masked rows give zeros.
 
@@ -70,11 +72,13 @@ def eager_attention(
         scale: score scale; None -> 1 / sqrt(D).
         dropout: dropout probability on the attention probabilities.
         return_weights: also return the probabilities.
+        softcap: soft-cap the scaled scores at this value before bias and mask (Gemma 2,
+            components/softcap.py), or None.
 
     Returns:
         out: (B, H, T, D); weights: (B, H, T, S) fp32 probabilities, or None.
     """
-    scores, mask = attention_scores(q, k, mask, bias, is_causal, scale)  # (B, H, T, S), fp32
+    scores, mask = attention_scores(q, k, mask, bias, is_causal, scale, softcap)  # fp32
     probs = attention_probs(scores, mask)  # (B, H, T, S)
     attn = F.dropout(probs, p=dropout) if dropout > 0 else probs
     v = repeat_kv(v, q.shape[1] // v.shape[1])  # (B, H, S, D)
@@ -89,8 +93,9 @@ def attention_scores(
     bias: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The eager path's first half: Q K^T * scale + bias, -inf where the mask says no.
+    """The eager path's first half: Q K^T * scale (soft-capped) + bias, -inf where masked.
 
     Args: as `eager_attention`.
 
@@ -102,6 +107,8 @@ def attention_scores(
     k = repeat_kv(k, H // k.shape[1])  # (B, H, S, D)
     scale = D**-0.5 if scale is None else scale
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, S), fp32
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     if bias is not None:
         scores = scores + bias
     if is_causal:

@@ -2,10 +2,15 @@
 
     post-norm (Vaswani et al. 2017):   x = norm(x + dropout(sublayer(x)))
     pre-norm  (GPT-2, Llama, T5):      x = x + dropout(sublayer(norm(x)))
+    sandwich  (Gemma 2 and 3):         x = x + dropout(out_norm(sublayer(norm(x))))
+    output norm only (OLMo 2):         x = x + dropout(out_norm(sublayer(x)))
 
 Post-norm is the original; pre-norm keeps an unnormalised residual path from input to output,
 which trains deep stacks without warm-up tricks (Xiong et al. 2020), and needs a final norm after
-the last block (the model adds it).
+the last block (the model adds it). A norm on the sublayer's output as well (Ding et al. 2021,
+CogView's "sandwich-LN"; Gemma Team 2024, arXiv:2408.00118) bounds what each sublayer adds to
+the residual stream; OLMo 2 keeps only that output norm (arXiv:2501.00656 §3.2), which its
+authors found more stable than the pre-norm. Both keep the unnormalised residual path.
 
     EncoderBlock:  self-attention -> FFN
     DecoderBlock:  self-attention (causal) -> [cross-attention to memory] -> FFN
@@ -25,18 +30,31 @@ Placement = Literal["pre", "post"]
 
 
 class Residual(nn.Module):
-    """One residual sublayer with its norm and dropout, pre- or post-norm."""
+    """One residual sublayer with its norm and dropout, pre- or post-norm.
 
-    def __init__(self, norm: nn.Module, placement: Placement, dropout: float):
+    out_norm: a norm of the sublayer's output before the residual add (pre-norm only): with a
+    `norm` too it is the sandwich, with `norm` an Identity OLMo 2's output norm; None: none.
+    """
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        placement: Placement,
+        dropout: float,
+        out_norm: nn.Module | None = None,
+    ):
         super().__init__()
         if placement not in ("pre", "post"):
             raise ValueError(f"unknown norm placement {placement!r}; choose 'pre' or 'post'")
+        if out_norm is not None and placement != "pre":
+            raise ValueError("an output norm sits inside the residual branch: placement 'pre'")
         self.norm, self.pre, self.drop = norm, placement == "pre", nn.Dropout(dropout)
+        self.out_norm = nn.Identity() if out_norm is None else out_norm  # no weights if unused
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
         """x: (B, T, C); sublayer: a callable (B, T, C) -> (B, T, C)."""
         if self.pre:
-            return x + self.drop(sublayer(self.norm(x)))
+            return x + self.drop(self.out_norm(sublayer(self.norm(x))))
         return self.norm(x + self.drop(sublayer(x)))
 
 
@@ -48,6 +66,7 @@ class DecoderBlock(nn.Module):
         norms: one norm per sublayer (2, or 3 with cross-attention).
         cross_attn: an Attention built with cross=True, or None (decoder-only models).
         placement: "pre" or "post".  dropout: residual dropout.
+        out_norms: one norm per sublayer for its output (see Residual), or None.
     """
 
     def __init__(
@@ -58,13 +77,20 @@ class DecoderBlock(nn.Module):
         cross_attn: Attention | None = None,
         placement: Placement = "pre",
         dropout: float = 0.0,
+        out_norms: list[nn.Module] | None = None,
     ):
         super().__init__()
         expected = 2 if cross_attn is None else 3
-        if len(norms) != expected:
-            raise ValueError(f"this block has {expected} sublayers but got {len(norms)} norms")
+        out_norms = [None] * len(norms) if out_norms is None else out_norms
+        if len(norms) != expected or len(out_norms) != expected:
+            raise ValueError(
+                f"this block has {expected} sublayers but got {len(norms)} norms and "
+                f"{len(out_norms)} output norms"
+            )
         self.self_attn, self.cross_attn, self.ffn = self_attn, cross_attn, ffn
-        self.residuals = nn.ModuleList(Residual(n, placement, dropout) for n in norms)
+        self.residuals = nn.ModuleList(
+            Residual(n, placement, dropout, out) for n, out in zip(norms, out_norms)
+        )
         # The residual stream before the block and after each sublayer (components/hooks.py).
         self.hook_resid_pre, self.hook_resid_mid = HookPoint(), HookPoint()
         self.hook_resid_cross = HookPoint() if cross_attn is not None else None
@@ -98,5 +124,6 @@ class EncoderBlock(DecoderBlock):
         norms: list[nn.Module],
         placement: Placement = "pre",
         dropout: float = 0.0,
+        out_norms: list[nn.Module] | None = None,
     ):
-        super().__init__(self_attn, ffn, norms, None, placement, dropout)
+        super().__init__(self_attn, ffn, norms, None, placement, dropout, out_norms)

@@ -33,6 +33,9 @@ class AttentionContext:
             slots with a paged cache (components/paged_kv_cache.py).
         memory: (B, M, C_kv) encoder output, for cross-attention.
         memory_mask: cross-attention, bool broadcastable to (B, H, T, M); or None.
+        local: the context of the sliding-window layers when a model mixes them with global
+            ones (Gemma 2 and 3): their own window mask and, where their RoPE base differs,
+            their own position terms; None when every layer reads this one.
     """
 
     mask: Tensor | None = None
@@ -41,6 +44,7 @@ class AttentionContext:
     slots: Tensor | None = None
     memory: Tensor | None = None
     memory_mask: Tensor | None = None
+    local: "AttentionContext | None" = None
 
 
 NO_CONTEXT = AttentionContext()  # no mask, no positions: a bidirectional layer on its own

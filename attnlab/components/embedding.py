@@ -33,7 +33,8 @@ class TokenEmbedding(nn.Embedding):
         if not torch.compiler.is_compiling():  # the check syncs with the host: eager only
             check_token_ids(ids, self.num_embeddings)
         x = super().forward(ids)  # (B, T, C)
-        x = x * self.multiplier if self.multiplier != 1.0 else x
+        if self.multiplier != 1.0:  # the scale rounded to the weights' dtype first, as Gemma's
+            x = x * torch.tensor(self.multiplier, dtype=x.dtype)  # code does: 55.43 -> 55.5 in bf16
         return self.norm(x)  # (B, T, C)
 
 

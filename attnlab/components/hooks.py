@@ -8,6 +8,7 @@ Every layer calls a `HookPoint` where an activation a researcher would look at i
                  ─> hook_final_norm ─> hook_logits
     Attention    hook_q  hook_k  hook_v  hook_scores  hook_pattern  hook_z  hook_out
     MLP          hook_hidden  hook_out
+    MoE          hook_gates  hook_out  (and each expert's MLP points, experts.j.hook_*)
 
 A point's name is its module path (`blocks.0.self_attn.hook_pattern`; in an encoder-decoder
 `encoder.blocks.0...` and `decoder.blocks.0.cross_attn...`); `hook_points(model)` lists them all.
@@ -178,7 +179,8 @@ def _watched(layer, q, k, v, args, out, weights) -> Tensor:
     if weights is None:
         B, H, T, _ = q.shape
         mask, bias = dense_terms(args["mask"], args["bias"], B, H, T, k.shape[2])
-        scores, mask = attention_scores(q, k, mask, bias, args["is_causal"], args["scale"])
+        softcap = getattr(layer, "softcap", None)  # Gemma 2's cap, applied before the mask
+        scores, mask = attention_scores(q, k, mask, bias, args["is_causal"], args["scale"], softcap)
         hooked = layer.hook_scores(scores)  # (B, H, T, S) fp32, -inf where masked
         weights = attention_probs(hooked, mask)
         edited = hooked is not scores

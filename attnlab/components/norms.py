@@ -1,5 +1,8 @@
 """Normalisation layers: LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019).
 
+Gemma stores its RMSNorm weights as offsets from one and scales by (1 + weight), so a weight of
+zero is the identity scale (`RMSNorm(unit_offset=True)`, HF's Gemma2RMSNorm / Gemma3RMSNorm).
+
 Both compute their statistics in fp32 whatever the input dtype (a bf16 variance over thousands of
 features loses most of its digits), then return the input dtype.
 
@@ -40,15 +43,17 @@ class RMSNorm(nn.Module):
 
     Args:
         dim: normalised width C.  eps: added to the mean square.
+        unit_offset: scale by (1 + weight), the weight starting at zero (Gemma).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+        scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()  # (C,)
+        h = F.rms_norm(x.float(), self.weight.shape, scale, self.eps)
         return h.to(x.dtype)
 
 
@@ -71,10 +76,13 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
-def build_norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
-    """A norm by name ("layernorm" | "rmsnorm"); `bias` applies to LayerNorm only."""
+def build_norm(
+    kind: str, dim: int, eps: float, bias: bool = True, unit_offset: bool = False
+) -> nn.Module:
+    """A norm by name ("layernorm" | "rmsnorm"); `bias` applies to LayerNorm only,
+    `unit_offset` (a (1 + weight) scale) to RMSNorm only."""
     if kind == "layernorm":
         return LayerNorm(dim, eps, bias=bias)
     if kind == "rmsnorm":
-        return RMSNorm(dim, eps)
+        return RMSNorm(dim, eps, unit_offset)
     raise ValueError(f"unknown norm {kind!r}; choose from {list(NORMS)}")

@@ -23,7 +23,8 @@ class FinetuneDataConfig:
         finetune/data.py) or a JSONL file of {"prompt", "response"} (sft), {"prompt",
         "chosen", "rejected"} (dpo), {"text", "label"} (classify) or {"tokens", "tags"} (tag)
         lines.
-    val_source: a JSONL file of held-out examples; "" takes the last val_fraction of `source`.
+    val_source: a JSONL file of held-out examples; "" holds out val_fraction of `source`,
+        drawn at random with the run's train.seed (finetune.run.hold_out).
     max_examples: use at most this many training examples (0: all of them).
     pairs_per_prompt (dpo, built-in data): training pairs per prompt, each rejecting another
         corruption of its signature (the held-out pairs stay one per prompt).

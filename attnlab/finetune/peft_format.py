@@ -43,11 +43,12 @@ marks every one with its own numbers, runs the converter, and reads where they l
 fused c_attn bias holds our q, k and v biases); a whole matrix in modules_to_save (an
 embedding) as a Linear's weight is (`hf_placements`). DoRA and rsLoRA raise a ValueError.
 
-A fresh task head is not written: LoRA with a fresh task head (`attnlab finetune --task
-classify|tag --lora.rank 8`) trains the head in full, and such a run is kept as an attnlab
-checkpoint only (head and adapters; `attnlab eval` and `open_checkpoint` read it);
-`save_peft` refuses a model whose head is trainable rather than write an adapter without it.
-Nothing here imports peft.
+A task head is written whole, as peft writes it: for task_type SEQ_CLS and TOKEN_CLS peft adds
+"classifier" and "score" to modules_to_save, and reads their weights back from the adapter
+(`PeftModel.from_pretrained` raises a KeyError without them). So a classifier's adapter holds
+its head (BERT's `classifier` and `bert.pooler.dense`, a decoder's `score`) in
+modules_to_save, trained or not (`attnlab finetune --task classify|tag --lora.rank 8` trains it
+in full beside the adapters). Nothing here imports peft.
 """
 
 import json
@@ -60,11 +61,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.adapters.lora import LoRALinear, add_lora, is_linear_like, lora_modules
+from attnlab.checkpoint import check_output_dir, open_checkpoint, resolve_checkpoint
+from attnlab.interop.convert import detect_format
 from attnlab.interop.hf import converter_for
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
-from attnlab.models.encoder import EncoderForClassification
-from attnlab.models.heads import head_modules
+from attnlab.models.heads import config_with_head, head_modules
 from attnlab.models.weights import load_weights, without_tied_names
 
 CONFIG = "adapter_config.json"
@@ -295,7 +297,8 @@ def _matrices_to_hf(
 def _extras_to_hf(
     model: nn.Module, cfg: ModelConfig, adapted: set[str]
 ) -> tuple[dict[str, Tensor], str, list[str]]:
-    """The weights that train beside the adapters (not a task head's), as peft stores them.
+    """The weights that train beside the adapters and the task head's (trained or not), as
+    peft stores them.
 
     Args:
         model: the model with adapters.  cfg: its config.  adapted: the adapted HF modules.
@@ -303,10 +306,11 @@ def _extras_to_hf(
     Returns:
         ({peft key: tensor}, adapter_config's "bias", its "modules_to_save" HF module paths).
     """
+    head = tuple(f"{name}." for name in _head_names(model))
     trained = sorted(
         k.replace(".base.", ".")
         for k, p in model.named_parameters()
-        if p.requires_grad and "lora_" not in k
+        if (p.requires_grad or k.startswith(head)) and "lora_" not in k
     )
     if not trained:
         return {}, "none", []
@@ -380,9 +384,10 @@ def _head_names(model: nn.Module) -> tuple[str, ...]:
     )
 
 
-def _task_type(model: nn.Module, cfg: ModelConfig) -> str | None:
-    if isinstance(model, EncoderForClassification):
-        return "SEQ_CLS"
+def _task_type(cfg: ModelConfig) -> str | None:
+    """peft's task type: the head's (SEQ_CLS, TOKEN_CLS), else the LM's (None: masked LM)."""
+    if cfg.head is not None:
+        return {"sequence": "SEQ_CLS", "token": "TOKEN_CLS"}[cfg.head.task]
     return {"decoder": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM"}.get(cfg.arch)
 
 
@@ -409,7 +414,8 @@ def save_peft(
         path: the directory to write.
         base_model_name_or_path: recorded in the config (peft reads it when given no model).
         task_type: peft's task type ("CAUSAL_LM", "SEQ_CLS", ...; None: a plain PeftModel);
-            "auto" picks it from the model (CAUSAL_LM for a decoder LM, None for masked LM).
+            "auto" picks it from the model (CAUSAL_LM for a decoder LM, None for masked LM,
+            SEQ_CLS / TOKEN_CLS for a sequence / token classifier).
 
     Returns:
         the directory.
@@ -417,13 +423,7 @@ def save_peft(
     adapters = lora_modules(model)
     if not adapters:
         raise ValueError("the model has no LoRA adapters to save (add_lora first)")
-    trained_head = [n for n in _head_names(model) if model.get_submodule(n).weight.requires_grad]
-    if trained_head:
-        raise ValueError(
-            f"the task head {trained_head} trains beside the adapters; peft would need it in "
-            "modules_to_save, which save_peft does not write: keep the run's attnlab checkpoint "
-            "(head and adapters), or freeze the head to save the adapters alone"
-        )
+    cfg = config_with_head(cfg, model)  # a model built with n_labels: its head in the config
     if any(m.merged for m in adapters.values()):
         raise ValueError("unmerge the adapters before saving them (merged: the base holds them)")
     places = hf_placements(cfg, list(adapters))
@@ -449,7 +449,7 @@ def save_peft(
     first = next(iter(adapters.values()))
     config = {
         "peft_type": "LORA",
-        "task_type": _task_type(model, cfg) if task_type == "auto" else task_type,
+        "task_type": _task_type(cfg) if task_type == "auto" else task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": alpha,
@@ -469,6 +469,46 @@ def save_peft(
     (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
     return path
+
+
+def _hf_base(run: dict) -> str | None:
+    """The base checkpoint a fine-tuning run started from, when it is an HF directory (peft
+    reads `base_model_name_or_path` to load it); None for an attnlab one."""
+    base = run.get("base")
+    try:
+        return base if base and detect_format(base) == "hf" else None
+    except ValueError:
+        return None
+
+
+def save_run_peft(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
+    """The LoRA adapters of a fine-tuning run (`attnlab finetune --lora.rank R`) as a peft
+    adapter directory: `attnlab convert --from attnlab RUN --to peft DIR`.
+
+    peft loads it onto the HF export of the run's base (`attnlab convert --from attnlab BASE
+    --to hf DIR`; a QLoRA run's: the float checkpoint its base was quantized from). A task
+    head, and the biases and modules that trained beside the adapters, are in it as peft
+    writes them.
+
+    Args:
+        src: the run directory (its latest checkpoint) or one of its checkpoints.
+        dst: the adapter directory to write: new or empty, unless `overwrite` (then only
+            adapter_config.json and adapter_model.safetensors are replaced there).
+
+    Returns:
+        dst.
+    """
+    src = resolve_checkpoint(src)
+    if Path(dst).resolve() == src.resolve():
+        raise ValueError(f"the output directory is the input directory ({str(src)!r})")
+    check_output_dir(dst, overwrite)
+    loaded = open_checkpoint(src, keep_adapters=True)
+    if not lora_modules(loaded.model):
+        raise ValueError(
+            f"{str(src)!r} holds no LoRA adapters (only a run of attnlab finetune --lora.rank R "
+            "has them); convert --to hf exports a whole model"
+        )
+    return save_peft(loaded.model, loaded.config, dst, _hf_base(loaded.run))
 
 
 def read_peft_config(path: str | Path) -> dict:

@@ -7,8 +7,7 @@ its evaluation. `attnlab finetune` (attnlab/cli/finetune.py) is a thin command o
 
 - classify / tag put a fresh head on the base (`finetune.heads_tasks.build_head_task`: an
   encoder or decoder for classify, an encoder for tag); with LoRA the head trains in full
-  beside the adapters (peft's modules_to_save), and the run is an attnlab checkpoint only
-  (`save_peft` refuses a trained head).
+  beside the adapters (peft's modules_to_save; `save_peft` writes it in the adapter).
 - sft / dpo fine-tune a decoder LM through the tokenizer's chat template when it has one.
   DPO's reference is a frozen copy of the base, or under LoRA the policy with its adapters off
   (`adapters.lora.disable_adapters`); dpo.precompute_reference computes its log-probs once.
@@ -20,6 +19,7 @@ own task metrics, from its own run config: `evaluate_finetuned`.
 
 import copy
 import random
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -99,11 +99,13 @@ def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     return built.splits["train"], built.splits["val"]
 
 
-def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
+def load_examples(d: FinetuneDataConfig, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """(train, validation) examples: built in, or a JSONL file (`data.load_jsonl`, which names
-    the line and field of a bad one) split at 1 - val_fraction (or its own val_source file).
-    Tagging examples come as {"tokens", "tags"} words (`tagging.words_from_spans`); held-out
-    classification examples in a seeded random order (built-in ones come grouped by label)."""
+    the line and field of a bad one) with val_fraction of it held out (`hold_out`, seeded by
+    the run's `seed`), or its own val_source file; a user's held-out set too small or of one
+    class draws a warning (`check_held_out`). Tagging examples come as {"tokens", "tags"}
+    words (`tagging.words_from_spans`); held-out classification examples in a seeded random
+    order (built-in ones come grouped by label)."""
     if d.pairs_per_prompt > 1 and (d.task, d.source) != ("dpo", "builtin"):
         raise ValueError(
             "data.pairs_per_prompt draws more corruptions of the built-in signatures: it "
@@ -116,13 +118,8 @@ def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
         if d.val_source:
             val_ex = data.load_jsonl(d.val_source, d.task)
         else:
-            if len(train_ex) < 2:
-                raise ValueError(
-                    f"{d.source!r} holds {len(train_ex)} example: too few to hold some out; "
-                    "add examples or give --data.val_source"
-                )
-            n_val = min(max(1, round(len(train_ex) * d.val_fraction)), len(train_ex) - 1)
-            train_ex, val_ex = train_ex[:-n_val], train_ex[-n_val:]
+            train_ex, val_ex = hold_out(train_ex, d, seed)
+        check_held_out(val_ex, d)
         if d.max_examples:
             train_ex = train_ex[: d.max_examples]
     if d.task == "tag":
@@ -130,6 +127,46 @@ def load_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     if d.task == "classify":  # a seeded order: the first eval_examples are not one class
         val_ex = random.Random(0).sample(val_ex, len(val_ex))
     return train_ex, val_ex
+
+
+def hold_out(
+    examples: list[dict], d: FinetuneDataConfig, seed: int
+) -> tuple[list[dict], list[dict]]:
+    """(train, validation) of a JSONL file's examples: val_fraction of them (at least one,
+    never all) drawn at random with `seed`, so that a file sorted by label or by source does
+    not hold out its last kind only. The same seed gives the same split (`attnlab eval`
+    rebuilds it from the run config); the training examples keep the file's order."""
+    if len(examples) < 2:
+        raise ValueError(
+            f"{d.source!r} holds {len(examples)} example: too few to hold some out; "
+            "add examples or give --data.val_source"
+        )
+    n_val = min(max(1, round(len(examples) * d.val_fraction)), len(examples) - 1)
+    held = set(random.Random(seed).sample(range(len(examples)), n_val))
+    train = [ex for i, ex in enumerate(examples) if i not in held]
+    return train, [ex for i, ex in enumerate(examples) if i in held]
+
+
+SMALL_HELD_OUT = 10  # fewer held-out examples than this give metrics too noisy to compare
+
+
+def check_held_out(val_ex: list[dict], d: FinetuneDataConfig) -> None:
+    """One warning line on stderr when a user's held-out set is too small to measure with, or
+    (classify) holds one label only, so that its accuracy says nothing about the others."""
+    where = d.val_source or f"{d.val_fraction:.0%} of {d.source}"
+    problems = []
+    if len(val_ex) < SMALL_HELD_OUT:
+        problems.append(f"has {len(val_ex)} examples (fewer than {SMALL_HELD_OUT})")
+    labels = {ex["label"] for ex in val_ex} if d.task == "classify" else set()
+    if len(labels) == 1:
+        problems.append(f"holds one label only ({next(iter(labels))!r})")
+    if problems:
+        print(
+            f"warning: the held-out set ({where}) {' and '.join(problems)}: its metrics will "
+            "say little; give more examples, a larger --data.val_fraction or a "
+            "--data.val_source with every label",
+            file=sys.stderr,
+        )
 
 
 def as_words(example: dict) -> dict:
@@ -188,7 +225,7 @@ def build_task(
     here; a head task's labels are those of run.model.head). eval_only: for `evaluate` alone
     (SFT and DPO then encode one training example, not all of them)."""
     t, d = run.train, run.data
-    train_ex, val_ex = load_examples(d)
+    train_ex, val_ex = load_examples(d, t.seed)
     if eval_only and d.task in ("sft", "dpo"):
         train_ex = train_ex[:1]
     if d.task in HEAD_TASKS:
@@ -231,7 +268,7 @@ def build_finetune(configs: dict, ckpt: str | Path):
                 f"{loaded.model.state_dict()[codes[0]].dtype}), and its weights cannot train: "
                 "give --lora.rank to train adapters on it (QLoRA), or use the float checkpoint"
             )
-        train_ex, val_ex = load_examples(d)
+        train_ex, val_ex = load_examples(d, t.seed)
         extra = {"word_sep": ""} if d.task == "tag" else {}
         model, task, run = build_head_task(
             d.task,

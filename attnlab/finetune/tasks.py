@@ -43,6 +43,7 @@ from attnlab.finetune.sequences import (
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.quantize import without_kernels
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -291,10 +292,15 @@ class DPOTask(_PromptTask):
         return torch.cat(rows)  # (N, 2)
 
     def _reference_logps(self, model: nn.Module, batch: dict) -> Tensor:
-        """log ref(y|x) of the batch's sequences, (2b,), without gradient."""
+        """log ref(y|x) of the batch's sequences, (2b,), without gradient (a quantized base
+        through the policy's exact path: `pair_losses`)."""
         if self.reference is not None:
             self.reference.to(batch["x"].device)  # a no-op once it is there
-        with torch.no_grad(), reference_model(model, self.reference) as ref:
+        with (
+            torch.no_grad(),
+            without_kernels(model, self.reference),
+            reference_model(model, self.reference) as ref,
+        ):
             return sequence_logps(_forward(ref, batch), batch["labels"])
 
     def n_targets(self, batch: dict) -> int:
@@ -302,8 +308,14 @@ class DPOTask(_PromptTask):
         return batch["x"].shape[0] // 2
 
     def pair_losses(self, model: nn.Module, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """Each pair's DPO (or RPO) loss and its chosen and rejected rewards, all (b,)."""
-        tokens = token_logps(_forward(model, batch), batch["labels"])  # (2b, T)
+        """Each pair's DPO (or RPO) loss and its chosen and rejected rewards, all (b,).
+
+        A quantized base (QLoRA) takes the same exact path in the policy's forward as in the
+        reference's (`quantize.without_kernels`): the bf16 kernel, which a layer takes only
+        when no gradient flows through it, made the policy differ from its own reference at
+        step 0 (log-ratios off zero, the loss off log 2)."""
+        with without_kernels(model):
+            tokens = token_logps(_forward(model, batch), batch["labels"])  # (2b, T)
         ref_logps = batch.get("ref_logps")  # (2b,) when precomputed
         if ref_logps is None:
             ref_logps = self._reference_logps(model, batch)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.config import GenerationConfig
+from attnlab.inference.sampling import ban_tokens
 from attnlab.inference.steps import (
     decode_step,
     decoder_of,
@@ -108,8 +109,12 @@ def beam_search(
     K = min(max(2, 1 + len(eos)) * W, W * V)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # W best per prompt, best first
     is_open = [True] * B
+    stop_mask = torch.zeros(V, dtype=torch.bool, device=device).index_fill(0, eos, True)
     for step in range(max_new_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1).view(B, W, V) + scores[:, :, None]
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (B*W, V)
+        if step < config.min_new_tokens:  # no hypothesis ends before min_new_tokens (as HF)
+            logp = ban_tokens(logp, stop_mask)
+        logp = logp.view(B, W, V) + scores[:, :, None]
         top, flat = torch.topk(logp.view(B, W * V), K)  # (B, K), best first
         parent, token = flat // V, flat % V  # (B, K)
         ends = torch.isin(token, eos) | (step == max_new_tokens - 1)  # (B, K)

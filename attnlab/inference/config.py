@@ -21,6 +21,10 @@ class GenerationConfig:
         stop_tokens: a row ends at (and keeps) the first of these ids.
         stop_strings: a row ends once its text contains one of these (needs a decoder: see
             `generate`; `generate_text` uses the tokenizer's).
+        min_new_tokens: the stop tokens cannot be chosen before this many new tokens (as
+            transformers' MinNewTokensLengthLogitsProcessor; stop strings still end a row).
+        ignore_eos: `generate_text` keeps going past the tokenizer's <eos> (it is not added to
+            the stop tokens; `stop_tokens` still stop).
         seed: seeds the draws (None: torch's global generator).
         max_total_len: also stop when prompt + new tokens reach this length.
         max_context: feed the model at most this many tokens (default: its position table);
@@ -37,6 +41,8 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
     seed: int | None = None
     max_total_len: int | None = None
     max_context: int | None = None
@@ -52,6 +58,11 @@ class GenerationConfig:
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         if self.max_context is not None and self.max_context < 1:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.beam import beam_search
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.sampling import SamplingConfig, SamplingRows, TokenCounts, sample
 from attnlab.inference.speculative import Speculative
 from attnlab.inference.steps import (
     decode_step,
@@ -133,10 +133,17 @@ def stream_tokens(
     logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
+    V = decoder.head.out_features
+    rows = SamplingRows.stack([config.sampling] * B, V, device)
+    counts = TokenCounts.of_prompts(history, V) if rows.needs_counts else None
+    stop_mask = torch.zeros(V, dtype=torch.bool, device=device).index_fill(0, stops, True)
     gen = None if config.seed is None else torch.Generator(device=device).manual_seed(config.seed)
     step = step_fn or decode_step
     for i in range(n_new):
-        token = sample(logits, config.sampling, history, gen)  # (B,)
+        banned = stop_mask if i < config.min_new_tokens else None
+        token = sample(logits, rows, counts, gen, banned)  # (B,)
+        if counts is not None:
+            counts.add(token)
         if len(stops):
             token = torch.where(done, history[:, -1], token)
             done = done | torch.isin(token, stops)
@@ -266,7 +273,7 @@ def generate_text(
         the generated text, special tokens left out.
     """
     ids, source, source_mask = text_prompt(model, tokenizer, prompt)
-    eos = tokenizer.token_id("<eos>")
+    eos = None if config.ignore_eos else tokenizer.token_id("<eos>")
     config = replace(config, stop_tokens=(() if eos is None else (eos,)) + config.stop_tokens)
     if max_new_tokens is not None:
         config = replace(config, max_new_tokens=max_new_tokens)

@@ -14,9 +14,10 @@ Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Dec
 Speculative Sampling"): keep d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
 rejection draw from norm(max(0, p_j - q_j)). Each emitted token is then distributed exactly as
 the model's own sample would be (Leviathan et al., Appendix A.1), whatever the drafter proposes.
-p and q are `sampling.token_distribution`: the temperature, top-k, top-p, min-p and repetition
-penalty apply to both. At temperature 0 both are one-hot, and the rule becomes: keep the drafts
-while each equals the model's argmax, then emit the argmax. Greedy output is the plain loop's
+p and q are `sampling.token_distribution` (`Processors`): the logit bias, penalties,
+temperature, top-k, top-p and min-p apply to both, each position counting the drafts before
+it. At temperature 0 both are one-hot, and the rule becomes: keep the drafts while each equals
+the model's argmax, then emit the argmax. Greedy output is the plain loop's
 (up to float rounding: a (K+1)-token forward sums in another order than K+1 one-token ones, which
 can only matter at an exact near-tie of two logits).
 
@@ -24,7 +25,7 @@ Rolling back the cache costs nothing: a ModelCache (components/kv_cache.py) hide
 after a query's own (causality) and takes positions from slots, so after a rejection the next
 round simply writes from the first rejected slot on; the stale keys there are never read.
 
-Drafters (each `begin(prompt, room)` once, then `propose(history, k, sampling, generator)`):
+Drafters (each `begin(prompt, room)` once, then `propose(history, k, processors, generator)`):
 - `NgramDrafter`, prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-
   decoding): find the last n tokens earlier in the text and propose what followed them there.
   No second model; it pays off where the output repeats its context (code, edits, quotes).
@@ -48,7 +49,7 @@ from torch import Tensor, nn
 from attnlab.checkpoint import open_checkpoint
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.sampling import SamplingConfig, sample, token_distribution
+from attnlab.inference.sampling import SamplingRows, TokenCounts, sample, token_distribution
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
 from attnlab.quantize.handler import quantize_model
 
@@ -83,6 +84,44 @@ def accept_drafts(
     return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
 
 
+@dataclass
+class Processors:
+    """The sampling processors at the end of the text (the settings' rows, the tokens counted
+    so far, the stop tokens banned until min_new_tokens), asked for the next token's
+    distribution a few tokens further on: drafts and their verification score tokens the text
+    does not hold yet."""
+
+    rows: SamplingRows
+    counts: TokenCounts | None  # None: no penalty reads them
+    stop_mask: Tensor  # (V,) bool
+    min_new_tokens: int
+    done: int = 0  # new tokens in the text
+
+    def distribution(self, logits: Tensor, ahead: Tensor) -> Tensor:
+        """(1, V) logits of the token after the text + `ahead` (j,) -> its (1, V) probabilities."""
+        counts = self.counts
+        if counts is not None and len(ahead):
+            counts = TokenCounts(counts.in_prompt, counts.generated.clone())
+            _count(counts, ahead)
+        banned = self.stop_mask if self.done + len(ahead) < self.min_new_tokens else None
+        return token_distribution(logits, self.rows, counts, banned)
+
+    def banned(self) -> Tensor | None:
+        """The tokens the text's next token may not be (stop tokens before min_new_tokens)."""
+        return self.stop_mask if self.done < self.min_new_tokens else None
+
+    def advance(self, tokens: Tensor) -> None:
+        """The text gained `tokens` (n,)."""
+        if self.counts is not None:
+            _count(self.counts, tokens)
+        self.done += len(tokens)
+
+
+def _count(counts: TokenCounts, tokens: Tensor) -> None:
+    """Add the one row's new tokens (n,) to its counts."""
+    counts.generated[0].index_add_(0, tokens, counts.generated.new_ones(len(tokens)))
+
+
 class NgramDrafter:
     """Prompt lookup: the most recent earlier occurrence of the text's last n tokens (n from
     max_ngram down to min_ngram) proposes the up to k tokens that followed it."""
@@ -96,7 +135,7 @@ class NgramDrafter:
         """Nothing to prepare: the text itself is the draft table."""
 
     def propose(
-        self, history: Tensor, k: int, sampling: SamplingConfig, generator=None
+        self, history: Tensor, k: int, processors: Processors, generator=None
     ) -> tuple[Tensor, Tensor | None]:
         """history (1, n) -> (up to k drafts (k',), None: each draft is certain, q one-hot)."""
         text = history[0]
@@ -124,7 +163,7 @@ class ModelDrafter:
         self.seen = prompt[0]
 
     def propose(
-        self, history: Tensor, k: int, sampling: SamplingConfig, generator=None
+        self, history: Tensor, k: int, processors: Processors, generator=None
     ) -> tuple[Tensor, Tensor | None]:
         """history (1, n) -> k drafts (k,) and the distributions they were drawn from (k, V)."""
         if k == 0:
@@ -138,7 +177,7 @@ class ModelDrafter:
         logits = decoder(history[:, known:], cache=self.cache, slots=slots, last_only=True)[:, -1]
         text, qs = history, []
         for j in range(k):
-            q = token_distribution(logits, sampling, text)  # (1, V)
+            q = processors.distribution(logits, text[0, n:])  # (1, V)
             draft = torch.multinomial(q, 1, generator=generator)  # (1, 1)
             text, qs = torch.cat([text, draft], 1), qs + [q]
             if j < k - 1:
@@ -209,10 +248,13 @@ class Speculative:
         check_token_ids(ids, decoder.head.out_features)
         n_new = config.new_tokens_for(ids.shape[1])
         self._check_fits(model, ids.shape[1] + n_new, config.max_context)
-        start, cfg = time.perf_counter(), config.sampling
+        start, V = time.perf_counter(), decoder.head.out_features
         gen = None if config.seed is None else torch.Generator(ids.device).manual_seed(config.seed)
         logits, cache, _ = fill_cache(model, ids, torch.ones_like(ids, dtype=bool), n_new)
-        token = sample(logits, cfg, ids, gen)  # the first token, as the plain loop draws it
+        processors = self._processors(config, ids, V)
+        # the first token, as the plain loop draws it
+        token = sample(logits, processors.rows, processors.counts, gen, processors.banned())
+        processors.advance(token)
         self.drafter.begin(ids, n_new)
         history, emitted = torch.cat([ids, token[:, None]], 1), [(int(token), logits[0])]
         while True:
@@ -223,24 +265,33 @@ class Speculative:
                 start = time.perf_counter()
                 if t in config.stop_tokens:
                     return
-            done = history.shape[1] - ids.shape[1]
-            if done >= n_new:
+            if processors.done >= n_new:
                 return
-            emitted = self._round(decoder, cache, history, min(self.k, n_new - done - 1), gen, cfg)
-            kept = torch.tensor([[t for t, _ in emitted]], device=ids.device)  # (1, a + 1)
-            history = torch.cat([history, kept], 1)
+            k = min(self.k, n_new - processors.done - 1)
+            emitted = self._round(decoder, cache, history, k, gen, processors)
+            kept = torch.tensor([t for t, _ in emitted], device=ids.device)  # (a + 1,)
+            processors.advance(kept)
+            history = torch.cat([history, kept[None]], 1)
 
-    def _round(self, decoder, cache, history: Tensor, k: int, gen, cfg: SamplingConfig):
+    @staticmethod
+    def _processors(config: GenerationConfig, ids: Tensor, V: int) -> Processors:
+        rows = SamplingRows.stack([config.sampling], V, ids.device)
+        counts = TokenCounts.of_prompts(ids, V) if rows.needs_counts else None
+        stop_mask = torch.zeros(V, dtype=torch.bool, device=ids.device)
+        stop_mask[list(config.stop_tokens)] = True
+        return Processors(rows, counts, stop_mask, config.min_new_tokens)
+
+    def _round(self, decoder, cache, history: Tensor, k: int, gen, processors: Processors):
         """Draft up to k tokens, verify them in one forward; the tokens kept and their logits."""
-        drafts, q = self.drafter.propose(history, k, cfg, gen)  # (k',), (k', V) or None
+        drafts, q = self.drafter.propose(history, k, processors, gen)  # (k',), (k', V) or None
         n, k = history.shape[1], len(drafts)
         fed = torch.cat([history[:, -1:], drafts[None]], 1)  # (1, k+1)
         slots = torch.arange(n - 1, n + k, device=history.device)
         logits = decoder(fed, cache=cache, slots=slots)[0]  # (k+1, V)
-        # position j's distribution, after the history and the first j drafts (its own history
-        # for the repetition penalty)
-        texts = [torch.cat([history, fed[:, 1 : j + 1]], 1) for j in range(k + 1)]
-        p = torch.cat([token_distribution(logits[j : j + 1], cfg, texts[j]) for j in range(k + 1)])
+        # position j's distribution follows the text and the first j drafts
+        p = torch.cat(
+            [processors.distribution(logits[j : j + 1], drafts[:j]) for j in range(k + 1)]
+        )
         if q is None:  # a certain draft: q is its one-hot
             q = torch.nn.functional.one_hot(drafts, p.shape[-1]).float()
         accepted, token = accept_drafts(p[None], q[None], drafts[None], gen)

@@ -24,6 +24,11 @@ HF_STACKS = {
     "llama": {"": ("model.layers", "model.norm")},
     "mistral": {"": ("model.layers", "model.norm")},
     "qwen2": {"": ("model.layers", "model.norm")},
+    **{  # the newer dense families (interop/hf/families.py) and the Mixture-of-Experts ones
+        family: {"": ("model.layers", "model.norm")}
+        for family in ("qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
+        + ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+    },
     "bert": {"": ("bert.encoder.layer", None)},
     "t5": {
         "encoder.": ("encoder.block", "encoder.final_layer_norm"),

@@ -1,8 +1,10 @@
 """What attention heads do: importance, pruning, attention patterns and the logit lens.
 
     set_head_mask(model, mask)          a gate per head, (L, H), on every self-attention layer
+                                        (lab/head_masks.py)
     head_importance(model, batches)     Michel et al. 2019: |dL / d gate|, gates at 1
     pruning_curve(model, batches, order)  loss as heads are masked one by one in `order`
+                                        (or only at some `levels`: `pruning_levels`)
     heads_lab(HeadsLab(ckpt=...), out)  all of it for one checkpoint: importance, pruning, the
                                         pattern and induction scores and the logit lens of
                                         lab/head_scores.py; JSON, PNGs, the HTML viewer
@@ -15,6 +17,10 @@ normalised per layer by their L2 norm, so layers compare on one scale. The pruni
 heads in the order of one importance pass, least important first (HF transformers' bertology
 example recomputes the scores between pruning steps; not done here), beside the order of the
 scores not normalised and seeded random orders as the control, all measured on held-out batches.
+A full curve costs L*H + 1 evaluations per order: on a 30-layer model of 270 heads that is
+over half an hour on 2 CPU cores even with --fast's small batches, so `curves="coarse"`
+measures COARSE_LEVELS + 1 evenly spaced levels instead (the prunable fraction is then read
+off that grid) and `curves="none"` skips them.
 
 The experiments run on causal language models (`DecoderLM`): the loss is next-token cross-entropy.
 
@@ -35,6 +41,7 @@ from torch import Tensor, nn
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.configs import from_dict
+from attnlab.lab.head_masks import head_shape, set_head_mask
 from attnlab.lab.head_scores import (
     Batch,
     induction_chance,
@@ -44,75 +51,17 @@ from attnlab.lab.head_scores import (
     pattern_scores,
     token_loss,
 )
-from attnlab.models.decoder import DecoderLM
+from attnlab.lab.induction import induction_check
 from attnlab.training.config import DataConfig
 from attnlab.training.data import lm_batch, prepare_text_data
-from attnlab.viz.heads import plot_head_scores, plot_pruning
+from attnlab.viz.heads import plot_head_scores, plot_induction_check, plot_pruning
 from attnlab.viz.report import AttentionViz, attention_pictures
 
 MAX_LOSS_INCREASE = 0.01  # "heads that can be removed": at most 1% above the unpruned loss
 DEFAULT_CONTEXT = 128  # measuring context of a checkpoint that does not record its own
 VIEWER_TOKENS = 32  # the viewer shows a text of this many tokens, twice (induction stripes)
-
-
-# --- head masks ----------------------------------------------------------------------------------
-def head_layers(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a decoder LM, in layer order (each has `hook_z`)."""
-    if not isinstance(model, DecoderLM):
-        raise ValueError(
-            f"the heads experiments take a causal LM (DecoderLM), got {type(model).__name__}; "
-            "train one with `attnlab train` (task clm)"
-        )
-    return [block.self_attn for block in model.blocks]
-
-
-def head_shape(model: nn.Module) -> tuple[int, int]:
-    """(L, H): layers and query heads per layer."""
-    layers = head_layers(model)
-    return len(layers), layers[0].n_heads
-
-
-class HeadGate:
-    """A hook on an attention layer's `hook_z` (components/hooks.py): head h's output times
-    gate[h], before o_proj (Michel et al. 2019).
-
-    Args:
-        gate: (H,) gates; a view of a tensor that requires grad gives dL/d gate.
-    """
-
-    def __init__(self, gate: Tensor):
-        self.gate = gate
-
-    def __call__(self, z: Tensor, hook=None) -> Tensor:
-        return z * self.gate.to(z.dtype).view(1, -1, 1, 1)  # (B, H, T, D)
-
-
-def head_gates(attn: nn.Module) -> list[HeadGate]:
-    """The HeadGates installed on one attention layer."""
-    return [fn for fn in attn.hook_z.fns if isinstance(fn, HeadGate)]
-
-
-def set_head_mask(model: nn.Module, mask: Tensor | None) -> None:
-    """Gate every head's output before its layer's o_proj (Michel et al. 2019), as a HeadGate
-    hook on each self-attention layer's `hook_z` (replacing any gate set before).
-
-    Args:
-        model: a DecoderLM.
-        mask: (L, H) gates (1 keeps a head, 0 removes it, anything between scales it; a tensor
-            that requires grad gives dL/d gate), or None to remove every gate.
-    """
-    layers = head_layers(model)
-    if mask is not None and tuple(mask.shape) != (len(layers), layers[0].n_heads):
-        shape = (len(layers), layers[0].n_heads)
-        raise ValueError(
-            f"head mask of shape {tuple(mask.shape)} for a model of {shape[0]} layers x "
-            f"{shape[1]} heads; give shape {shape}"
-        )
-    for i, attn in enumerate(layers):
-        for gate in head_gates(attn):
-            attn.hook_z.remove(gate)
-        if mask is not None:
-            attn.hook_z.add(HeadGate(mask[i]))  # (H,), a view: gradients flow back to `mask`
+COARSE_LEVELS = 16  # curves="coarse": the pruning curves at k = 0, n/16, 2n/16, ..., n heads
+CURVES = ("full", "coarse", "none")
 
 
 # --- loss, importance, pruning -------------------------------------------------------------------
@@ -157,23 +106,44 @@ def head_importance(model: nn.Module, batches: Sequence[Batch]) -> tuple[Tensor,
     return raw, raw / raw.norm(dim=1, keepdim=True).clamp_min(1e-20)
 
 
+def pruning_levels(n: int, curves: str = "full") -> list[int]:
+    """The numbers of heads masked at which a pruning curve is measured, 0 .. n.
+
+    Args:
+        n: heads in the model (L*H).
+        curves: "full" (every k), "coarse" (COARSE_LEVELS + 1 evenly spaced k, or every k on
+            a model with fewer heads than that).
+    """
+    if curves not in CURVES[:2]:
+        raise ValueError(f"pruning curves {curves!r}: choose full or coarse")
+    if curves == "full" or n <= COARSE_LEVELS:
+        return list(range(n + 1))
+    return sorted({round(i * n / COARSE_LEVELS) for i in range(COARSE_LEVELS + 1)})
+
+
 @torch.no_grad()
-def pruning_curve(model: nn.Module, batches: Sequence[Batch], order: Sequence[int]) -> list[float]:
-    """The loss with the first k heads of `order` masked, for k = 0 .. L*H.
+def pruning_curve(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    order: Sequence[int],
+    levels: Sequence[int] | None = None,
+) -> list[float]:
+    """The loss with the first k heads of `order` masked, for each k of `levels`.
 
     Args:
         order: flat head indices (layer * H + head), the first to be removed first.
+        levels: increasing k in 0 .. L*H (default: all of them).
 
     Returns:
-        L*H + 1 mean losses over `batches`.
+        One mean loss over `batches` per level.
     """
     L, H = head_shape(model)
+    levels = range(L * H + 1) if levels is None else levels
     mask = torch.ones(L * H)
     losses = []
     try:
-        for k in range(L * H + 1):
-            if k:
-                mask[order[k - 1]] = 0.0
+        for k in levels:
+            mask[list(order[:k])] = 0.0
             set_head_mask(model, mask.view(L, H))
             losses.append(mean_loss(model, batches))
     finally:
@@ -181,12 +151,25 @@ def pruning_curve(model: nn.Module, batches: Sequence[Batch], order: Sequence[in
     return losses
 
 
-def prunable_fraction(losses: Sequence[float], tolerance: float = MAX_LOSS_INCREASE) -> float:
+def prunable_fraction(
+    losses: Sequence[float],
+    fractions: Sequence[float] | None = None,
+    tolerance: float = MAX_LOSS_INCREASE,
+) -> float:
     """The largest fraction of heads masked before the loss first rises above (1 + tolerance)
-    times the unpruned loss (losses[0]); losses[k] has k of len(losses) - 1 heads masked."""
+    times the unpruned loss (losses[0]).
+
+    Args:
+        losses: a pruning curve.
+        fractions: the fraction masked at each point (default: losses[k] has k of
+            len(losses) - 1 heads masked); on a coarse grid the answer is the last grid point
+            before the rise, a lower bound.
+    """
+    if fractions is None:
+        fractions = [k / (len(losses) - 1) for k in range(len(losses))]
     limit = losses[0] * (1 + tolerance)
     k = next((k for k, loss in enumerate(losses) if loss > limit), len(losses)) - 1
-    return k / (len(losses) - 1)
+    return fractions[k]
 
 
 # --- the experiment ------------------------------------------------------------------------------
@@ -200,6 +183,9 @@ class HeadsLab:
     (validation split); context None = the checkpoint's training context (measuring past it
     would mix in how well the positions extrapolate).  random_orders: seeded random pruning
     orders, the control.  repeat_len: n of the [r, r] induction sequences; None = context / 2.
+    curves: the pruning curves at every level ("full"), at COARSE_LEVELS + 1 ("coarse") or
+    none.  check_induction: K > 0 checks the top K induction heads by ablation and per-head
+    patching (lab/induction.py; L*H + 11 more forwards on the [r, r] batch).
     """
 
     ckpt: str
@@ -212,6 +198,19 @@ class HeadsLab:
     repeat_len: int | None = None
     offsets: tuple[int, ...] = (2,)
     seed: int = 0
+    curves: str = "full"
+    check_induction: int = 0
+
+    def __post_init__(self):
+        least = {"batches": 1, "batch_size": 1, "context": 2, "repeat_len": 2}
+        least |= {"random_orders": 0, "check_induction": 0}
+        for name, low in least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {value}: give at least {low}")
+        if self.curves not in CURVES:
+            raise ValueError(f"--curves {self.curves!r}: choose one of {', '.join(CURVES)}")
 
     def sized(self) -> "HeadsLab":
         """These options, shrunk in fast mode."""
@@ -266,44 +265,49 @@ def pruning_curves(
     importance: Tensor,
     n_random: int,
     seed: int,
+    curves: str = "full",
 ) -> dict:
     """Pruning curves by normalised importance, by raw importance and in seeded random orders.
 
     Args:
         raw, importance: (L, H) from `head_importance`.  n_random: random orders drawn.
+        curves: "full" or "coarse" (`pruning_levels`).
 
     Returns:
         {"fractions", "by_importance", "by_raw_importance", "random": [curves], the orders,
         "prunable_*": the fractions removable within MAX_LOSS_INCREASE, "tolerance"}.
     """
     n = raw.numel()
+    levels = pruning_levels(n, curves)
     by_importance = importance.flatten().argsort().tolist()  # least important first
     by_raw = raw.flatten().argsort().tolist()
     gen = torch.Generator().manual_seed(seed)
     random_orders = [torch.randperm(n, generator=gen).tolist() for _ in range(n_random)]
     curve, raw_curve = (
-        pruning_curve(model, batches, by_importance),
-        pruning_curve(model, batches, by_raw),
+        pruning_curve(model, batches, by_importance, levels),
+        pruning_curve(model, batches, by_raw, levels),
     )
-    random_curves = [pruning_curve(model, batches, order) for order in random_orders]
+    random_curves = [pruning_curve(model, batches, order, levels) for order in random_orders]
+    fractions = [k / n for k in levels]
     return {
-        "fractions": [k / n for k in range(n + 1)],
+        "fractions": fractions,
         "by_importance": curve,
         "by_raw_importance": raw_curve,
         "random": random_curves,
         "importance_order": by_importance,
         "raw_importance_order": by_raw,
         "random_orders": random_orders,
-        "prunable_by_importance": prunable_fraction(curve),
-        "prunable_by_raw_importance": prunable_fraction(raw_curve),
-        "prunable_random": [prunable_fraction(c) for c in random_curves],
+        "prunable_by_importance": prunable_fraction(curve, fractions),
+        "prunable_by_raw_importance": prunable_fraction(raw_curve, fractions),
+        "prunable_random": [prunable_fraction(c, fractions) for c in random_curves],
         "tolerance": MAX_LOSS_INCREASE,
     }
 
 
 def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     """Every measurement for one checkpoint, written to `out`: heads.json, heads.png (layer x
-    head heatmaps), pruning.png, and the attention viewer of a repeated text (attention.html).
+    head heatmaps), pruning.png (unless curves="none"), induction.png (with check_induction),
+    and the attention viewer of a repeated text (attention.html).
 
     Returns:
         The dict saved as heads.json.
@@ -315,31 +319,20 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         L, H = head_shape(model)
     except ValueError as e:  # not a causal LM: say which checkpoint
         raise ValueError(f"checkpoint {str(loaded.path)!r}: {e}") from None
-    limit = max_len(model)
-    vocab = model.embed.num_embeddings
+    limit, vocab = max_len(model), model.embed.num_embeddings
     trained = loaded.run.get("train", {}).get("context", DEFAULT_CONTEXT)
     context = min(opts.context or trained, limit)
     n = min(opts.repeat_len or context // 2, limit // 2, vocab)
     opts = replace(opts, context=context, repeat_len=n)
     train, val = load_data(loaded, opts.source)
-    fit, held_out = sample_batches(train, opts, opts.seed), sample_batches(val, opts, opts.seed + 1)
-    raw, importance = head_importance(model, fit)
-    scores = pattern_scores(layer_probs(model, held_out[0][0]), opts.offsets)
-    scores["induction"] = induction_scores(model, vocab, n, opts.batch_size, opts.seed)
-    scores = {"importance": importance, **scores}
-    result = {
-        "options": asdict(opts),
-        "checkpoint": str(loaded.path),
-        "layers": L,
-        "heads": H,
-        "importance_raw": raw.tolist(),
-        "scores": {k: v.tolist() for k, v in scores.items()},
-        "induction_chance": induction_chance(n),
-        "pruning": pruning_curves(model, held_out, raw, importance, opts.random_orders, opts.seed),
-        "logit_lens": mean_logit_lens(model, held_out),
-    }
+    result, scores = measure(model, opts, train, val)
+    result = {"options": asdict(opts), "checkpoint": str(loaded.path)} | result
     plot_head_scores(scores, out / "heads.png", title=Path(opts.ckpt).name)
-    plot_pruning(result["pruning"], out / "pruning.png")
+    if result["pruning"] is not None:
+        plot_pruning(result["pruning"], out / "pruning.png")
+    if "induction_check" in result:
+        check = result["induction_check"]
+        plot_induction_check(scores["induction"], check, out / "induction.png")
     # The viewer opens at the top induction head, or the top previous-token head where no head
     # scores clearly above chance on [r, r].
     found = scores["induction"].max() > 2 * induction_chance(n)
@@ -348,36 +341,92 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
     text = loaded.tokenizer.decode(val[:shown].tolist()) if loaded.tokenizer else None
     if text:
         viz = AttentionViz(ckpt=opts.ckpt, text=text + text, layer=best // H, head=best % H)
-        result["pictures"] = [str(p) for p in attention_pictures(viz, out)]
+        opened = (model, loaded.tokenizer, Path(opts.ckpt).name)
+        result["pictures"] = [str(p) for p in attention_pictures(viz, out, opened)]
     result["seconds"] = round(time.perf_counter() - started, 1)
     (out / "heads.json").write_text(json.dumps(result, indent=1))
     return result
 
 
+def measure(
+    model: nn.Module, opts: HeadsLab, train: np.ndarray, val: np.ndarray
+) -> tuple[dict, dict[str, Tensor]]:
+    """The numbers of `heads_lab` (its options already sized): importance, the scores, the
+    pruning curves, the logit lens and, with opts.check_induction, the induction check.
+
+    Returns:
+        (the JSON-ready dict, {score name: (L, H) tensor}).
+    """
+    L, H = head_shape(model)
+    vocab, n = model.embed.num_embeddings, opts.repeat_len
+    fit, held_out = sample_batches(train, opts, opts.seed), sample_batches(val, opts, opts.seed + 1)
+    raw, importance = head_importance(model, fit)
+    scores = pattern_scores(layer_probs(model, held_out[0][0]), opts.offsets)
+    scores["induction"] = induction_scores(model, vocab, n, opts.batch_size, opts.seed)
+    scores = {"importance": importance, **scores}
+    pruning = None
+    if opts.curves != "none":
+        args = (opts.random_orders, opts.seed, opts.curves)
+        pruning = pruning_curves(model, held_out, raw, importance, *args)
+    result = {
+        "layers": L,
+        "heads": H,
+        "importance_raw": raw.tolist(),
+        "scores": {k: v.tolist() for k, v in scores.items()},
+        "induction_chance": induction_chance(n),
+        "pruning": pruning,
+        "logit_lens": mean_logit_lens(model, held_out),
+    }
+    if opts.check_induction:
+        k = min(opts.check_induction, L * H - 1)
+        args = (vocab, n, opts.batch_size, scores["induction"], k, opts.seed)
+        result["induction_check"] = induction_check(model, *args)
+    return result, scores
+
+
 # --- the terminal report ------------------------------------------------------------------------
 def format_report(result: dict) -> str:
-    """The terminal summary: importance, the top heads per score, pruning, the logit lens."""
-    lines = []
+    """The terminal summary: the top heads per score, pruning, the induction check, the logit
+    lens."""
+    lines, H = [], result["heads"]
     for name, s in result["scores"].items():
         flat = torch.tensor(s).flatten()
-        top = flat.argsort(descending=True)[:3].tolist()
-        H = result["heads"]
+        top = flat.argsort(descending=True)[: 5 if name == "induction" else 3].tolist()
         best = ", ".join(f"L{i // H}H{i % H} {flat[i]:.3f}" for i in top)
         lines.append(f"{name:16s} top heads: {best}")
     lines.append(f"induction chance level (uniform attention): {result['induction_chance']:.3f}")
     p = result["pruning"]
-    random = p["prunable_random"]
-    lines.append(
-        f"prunable at <= {p['tolerance']:.0%} loss increase: {p['prunable_by_importance']:.1%} "
-        f"of heads by importance ({p['prunable_by_raw_importance']:.1%} by the scores not "
-        f"normalised per layer), {_mean(random):.1%} at random (orders: "
-        f"{', '.join(f'{f:.1%}' for f in random)})"
-    )
+    if p is not None:
+        random = p["prunable_random"]
+        grid = "" if len(p["fractions"]) == H * result["layers"] + 1 else " (on a coarse grid)"
+        lines.append(
+            f"prunable at <= {p['tolerance']:.0%} loss increase{grid}: "
+            f"{p['prunable_by_importance']:.1%} of heads by importance "
+            f"({p['prunable_by_raw_importance']:.1%} by the scores not normalised per layer), "
+            f"{_mean(random):.1%} at random (orders: {', '.join(f'{f:.1%}' for f in random)})"
+        )
+    if "induction_check" in result:
+        lines += induction_lines(result["induction_check"])
     lines.append("logit lens (final norm + head on each layer's residual stream):")
     lines.append(f"  {'stream':12s} {'loss':>8s} {'top-1 agrees':>13s}")
     for row in result["logit_lens"]:
         lines.append(f"  {row['stream']:12s} {row['loss']:8.4f} {row['agreement']:13.3f}")
     return "\n".join(lines)
+
+
+def induction_lines(check: dict) -> list[str]:
+    """The induction check (lab/induction.py) in three lines."""
+    a, p, k = check["ablation"], check["patching"], len(check["heads"])
+    names = ", ".join(f"L{layer}H{h}" for layer, h in check["heads"])
+    best = ", ".join(f"L{layer}H{h}" for layer, h in p["best_heads"])
+    return [
+        f"induction check, the top {k} heads by score ({names}), on [r, r]:",
+        f"  loss on the second copy {a['loss']:.3f}; those heads masked {a['ablated']:.3f}; "
+        f"{k} random heads masked {_mean(a['random']):.3f} (mean of {len(a['random'])} draws)",
+        f"  patched together from [r, r] into [r', r] they restore {p['together']:.1%} of the "
+        f"second copy's log-probability ({p['corrupt']:.3f} -> {p['clean']:.3f}); the {k} best "
+        f"heads by patching alone ({best}) restore {p['best_together']:.1%}",
+    ]
 
 
 def _mean(values: Iterable[float]) -> float:

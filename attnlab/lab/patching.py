@@ -106,8 +106,9 @@ def normalised(value: Tensor, clean: float, corrupt: float) -> Tensor:
 
 
 # --- activation patching -------------------------------------------------------------------------
-def _patch_at(clean: Tensor, pos: int | None, head: int | None):
-    """A hook writing clean[..., pos, :] (a residual point) or clean[:, head] (hook_z)."""
+def _patch_at(clean: Tensor, pos: int | None, head: int | list[int] | None):
+    """A hook writing clean[..., pos, :] (a residual point) or clean[:, head] (hook_z; `head`
+    may be a list of heads)."""
 
     def fn(x: Tensor, hook: HookPoint) -> Tensor:
         x = x.clone()
@@ -157,6 +158,32 @@ def patch(
             with hooks(model, [(name, _patch_at(clean_cache[name], pos, head))]):
                 out[layer, c] = metric(model(corrupt)).float()
     return out
+
+
+@torch.no_grad()
+def patch_heads(
+    model: nn.Module,
+    corrupt: Tensor,
+    clean_cache: dict[str, Tensor],
+    heads: Sequence[tuple[int, int]],
+) -> Tensor:
+    """The corrupted run's logits with every head of `heads` patched from the clean run at once
+    (hook_z, all positions): a circuit of several heads, where `patch` moves one.
+
+    Args:
+        corrupt: (B, T) ids.  clean_cache: the clean run's `patch_names(model, "head")`.
+        heads: (layer, head) pairs.
+
+    Returns:
+        (B, T, V) logits.
+    """
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+    names = patch_names(model, "head")
+    fwd = [(names[i], _patch_at(clean_cache[names[i]], None, hs)) for i, hs in by_layer.items()]
+    with hooks(model, fwd):
+        return model(corrupt)
 
 
 def patch_names(model: nn.Module, kind: str) -> list[str]:

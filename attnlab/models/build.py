@@ -15,6 +15,7 @@ from attnlab.components.embedding import TokenEmbedding, tie_weights
 from attnlab.components.ffn import ACTIVATIONS, MLP, GatedMLP
 from attnlab.components.init import init_weights
 from attnlab.components.mla import MultiHeadLatentAttention
+from attnlab.components.moe import MoE
 from attnlab.components.norms import build_norm
 from attnlab.components.positions import (
     ALiBi,
@@ -39,20 +40,22 @@ from attnlab.models.heads import (
 from attnlab.models.vision import PrefixVisionLM, VisionEncoder, VisionEncoderDecoder
 
 
-def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
-    """The position scheme of one stack (T5's bias is causal in the decoder, bidirectional else)."""
+def build_positions(cfg: ModelConfig, causal: bool, local: bool = False) -> PositionScheme:
+    """The position scheme of one stack (T5's bias is causal in the decoder, bidirectional else);
+    `local`: RoPE with base rope.local_theta and no scaling, for the windowed layers (Gemma 3)."""
     a = cfg.attention
+    theta, scaling = (cfg.rope.local_theta, None) if local else (cfg.rope.theta, cfg.rope.scaling)
     builders = {
         "none": lambda: NoPosition(),
         "sinusoidal": lambda: SinusoidalPosition(cfg.d_model, cfg.max_seq_len),
         "learned": lambda: LearnedPosition(cfg.max_seq_len, cfg.d_model),
-        "rope": lambda: _rope_class(cfg)(
+        "rope": lambda: _rope_class(scaling)(
             cfg.rope_head_dim,
             cfg.max_seq_len,
-            cfg.rope.theta,
+            theta,
             cfg.rope.layout,
             cfg.rope.partial_rotary,
-            cfg.rope.scaling,
+            scaling,
         ),
         "alibi": lambda: ALiBi(a.n_heads),
         "t5_bias": lambda: T5Bias(
@@ -70,9 +73,8 @@ def build_positions(cfg: ModelConfig, causal: bool) -> PositionScheme:
     return scheme
 
 
-def _rope_class(cfg: ModelConfig) -> type[RoPE]:
+def _rope_class(scaling) -> type[RoPE]:
     """Dynamic NTK recomputes its frequencies per length, so it is its own class."""
-    scaling = cfg.rope.scaling
     return DynamicNTKRoPE if scaling is not None and scaling.kind == "dynamic" else RoPE
 
 
@@ -107,31 +109,67 @@ def build_attention(cfg: ModelConfig, cross: bool = False) -> nn.Module:
         backend=a.backend,
         cross=cross,
         norm_eps=cfg.norm_eps,
+        qk_norm_scope=a.qk_norm_scope,
+        norm_unit_offset=cfg.norm_unit_offset,
+        softcap=a.logit_softcap,
     )
 
 
-def build_ffn(cfg: ModelConfig) -> nn.Module:
+def build_ffn(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    """The FFN of block `layer`: an MoE when cfg.moe says so (past its first dense layers)."""
+    if cfg.moe is not None and layer >= cfg.moe.first_dense_layers:
+        return build_moe(cfg)
     if cfg.ffn == "mlp":
         return MLP(cfg.d_model, cfg.ffn_width, cfg.activation, cfg.ffn_bias, cfg.dropout)
     gate = "silu" if cfg.ffn == "swiglu" else cfg.activation
     return GatedMLP(cfg.d_model, cfg.ffn_width, gate, cfg.ffn_bias, cfg.dropout)
 
 
+def build_moe(cfg: ModelConfig) -> MoE:
+    m = cfg.moe
+    return MoE(
+        cfg.d_model,
+        cfg.expert_width,
+        m.n_experts,
+        m.n_experts_per_token,
+        m.score,
+        m.normalize,
+        m.n_groups,
+        m.topk_groups,
+        m.routed_scale,
+        m.d_shared,
+        m.shared_gate,
+        m.bias_update_rate,
+        dropout=cfg.dropout,
+    )
+
+
 def build_norm_for(cfg: ModelConfig) -> nn.Module:
-    return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+    return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset)
 
 
-def build_block(cfg: ModelConfig, causal: bool, cross: bool = False) -> nn.Module:
-    """An EncoderBlock (causal=False) or a DecoderBlock, with cross-attention if `cross`."""
-    norms = [build_norm_for(cfg) for _ in range(3 if cross else 2)]
+def build_block_norms(cfg: ModelConfig, n: int) -> tuple[list[nn.Module], list | None, str]:
+    """The n sublayers' input norms, output norms (or None) and the Residual placement:
+    "sandwich" has both norms, "post_sublayer" an Identity in place of the input norm."""
+    placement = cfg.norm_placement
+    if placement in ("pre", "post"):
+        return [build_norm_for(cfg) for _ in range(n)], None, placement
+    outs = [build_norm_for(cfg) for _ in range(n)]
+    ins = [build_norm_for(cfg) if placement == "sandwich" else nn.Identity() for _ in range(n)]
+    return ins, outs, "pre"
+
+
+def build_block(cfg: ModelConfig, causal: bool, cross: bool = False, layer: int = 0) -> nn.Module:
+    """An EncoderBlock (causal=False) or a DecoderBlock, with cross-attention if `cross`;
+    `layer` is its index in the stack (which FFN it gets, see build_ffn)."""
+    norms, outs, placement = build_block_norms(cfg, 3 if cross else 2)
     if not causal:
         return EncoderBlock(
-            build_attention(cfg), build_ffn(cfg), norms, cfg.norm_placement, cfg.dropout
+            build_attention(cfg), build_ffn(cfg), norms, placement, cfg.dropout, outs
         )
     cross_attn = build_attention(cfg, cross=True) if cross else None
-    return DecoderBlock(
-        build_attention(cfg), build_ffn(cfg), norms, cross_attn, cfg.norm_placement, cfg.dropout
-    )
+    ffn = build_ffn(cfg, layer)
+    return DecoderBlock(build_attention(cfg), ffn, norms, cross_attn, placement, cfg.dropout, outs)
 
 
 def _final_norm(cfg: ModelConfig) -> nn.Module:
@@ -154,11 +192,12 @@ def build_encoder(cfg: ModelConfig, embed: TokenEmbedding) -> Encoder:
 
 
 def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross: bool) -> DecoderLM:
-    blocks = [build_block(cfg, causal=True, cross=cross) for _ in range(n_layers)]
+    blocks = [build_block(cfg, causal=True, cross=cross, layer=i) for i in range(n_layers)]
     head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     if cfg.tie_embeddings:
         tie_weights(head, embed)
     head_scale = cfg.d_model**-0.5 if cfg.head_rescale else 1.0
+    local, local_positions = _layer_pattern(cfg, n_layers)
     return DecoderLM(
         embed,
         build_positions(cfg, causal=True),
@@ -168,7 +207,21 @@ def build_decoder(cfg: ModelConfig, embed: TokenEmbedding, n_layers: int, cross:
         cfg.dropout,
         cfg.attention.sliding_window,
         head_scale,
+        local,
+        local_positions,
+        cfg.logit_softcap,
     )
+
+
+def _layer_pattern(
+    cfg: ModelConfig, n_layers: int
+) -> tuple[list[bool] | None, PositionScheme | None]:
+    """Which of n_layers decoder layers use the window (None: all), and the position scheme of
+    the windowed ones where their RoPE base differs (None: the same as the others)."""
+    a = cfg.attention
+    local = [a.is_local(i) for i in range(n_layers)] if a.global_every is not None else None
+    local_positions = None if cfg.rope.local_theta is None else build_positions(cfg, True, True)
+    return local, local_positions
 
 
 def build_decoder_classifier(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Module:
@@ -184,6 +237,7 @@ def build_decoder_classifier(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Modu
         cfg.dropout,
         cfg.attention.sliding_window,
         cfg.d_model**-0.5 if cfg.head_rescale else 1.0,
+        *_layer_pattern(cfg, cfg.n_layers),
         pad_token_id=cfg.head.pad_token_id,
     )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from attnlab.components.ffn import gated_d_ff
+from attnlab.components.moe import check_routing
 from attnlab.components.positions.rope import RopeScaling
 from attnlab.components.vision import Patchify, PatchPosition, check_patch_geometry
 from attnlab.configs import check_literals
@@ -23,6 +24,13 @@ class AttentionConfig:
     n_kv_heads: None -> n_heads (MHA); 1 -> MQA; a divisor of n_heads -> GQA.
     head_dim: None -> d_model // n_heads.  softmax_scale: None -> 1/sqrt(head_dim) (T5: 1.0).
     sliding_window: each token sees itself and the window - 1 tokens before it (Mistral).
+    global_every: with a sliding_window, every global_every-th layer (layers n-1, 2n-1, ...)
+        sees the whole sequence and the others the window: Gemma 2 alternates (2), Gemma 3
+        has five local layers to each global one (6). None: every layer uses the window.
+    qk_norm: RMS-normalise q and k (components/qk_norm.py) over each head (qk_norm_scope
+        "head": Qwen3, Gemma 3) or over the whole projection ("projection": OLMo 2).
+    logit_softcap: soft-cap the attention logits, cap * tanh(s / cap) (Gemma 2: 50;
+        components/softcap.py); written out, so it needs backend "eager".
     backend: how scores become outputs (components/backends.py): "sdpa" (default), "eager",
         "flash", "flex", "triton", or "auto": sdpa, except that a layer given a score_mod bias or
         a BlockMask runs flex, and an ALiBi / T5 model gives its bias as a score_mod for long
@@ -40,8 +48,11 @@ class AttentionConfig:
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "projection"] = "head"
     softmax_scale: float | None = None
     sliding_window: int | None = None
+    global_every: int | None = None
+    logit_softcap: float | None = None
     backend: Literal["sdpa", "eager", "flash", "flex", "triton", "auto"] = "sdpa"
     kind: Literal["standard", "mla"] = "standard"
     kv_lora_rank: int | None = None
@@ -60,6 +71,32 @@ class AttentionConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        self._check_families()
+
+    def _check_families(self) -> None:
+        """The window pattern and the soft-cap of the newer dense families (Gemma 2/3)."""
+        if self.global_every is not None:
+            if self.sliding_window is None:
+                raise ValueError(
+                    f"global_every={self.global_every} alternates windowed and global layers; "
+                    "set attention.sliding_window too"
+                )
+            if self.global_every < 2:
+                raise ValueError(f"global_every must be >= 2, got {self.global_every}")
+        if self.logit_softcap is not None:
+            if self.logit_softcap <= 0:
+                raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+            if self.backend != "eager":
+                raise ValueError(
+                    f"attention.logit_softcap={self.logit_softcap} is written out: set "
+                    f"attention.backend='eager' (not {self.backend!r})"
+                )
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` (0-based) attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.global_every is None or (layer + 1) % self.global_every != 0
 
     def _check_mla(self) -> None:
         dims = {
@@ -94,12 +131,19 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings (used when position == "rope")."""
+    """Rotary embedding settings (used when position == "rope").
+
+    local_theta: the base of the sliding-window layers of a model that alternates them with
+        global ones (attention.global_every), where it differs: Gemma 3 rotates its local
+        layers with base 10,000 and no scaling, its global ones with `theta` = 1,000,000 and
+        `scaling`. None: every layer uses theta and scaling.
+    """
 
     theta: float = 10000.0
     layout: Literal["half", "interleaved"] = "half"
     partial_rotary: float = 1.0
     scaling: RopeScaling | None = None
+    local_theta: float | None = None
 
     def __post_init__(self):
         check_literals(self)
@@ -139,6 +183,55 @@ class VisionConfig:
     def n_tokens(self) -> int:
         """Image tokens: one per patch, plus the class token if there is one."""
         return (self.image_size // self.patch_size) ** 2 + int(self.cls_token)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sparse Mixture-of-Experts feed-forward layers in place of the dense FFN
+    (components/moe.py, which explains each field).
+
+    n_experts: E routed SwiGLU experts.  n_experts_per_token: k, the experts each token uses.
+    d_expert: each routed expert's hidden width; None -> the model's d_ff.
+    score: the router, "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3, with its
+        selection-only bias).  normalize: divide the k gates by their sum.
+    n_groups, topk_groups: DeepSeek-V3's group-limited routing (1, 1 = off).
+    routed_scale: multiplies the routed gates (DeepSeek's routed_scaling_factor).
+    d_shared: the width of the shared expert every token uses (0 = none; DeepSeek's
+        n_shared_experts * d_expert).  shared_gate: a sigmoid gate on it (Qwen2-MoE).
+    bias_update_rate: DeepSeek-V3's gamma, the auxiliary-loss-free bias step (sigmoid only).
+    first_dense_layers: the first layers keep a dense FFN (DeepSeek's first_k_dense_replace).
+    """
+
+    n_experts: int = 8
+    n_experts_per_token: int = 2
+    d_expert: int | None = None
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    normalize: bool = True
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0
+    d_shared: int = 0
+    shared_gate: bool = False
+    bias_update_rate: float = 0.0
+    first_dense_layers: int = 0
+
+    def __post_init__(self):
+        check_routing(
+            self.n_experts, self.n_experts_per_token, self.score, self.n_groups, self.topk_groups
+        )
+        check_literals(self)
+        small = {
+            k: getattr(self, k)
+            for k in ("d_shared", "bias_update_rate", "first_dense_layers")
+            if getattr(self, k) < 0
+        }
+        if small or (self.d_expert is not None and self.d_expert < 1):
+            raise ValueError(f"moe widths, rates and layer counts must be >= 0, got {small}")
+        if self.bias_update_rate and self.score != "sigmoid":
+            raise ValueError(
+                f"moe.bias_update_rate={self.bias_update_rate} balances a 'sigmoid' router; "
+                f"moe.score={self.score!r} has no bias (use the auxiliary loss)"
+            )
 
 
 @dataclass(frozen=True)
@@ -197,13 +290,18 @@ class ModelConfig:
     n_decoder_layers: encoder-decoder only, None -> n_layers.
     d_ff: None -> 4 * d_model (mlp) or 8/3 * d_model rounded up to 64 (swiglu, geglu).
     activation: of the mlp, and of the geglu gate ("gelu" or "gelu_tanh"); swiglu uses SiLU.
-    final_norm: None -> a final norm after the last block exactly when norm_placement == "pre".
+    norm_placement: "pre", "post" (components/blocks.py), "sandwich": a pre-norm and a norm
+        of each sublayer's output (Gemma 2/3), "post_sublayer": the output norm alone (OLMo 2).
+    norm_unit_offset: every RMSNorm scales by (1 + weight), weights starting at 0 (Gemma).
+    final_norm: None -> a final norm after the last block unless norm_placement == "post".
+    logit_softcap: soft-cap the output logits, cap * tanh(z / cap) (Gemma 2: 30), or None.
     head_rescale: multiply the final hidden state by d_model^-0.5 before a tied head (T5 v1.0).
     embed_norm: a norm of the embeddings: in an encoder after adding positions and segments
         (BERT), in a decoder right after the token lookup (BLOOM's word_embeddings_layernorm).
     type_vocab_size: BERT's segment embeddings.
     vision: the image encoder of a "vlm" (vision-language) model; None for every other arch.
     head: a task head (sequence or token classification) in place of the LM head; None: the LM.
+    moe: Mixture-of-Experts FFNs (a decoder's, ffn "swiglu"); None: dense FFNs.
     """
 
     arch: Arch
@@ -218,10 +316,12 @@ class ModelConfig:
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    norm_placement: Literal["pre", "post"] = "pre"
+    norm_placement: Literal["pre", "post", "sandwich", "post_sublayer"] = "pre"
     norm_eps: float = 1e-5
     norm_bias: bool = True
+    norm_unit_offset: bool = False
     final_norm: bool | None = None
+    logit_softcap: float | None = None
     ffn: Literal["mlp", "swiglu", "geglu"] = "swiglu"
     activation: Literal["relu", "gelu", "gelu_tanh", "silu"] = "gelu"
     d_ff: int | None = None
@@ -236,6 +336,7 @@ class ModelConfig:
     init_std: float = 0.02
     vision: VisionConfig | None = None
     head: HeadConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         check_literals(self)
@@ -257,6 +358,7 @@ class ModelConfig:
                     f"(rotary part {rotary_dim}) must be even"
                 )
         self._check_mla()
+        self._check_families()
         if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(
                 f"geglu gates with gelu or gelu_tanh, not activation={self.activation!r}"
@@ -265,6 +367,36 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_vision()
         self._check_head()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        m = self.moe
+        if m is None:
+            return
+        if self.arch != "decoder" or self.ffn != "swiglu":
+            raise ValueError(
+                f"moe needs arch='decoder' and ffn='swiglu' (SwiGLU experts), not "
+                f"arch={self.arch!r}, ffn={self.ffn!r}"
+            )
+        if self.ffn_bias or m.first_dense_layers > self.n_layers:
+            raise ValueError(
+                f"moe experts have no biases (ffn_bias={self.ffn_bias}) and "
+                f"moe.first_dense_layers={m.first_dense_layers} must be <= n_layers={self.n_layers}"
+            )
+
+    def _check_families(self) -> None:
+        """The fields of the newer dense families (Qwen3, Gemma 2/3, OLMo 2) that need others."""
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ValueError(f"norm_unit_offset scales an RMSNorm, not norm={self.norm!r}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+        if self.rope.local_theta is not None and (
+            self.position != "rope" or self.attention.global_every is None
+        ):
+            raise ValueError(
+                f"rope.local_theta={self.rope.local_theta} is the RoPE base of the windowed "
+                "layers: it needs position='rope' and attention.global_every"
+            )
 
     def _check_head(self) -> None:
         h = self.head
@@ -343,8 +475,13 @@ class ModelConfig:
         return 4 * self.d_model if self.ffn == "mlp" else gated_d_ff(self.d_model)
 
     @property
+    def expert_width(self) -> int:
+        """The resolved moe.d_expert (the model's d_ff when unset)."""
+        return self.ffn_width if self.moe.d_expert is None else self.moe.d_expert
+
+    @property
     def has_final_norm(self) -> bool:
-        return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
+        return self.norm_placement != "post" if self.final_norm is None else self.final_norm
 
     @property
     def decoder_layers(self) -> int:

@@ -4,10 +4,15 @@ The same class is the decoder half of an encoder-decoder model: give its blocks 
 and pass `memory` (the encoder's output) to `forward`.
 
 What every block needs (the masks, the position scheme's cos/sin rows or score bias, the cache
-slots) is computed once per forward into an `AttentionContext` and handed to each block.
+slots) is computed once per forward into an `AttentionContext` and handed to each block. A model
+that mixes sliding-window and global layers (Gemma 2: every other layer; Gemma 3: five local
+to one global, the local ones with their own RoPE base) computes a second context for its local
+layers, `ctx.local`, once per forward as well.
 
 Shapes: B batch, T new tokens, S keys (cached + new), M memory length, C d_model, V vocab_size.
 """
+
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +29,7 @@ from attnlab.components.masks import (
     uses_flex,
 )
 from attnlab.components.positions.base import PositionScheme
+from attnlab.components.softcap import soft_cap
 
 
 class DecoderLM(nn.Module):
@@ -34,6 +40,10 @@ class DecoderLM(nn.Module):
         blocks: DecoderBlocks.  norm: final norm or Identity.  head: Linear(C, V), maybe tied.
         dropout: on the embeddings.  window: sliding window of self-attention, or None.
         head_scale: multiplies the final hidden state (T5 v1.0's tied head: d_model^-0.5).
+        local_layers: which blocks use the window (True) and which see every earlier token;
+            None: all of them use it.
+        local_positions: the position scheme of the windowed blocks, or None: `positions`.
+        logit_softcap: soft-cap the logits at this value (Gemma 2: 30), or None.
     """
 
     def __init__(
@@ -46,13 +56,20 @@ class DecoderLM(nn.Module):
         dropout: float = 0.0,
         window: int | None = None,
         head_scale: float = 1.0,
+        local_layers: list[bool] | None = None,
+        local_positions: PositionScheme | None = None,
+        logit_softcap: float | None = None,
     ):
         super().__init__()
+        if local_layers is not None and len(local_layers) != len(blocks):
+            raise ValueError(f"local_layers names {len(local_layers)} layers for {len(blocks)}")
         self.embed, self.positions = embed, positions
         self.blocks = nn.ModuleList(blocks)
         self.norm, self.head = norm, head
         self.drop = nn.Dropout(dropout)
         self.window, self.head_scale = window, head_scale
+        self.local_layers, self.local_positions = local_layers, local_positions
+        self.logit_softcap = logit_softcap
         self.hook_embed = HookPoint()  # token embeddings (components/hooks.py)
         self.hook_final_norm, self.hook_logits = HookPoint(), HookPoint()
 
@@ -119,8 +136,31 @@ class DecoderLM(nn.Module):
         """What every block needs, computed once per forward (arguments as `forward`).
 
         Returns:
-            (ctx, pos): the AttentionContext, and the positions of `ids`, (T,) or (B, T).
+            (ctx, pos): the AttentionContext (with `ctx.local` for the windowed layers of a
+            model that mixes them with global ones), and the positions of `ids`, (T,) or (B, T).
         """
+        args = (ids, attention_mask, pos, memory, memory_mask, cache, slots, attn_mask)
+        if self.local_layers is None:
+            return self._context(*args, self.window, self.positions)
+        ctx, pos = self._context(*args, None, self.positions)
+        local_positions = self.positions if self.local_positions is None else self.local_positions
+        local, _ = self._context(*args, self.window, local_positions)
+        return replace(ctx, local=local), pos
+
+    def _context(
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None,
+        pos: Tensor | None,
+        memory: Tensor | None,
+        memory_mask: Tensor | None,
+        cache,
+        slots: Tensor | None,
+        attn_mask: Tensor | MaskMod | None,
+        window: int | None,
+        positions: PositionScheme,
+    ) -> tuple[AttentionContext, Tensor]:
+        """One AttentionContext, for layers with this `window` and position scheme."""
         B, T = ids.shape
         if attn_mask is not None and cache is not None:
             raise ValueError("attn_mask cannot be used with a KV cache; pass cache=None")
@@ -129,7 +169,7 @@ class DecoderLM(nn.Module):
             pos = torch.arange(T, device=ids.device) if pos is None else pos
             k_pos = pos
             if attn_mask is None:
-                mask, is_causal = self_attention_mask(T, T, attention_mask, self.window, ids.device)
+                mask, is_causal = self_attention_mask(T, T, attention_mask, window, ids.device)
             elif is_mask_mod(attn_mask):
                 flex = uses_flex(self)
                 mask = mask_from_mod(attn_mask, B, T, attention_mask, flex, ids.device)
@@ -137,12 +177,12 @@ class DecoderLM(nn.Module):
             else:
                 mask, is_causal = custom_attention_mask(attn_mask, B, T, attention_mask), False
         else:  # the cache knows its rows' positions and what each new token may see
-            pos, k_pos, bound, mask = cache.positions_and_mask(slots, self.window)
+            pos, k_pos, bound, mask = cache.positions_and_mask(slots, window)
             is_causal = False
         ctx = AttentionContext(
             mask=mask,
             is_causal=is_causal,
-            positions=self.positions.prepare(pos, k_pos, bound),
+            positions=positions.prepare(pos, k_pos, bound),
             slots=slots,
             memory=memory,
             memory_mask=None if memory_mask is None else padding_mask(memory_mask),  # (B,1,1,M)
@@ -154,7 +194,8 @@ class DecoderLM(nn.Module):
         for i, block in enumerate(self.blocks):
             layer = None if cache is None else cache.layers[i]
             cross = None if cache is None or cache.cross is None else cache.cross[i]
-            x = block(x, ctx, layer, cross)  # (B, T, C)
+            local = ctx.local is not None and self.local_layers[i]
+            x = block(x, ctx.local if local else ctx, layer, cross)  # (B, T, C)
         return x
 
     def logits(self, x: Tensor) -> Tensor:
@@ -162,4 +203,7 @@ class DecoderLM(nn.Module):
         x = self.hook_final_norm(self.norm(x))  # (B, T, C)
         if self.head_scale != 1.0:
             x = x * self.head_scale
-        return self.hook_logits(self.head(x))  # (B, T, V)
+        logits = self.head(x)  # (B, T, V)
+        if self.logit_softcap is not None:
+            logits = soft_cap(logits, self.logit_softcap)
+        return self.hook_logits(logits)

@@ -6,9 +6,14 @@ a 70B config on a laptop.
 FLOPs convention (Kaplan et al. 2020, PaLM appendix B): a matmul of (1, n) by (n, m) is 2nm FLOPs;
 per token, every Linear costs 2 * in * out, and attention over a context of T keys costs
 2 * H * D * T for Q K^T plus the same for the weighted sum of V, in every layer (causal masking
-is not discounted). Embedding look-ups are free; norms, softmax and activations are left out.
+is not discounted; a sliding-window layer sees min(T, window) keys: Mistral, Gemma's local
+layers). Embedding look-ups are free; norms, softmax and activations are left out.
 MLA's scores are counted in its plain form (what training runs): 2 * H * (Dn + R) * T for the
 scores and 2 * H * Dv * T for the values.
+
+A Mixture-of-Experts layer (components/moe.py) runs k of its E experts per token: its FLOPs are
+the router's, the shared experts' and k experts' (the "active" compute); "active parameters" are
+likewise every parameter but the E - k experts a token does not use.
 
 KV cache per token and layer: 2 * K * D numbers for MHA/GQA/MQA; for MLA only the latent and the
 shared rope key, r + R (DeepSeek-V2 §2.1.4: 576 numbers where its MHA would keep 2 * 128 * 128).
@@ -19,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from attnlab.components.moe import moe_layers
 from attnlab.models.build import build_model
 from attnlab.models.config import ModelConfig
 
@@ -30,6 +36,7 @@ class ModelStats:
     """What `inspect_config` measures. Counts are exact; FLOPs and bytes are per token."""
 
     total_params: int
+    active_params: int  # what one token uses: total_params without the experts it skips
     embedding_params: int
     block_params: list[int]
     flops_per_token: int
@@ -57,19 +64,43 @@ def _embedding_params(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def flops_per_token(model: nn.Module, cfg: ModelConfig, context: int) -> int:
-    """Forward FLOPs per token at `context` keys (encoder-decoder: per source+target token pair)."""
-    linear = sum(
-        2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear)
+def _linear_flops(module: nn.Module) -> int:
+    return sum(
+        2 * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear)
     )
+
+
+def _skipped_experts(model: nn.Module, measure) -> int:
+    """`measure` of the routed experts each token skips: (E - k) experts in every MoE layer."""
+    return sum((m.n_experts - m.k) * measure(m.experts[0]) for m in moe_layers(model))
+
+
+def active_parameters(model: nn.Module) -> int:
+    """The parameters one token's forward uses (all of them in a dense model)."""
+    return count_parameters(model) - _skipped_experts(model, count_parameters)
+
+
+def flops_per_token(model: nn.Module, cfg: ModelConfig, context: int) -> int:
+    """Forward FLOPs per token at `context` keys (encoder-decoder: per source+target token pair);
+    an MoE layer counts the k experts a token uses."""
+    linear = _linear_flops(model) - _skipped_experts(model, _linear_flops)
     H = cfg.attention.n_heads
     qk_dim, v_dim = _score_widths(cfg)
-    attn_layers = {
-        "decoder": cfg.n_layers,
-        "encoder": cfg.n_layers,
-        "encoder_decoder": cfg.n_layers + 2 * cfg.decoder_layers,
-    }[cfg.arch]
-    return linear + attn_layers * 2 * H * (qk_dim + v_dim) * context
+    if cfg.arch == "decoder":  # the keys each layer sees, summed over the layers
+        keys = sum(_keys_seen(cfg, i, context) for i in range(cfg.n_layers))
+    else:
+        attn_layers = cfg.n_layers + (
+            2 * cfg.decoder_layers if cfg.arch == "encoder_decoder" else 0
+        )
+        keys = attn_layers * context
+    return linear + 2 * H * (qk_dim + v_dim) * keys
+
+
+def _keys_seen(cfg: ModelConfig, layer: int, context: int) -> int:
+    """How many keys a decoder layer's query attends to at `context`: a windowed layer no more
+    than its window."""
+    a = cfg.attention
+    return min(context, a.sliding_window) if a.is_local(layer) else context
 
 
 def _score_widths(cfg: ModelConfig) -> tuple[int, int]:
@@ -100,6 +131,7 @@ def inspect_config(cfg: ModelConfig, context: int | None = None) -> ModelStats:
         model = build_model(cfg)
     return ModelStats(
         total_params=count_parameters(model),
+        active_params=active_parameters(model),
         embedding_params=_embedding_params(model),
         block_params=[count_parameters(b) for b in _blocks(model)],
         flops_per_token=flops_per_token(model, cfg, context),
@@ -119,6 +151,7 @@ def format_stats(name: str, cfg: ModelConfig, s: ModelStats) -> str:
             f"{_attention_summary(cfg)})",
         ),
         ("parameters", f"{s.total_params:,} ({s.total_params / 1e6:,.1f}M)"),
+        *_active_row(cfg, s),
         ("  embeddings", f"{s.embedding_params:,}"),
         ("  per block", per_block),
         ("  other", f"{s.total_params - s.embedding_params - sum(s.block_params):,}"),
@@ -131,6 +164,16 @@ def format_stats(name: str, cfg: ModelConfig, s: ModelStats) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _active_row(cfg: ModelConfig, s: ModelStats) -> list[tuple[str, str]]:
+    """The active-parameter row of an MoE model (none for a dense one)."""
+    m = cfg.moe
+    if m is None:
+        return []
+    what = f"{m.n_experts_per_token} of {m.n_experts} experts" + (" + shared" if m.d_shared else "")
+    share = 100 * s.active_params / s.total_params
+    return [("  active / token", f"{s.active_params:,} ({share:.0f}%: {what})")]
 
 
 def _attention_summary(cfg: ModelConfig) -> str:
@@ -220,7 +263,7 @@ def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
     Returns:
         {"attention projections": q/k/v/o Linears (MLA: its down/up projections too),
         "attention scores": Q K^T and P V (4 H D context per attention layer),
-        "ffn": the feed-forward Linears,
+        "ffn": the feed-forward Linears (an MoE's router, shared and k routed experts),
         "head and other": everything else (LM head, pooler, MLM head)}.
     """
     from attnlab.components.attention import Attention
@@ -241,9 +284,13 @@ def flops_split(cfg: ModelConfig, context: int | None = None) -> dict[str, int]:
 
     attention = Attention | MultiHeadLatentAttention
     attn = linear_flops(m for m in model.modules() if isinstance(m, attention))
-    ffn = linear_flops(m for m in model.modules() if isinstance(m, MLP | GatedMLP))
+    moes = moe_layers(model)
+    inside = {id(m) for moe in moes for m in moe.modules()}  # experts counted with their MoE
+    dense = [m for m in model.modules() if isinstance(m, MLP | GatedMLP) and id(m) not in inside]
+    skipped = _skipped_experts(model, _linear_flops)  # the E - k experts a token does not run
+    ffn = linear_flops(dense + moes) - skipped
     total = flops_per_token(model, cfg, context)
-    scores = total - linear_flops([model])
+    scores = total - (linear_flops([model]) - skipped)
     return {
         "attention projections": attn,
         "attention scores": scores,

@@ -9,7 +9,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from attnlab.components.positions.rope import RopeScaling
-from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig, VisionConfig
+from attnlab.models.config import (
+    AttentionConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeConfig,
+    VisionConfig,
+)
+from attnlab.models.family_presets import FAMILY_PRESETS
 
 
 # --- the 2017 Transformer -------------------------------------------------------------------
@@ -276,6 +283,21 @@ def mla_tiny() -> ModelConfig:
     return _mla(64, 2, 4, 32, 48, 8, 16, 16, 192, 256, 128)
 
 
+# --- Mixture of Experts (components/moe.py) --------------------------------------------------
+def mixtral_8x7b() -> ModelConfig:
+    """Jiang et al. 2024 (arXiv:2401.04088), Mixtral 8x7B: Mistral 7B's shapes without its
+    window, each FFN 8 SwiGLU experts of which a token uses 2, theta 1e6:
+    huggingface.co/mistralai/Mixtral-8x7B-v0.1/config.json (46.7B parameters, 12.9B active)."""
+    dense = _llama(4096, 32, 32, 8, 14336, 32000, 32768, 1000000.0, 1e-5)
+    return replace(dense, moe=MoEConfig(n_experts=8, n_experts_per_token=2))
+
+
+def moe_tiny() -> ModelConfig:
+    """A CPU-sized Mixtral: llama_tiny's shapes, 4 experts of width 96, top-2 (the active
+    parameters of llama_tiny, twice its FFN parameters)."""
+    return replace(llama_tiny(), moe=MoEConfig(n_experts=4, n_experts_per_token=2, d_expert=96))
+
+
 # --- T5 (encoder-decoder, relative bias, RMSNorm without bias, unscaled attention) ---------
 def _t5(
     d_model,
@@ -396,10 +418,13 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama3-tiny": llama3_tiny,
     "deepseek-v2-lite-dense": deepseek_v2_lite_dense,
     "mla-tiny": mla_tiny,
+    "mixtral-8x7b": mixtral_8x7b,
+    "moe-tiny": moe_tiny,
     "t5-small": t5_small,
     "t5-base": t5_base,
     "t5-v1_1-small": t5_v1_1_small,
     "t5-tiny": t5_tiny,
+    **FAMILY_PRESETS,  # Qwen3, OLMo 2, Phi-3, Gemma 2, Gemma 3 (models/family_presets.py)
 }
 
 

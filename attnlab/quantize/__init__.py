@@ -14,6 +14,7 @@ from attnlab.quantize.handler import (
     quantized_like,
     read_scheme,
     swap_modules,
+    without_kernels,
 )
 from attnlab.quantize.int4 import Int4Linear, dequantize_int4, quantize_int4
 from attnlab.quantize.int8 import Int8Linear, dequantize_int8, quantize_int8
@@ -38,4 +39,5 @@ __all__ = [
     "quantized_like",
     "read_scheme",
     "swap_modules",
+    "without_kernels",
 ]

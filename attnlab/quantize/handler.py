@@ -31,6 +31,8 @@ for.
 """
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -195,6 +197,36 @@ def quantized_like(model: nn.Module, base: nn.Module) -> nn.Module:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attr, copy.deepcopy(module))
     return model
+
+
+@contextmanager
+def without_kernels(*models: nn.Module | None) -> Iterator[None]:
+    """For the length of a `with` block, every Int8Linear / Int4Linear of `models` (None: none)
+    takes its reference path (dequantize, then F.linear in the activations' dtype: exact fp32)
+    in place of the CPU kernel, which rounds to bf16.
+
+    A quantized layer picks its path per call: the kernel when no gradient flows through its
+    input, the reference path otherwise (the kernel has no backward). So two forwards of one
+    model round differently when one of them needs gradients and the other does not: DPO's
+    reference (no_grad: the kernel in every layer) and its QLoRA policy (the reference path
+    from the first adapter on) would differ at step 0, where they are the same model. Both
+    forwards inside this block compute the same thing.
+    """
+    layers = [
+        m
+        for model in models
+        if model is not None
+        for m in model.modules()
+        if isinstance(m, (Int8Linear, Int4Linear))
+    ]
+    kept = [m.use_kernel for m in layers]
+    for m in layers:
+        m.use_kernel = False
+    try:
+        yield
+    finally:
+        for m, use in zip(layers, kept):
+            m.use_kernel = use
 
 
 def scheme_metadata(scheme: QuantScheme, heads: bool = True) -> dict[str, str]:

@@ -4,6 +4,8 @@
                                 stream, logprobs, echo (echo + logprobs: the prompt's log-probs,
                                 which is how lm-eval's `local-completions` scores)
     POST /v1/chat/completions   messages through the tokenizer's chat template
+                                (both take the whole sampler: temperature, top_p, top_k, min_p,
+                                the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
 
@@ -178,6 +180,8 @@ async def chat(request: Request):
     want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
     rule = f"in [0, {wire.MAX_LOGPROBS}]"
     k = wire.field_of(body, "top_logprobs", int, 0, lambda v: 0 <= v <= wire.MAX_LOGPROBS, rule)
+    if k and not want:  # as OpenAI: the alternatives come with the log-probs or not at all
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     k = k if want else None
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
@@ -246,10 +250,11 @@ async def encode(tokenizer, text: str) -> list[int]:
 def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, chat: bool):
     """One engine request per prompt and choice. The n choices of a seeded request draw with
     seeds seed, seed + 1, ... (different from each other, each reproducible). Every request
-    stops at <eos>; a chat reply also at the template's <|end|>."""
+    stops at <eos>, a chat reply also at the template's <|end|>, unless it asks ignore_eos."""
     engine, settings, tokenizer = app.state.engine, app.state.settings, app.state.tokenizer
     loop = asyncio.get_running_loop()
     names = ["<eos>", "<|end|>"] if chat else ["<eos>"]
+    names = [] if params.ignore_eos else names
     stops = tuple(i for i in map(tokenizer.token_id, names) if i is not None)
     choices: list[Choice] = []
     wanted, room = len(prompts) * n, engine.max_queue

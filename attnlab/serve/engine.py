@@ -13,8 +13,11 @@ scheduler (scheduler.py, whose docstring states the policy) admits it, and leave
 where it finishes, giving its KV blocks back at once. Each row's keys live in its own blocks of
 the pool (components/paged_kv_cache.py), so rows of very different lengths decode together.
 
-Tokens are chosen by the same `sample` as `attnlab.inference.generate`, one row at a time with
-the request's own generator: a seeded request draws the same tokens batched or alone.
+Tokens are chosen by the same sampler as `attnlab.inference.generate`: every running row's
+logits go through its own request's settings (top-k, top-p, min-p, penalties, logit bias, the
+stop tokens banned before min_tokens) in one batched call (`SamplingRows`, inference/sampling.py),
+then each row draws with the request's own generator: a seeded request draws the same tokens
+batched or alone.
 Log-probabilities are those of the model itself (log-softmax of its logits), whatever the
 temperature or top-p the token was drawn with: what a scorer such as lm-eval asks for.
 
@@ -40,7 +43,7 @@ from torch import nn
 from attnlab.accel.paged_attention import use_compiled_decode
 from attnlab.components.paged_kv_cache import PagedKVCache
 from attnlab.inference.generate import context_window
-from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.sampling import SamplingRows, TokenCounts, draw, filter_logits
 from attnlab.inference.steps import decoder_of
 from attnlab.serve.scheduler import Scheduler, Sequence
 from attnlab.serve.types import (
@@ -49,6 +52,7 @@ from attnlab.serve.types import (
     EngineStopped,
     Request,
     TokenEvent,
+    check_params,
     prompt_scores,
 )
 
@@ -153,8 +157,12 @@ class Engine:
         """
         self._check(request)
         p = request.params
-        sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
+        sampling = p.sampling()
         gen = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
+        counts = None
+        if sampling.needs_counts:
+            prompt = torch.tensor([request.prompt_ids], device=self.device)
+            counts = TokenCounts.of_prompts(prompt, self.vocab_size)
         seq = Sequence(
             request,
             on_event,
@@ -163,6 +171,7 @@ class Engine:
             list(request.prompt_ids),
             len(request.prompt_ids),
             time.perf_counter(),
+            counts=counts,
         )
         with self._cond:
             if self._stopping:
@@ -251,8 +260,9 @@ class Engine:
         for seq, n in self.scheduler.prefill_work():
             self._guarded(seq, self._prefill, seq, n)
         ready = []
-        for seq in self.scheduler.decoding():
-            if self._guarded(seq, self._choose, seq):
+        decoding = self.scheduler.decoding()
+        for seq, row in zip(decoding, self._filtered(decoding)):
+            if self._guarded(seq, self._choose, seq, row):
                 ready.append(seq)
         if ready:
             self._decode(ready)
@@ -292,8 +302,41 @@ class Engine:
         if not seq.prefilling:
             seq.logits = logits[-1]  # (V,)
 
-    def _choose(self, seq: Sequence) -> bool:
-        """Choose seq's next token from seq.logits and send it. Returns whether seq goes on."""
+    def _filtered(self, seqs: list[Sequence]) -> list:
+        """Each sequence's logits through its own sampler settings, all in one batched call:
+        (V,) rows; all None if that call raises (each row is then filtered alone, in its own
+        guard, so a fault stays with its request)."""
+        if not seqs:
+            return []
+        try:
+            return list(self._filter_rows(seqs))
+        except Exception:
+            return [None] * len(seqs)
+
+    def _filter_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """filter_logits over the sequences' logits (B, V), each row with its own settings,
+        penalty counts and stop tokens banned until its min_tokens."""
+        logits = torch.stack([s.logits for s in seqs]).float()  # (B, V)
+        rows = SamplingRows.stack([s.sampling for s in seqs], self.vocab_size, self.device)
+        counts = None
+        if rows.needs_counts:  # a row without penalties reads zeros, which change nothing
+            empty = TokenCounts.empty(1, self.vocab_size, self.device)
+            counts = TokenCounts.cat([s.counts or empty for s in seqs])
+        at = [
+            (b, t)
+            for b, s in enumerate(seqs)
+            if s.n_generated < s.request.params.min_tokens
+            for t in s.request.params.stop_token_ids
+        ]
+        banned = None
+        if at:
+            banned = torch.zeros_like(logits, dtype=torch.bool)
+            banned[tuple(torch.tensor(at, device=self.device).T)] = True
+        return filter_logits(logits, rows, counts, banned)
+
+    def _choose(self, seq: Sequence, filtered: torch.Tensor | None) -> bool:
+        """Choose seq's next token from its filtered logits (V,) (None: filter them here) and
+        send it. Returns whether seq goes on."""
         p = seq.request.params
         first = seq.n_generated == 0
         scored = first and p.prompt_logprobs
@@ -307,7 +350,11 @@ class Engine:
         logits = seq.logits
         if not bool(torch.isfinite(logits).all()):
             raise FloatingPointError("the model's logits are not finite (NaN or inf)")
-        token = int(sample(logits[None], seq.sampling, None, seq.generator))
+        if filtered is None:
+            filtered = self._filter_rows([seq])[0]
+        token = int(draw(filtered[None], seq.sampling.temperature == 0, seq.generator))
+        if seq.counts is not None:
+            seq.counts.add(torch.tensor([token], device=self.device))
         # log p(v) = logit(v) - logsumexp(logits): the whole (V,) log-softmax only for top-k.
         logits = logits.float()
         log_z = torch.logsumexp(logits, dim=-1)
@@ -412,11 +459,6 @@ class Engine:
                 f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) needs {need} KV blocks, "
                 f"the pool has {self.cache.n_blocks}: lower max_tokens or raise n_blocks"
             )
-        if p.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
-        if p.logprobs is not None and not 0 <= p.logprobs <= self.vocab_size:
-            raise ValueError(f"logprobs must be in [0, {self.vocab_size}], got {p.logprobs}")
+        check_params(p, self.vocab_size)
         if p.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: give the engine one")

@@ -7,9 +7,11 @@ unknown route, 429 the engine's queue is full, 503 the server is stopping.
 """
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
+from attnlab.inference.sampling import MAX_PENALTY, bias_pairs
 from attnlab.serve.choice import Choice
 from attnlab.serve.types import SamplingParams
 
@@ -101,27 +103,6 @@ def check_model(body: dict, settings: Settings) -> None:
         raise APIError(404, message, "model", "model_not_found")
 
 
-# Accepted by OpenAI or vLLM, not implemented here: a value other than the one that changes
-# nothing is a 400 naming the parameter, never silently ignored.
-UNSUPPORTED = {
-    "logit_bias": lambda v: not v,
-    "frequency_penalty": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
-    "top_k": lambda v: v in (-1, 0),
-    "ignore_eos": lambda v: v is False,
-    "min_tokens": lambda v: v == 0,
-}
-
-
-def check_unsupported(body: dict) -> None:
-    """A 400 for the first parameter of UNSUPPORTED that would change the output."""
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not neutral(value):
-            message = f"{name} is not supported by this server (got {value!r}): leave it out"
-            raise APIError(400, message, name)
-
-
 def token_ids(value, settings: Settings, param: str) -> list[int]:
     """A list of token ids, each inside the vocabulary."""
     if not isinstance(value, list) or not all(
@@ -203,12 +184,53 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def logit_bias(body: dict, settings: Settings) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as (id, bias) pairs; every id
+    inside the vocabulary."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        message = f"logit_bias must be an object of token id -> bias, got {value!r}"
+        raise APIError(400, message, "logit_bias")
+    try:
+        pairs = bias_pairs(value)
+    except ValueError as e:
+        raise APIError(400, str(e), "logit_bias") from None
+    bad = [t for t, _ in pairs if t >= settings.vocab_size]
+    if bad:
+        message = f"logit_bias key {bad[0]} is outside the vocabulary [0, {settings.vocab_size})"
+        raise APIError(400, message, "logit_bias")
+    return pairs
+
+
+def sampler_fields(body: dict, settings: Settings) -> dict:
+    """The sampler's parameters beyond temperature and top_p (OpenAI's and vLLM's names and
+    ranges), each a 400 naming it when out of range."""
+    penalty = f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+
+    def in_range(v: float) -> bool:
+        return -MAX_PENALTY <= v <= MAX_PENALTY
+
+    return dict(
+        top_k=field_of(body, "top_k", int, -1, lambda v: v >= -1, "-1 or 0 (off), or >= 1"),
+        min_p=field_of(body, "min_p", float, 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        presence_penalty=field_of(body, "presence_penalty", float, 0.0, in_range, penalty),
+        frequency_penalty=field_of(body, "frequency_penalty", float, 0.0, in_range, penalty),
+        repetition_penalty=field_of(
+            body, "repetition_penalty", float, 1.0, lambda v: 0 < v < math.inf, "a number > 0"
+        ),
+        logit_bias=logit_bias(body, settings),
+        min_tokens=field_of(body, "min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
+        ignore_eos=field_of(body, "ignore_eos", bool, False, rule="a boolean"),
+    )
+
+
 def sampling_params(
     body: dict, settings: Settings, *, logprobs: int | None, prompt_logprobs: bool, chat: bool
 ) -> SamplingParams:
     """SamplingParams from the request; max_tokens is -1 where the request leaves it to the
     server (resolved per prompt by `max_tokens_for`)."""
-    check_unsupported(body)
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     limit = settings.context - 1
     low = 0 if prompt_logprobs else 1  # 0: score the prompt only (echo + logprobs)
@@ -224,6 +246,7 @@ def sampling_params(
         seed=field_of(body, "seed", int, None, rule="an integer"),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        **sampler_fields(body, settings),
     )
 
 
@@ -231,15 +254,18 @@ def max_tokens_for(params: SamplingParams, n_prompt: int, settings: Settings, ch
     """The request's max_tokens, or its default: 16 for a completion (less where the context
     has less room), the rest of the context for a chat reply; a 400 where it does not fit."""
     room = settings.context - n_prompt
-    if params.max_tokens >= 0:
-        if params.max_tokens > room:
-            message = (
-                f"the prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"this model's context of {settings.context} tokens"
-            )
-            raise APIError(400, message, "max_tokens", "context_length_exceeded")
-        return params.max_tokens
-    return room if chat else min(DEFAULT_MAX_TOKENS, room)
+    if params.max_tokens > room:
+        message = (
+            f"the prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"this model's context of {settings.context} tokens"
+        )
+        raise APIError(400, message, "max_tokens", "context_length_exceeded")
+    n = params.max_tokens if params.max_tokens >= 0 else room if chat else DEFAULT_MAX_TOKENS
+    n = min(n, room)
+    if params.min_tokens > n:
+        message = f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n})"
+        raise APIError(400, message, "min_tokens")
+    return n
 
 
 # --- writing a response ---------------------------------------------------------------------------

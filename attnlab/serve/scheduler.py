@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab.components.paged_kv_cache import PagedKVCache
-from attnlab.inference.sampling import SamplingConfig
+from attnlab.inference.sampling import SamplingConfig, TokenCounts
 from attnlab.serve.types import QueueFull, Request, TokenEvent
 
 
@@ -54,6 +54,7 @@ class Sequence:
         prompt_logprobs: collected while the prompt is prefilled (when asked for).
         logits: (V,) logits of the next token, once the prompt is in the cache.
         submitted, first_token: times (time.perf_counter) for the time to first token.
+        counts: its prompt's and output's tokens, when its sampler has penalties.
     """
 
     request: Request
@@ -69,6 +70,7 @@ class Sequence:
     prompt_top: list[dict[int, float] | None] = field(default_factory=list)
     logits: torch.Tensor | None = None
     first_token: float | None = None
+    counts: TokenCounts | None = None
 
     @property
     def id(self) -> str:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import context_window
-from attnlab.inference.sampling import SamplingConfig, sample
+from attnlab.inference.sampling import SamplingRows, TokenCounts, sample
 from attnlab.inference.speculative import Speculative
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
 from attnlab.serve.types import (
@@ -35,6 +35,7 @@ from attnlab.serve.types import (
     QueueFull,
     Request,
     TokenEvent,
+    check_params,
     prompt_scores,
 )
 
@@ -66,12 +67,7 @@ def check_request(request: Request, vocab_size: int, context: int) -> None:
             f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
             f"context of {context} tokens: shorten the prompt or lower max_tokens"
         )
-    if p.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.logprobs is not None and not 0 <= p.logprobs <= vocab_size:
-        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {p.logprobs}")
+    check_params(p, vocab_size)
 
 
 def token_logprobs(logits: Tensor, token: int, k: int | None):
@@ -236,9 +232,8 @@ class SequentialEngine:
             final = TokenEvent(rid, None, None, None, "length", prompt_lp, prompt_top=prompt_top)
             on_event(final)
             return _NO_FINAL
-        sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
         text_ids = []
-        for i, (t, logits) in enumerate(self._tokens(ids, sampling, p)):
+        for i, (t, logits) in enumerate(self._tokens(ids, p)):
             if rid in self._cancelled:
                 return "cancelled"
             lp, top = token_logprobs(logits, t, p.logprobs)
@@ -255,26 +250,35 @@ class SequentialEngine:
                 return _NO_FINAL
         return _NO_FINAL  # unreachable: the last token carries "length"
 
-    def _tokens(self, ids: Tensor, sampling: SamplingConfig, p) -> Iterator[tuple[int, Tensor]]:
+    def _tokens(self, ids: Tensor, p) -> Iterator[tuple[int, Tensor]]:
         """Each new token of prompt ids (1, T0) with the logits (V,) it was chosen from: plain
         decoding, or speculative (drafted and verified: inference/speculative.py). A decode
         step runs only when the caller asks for the token after."""
         if self.speculative is not None:
             config = GenerationConfig(
-                p.max_tokens, sampling, stop_tokens=p.stop_token_ids, seed=p.seed
+                p.max_tokens,
+                p.sampling(),
+                stop_tokens=p.stop_token_ids,
+                seed=p.seed,
+                min_new_tokens=p.min_tokens,
             )
             yield from self.speculative.steps(self.model, ids[0].tolist(), config)
             return
+        rows = SamplingRows.stack([p.sampling()], self.vocab_size, self.device)
+        counts = TokenCounts.of_prompts(ids, self.vocab_size) if rows.needs_counts else None
+        stop_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        stop_mask[list(p.stop_token_ids)] = True
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
         mask = torch.ones_like(ids, dtype=torch.bool)
         logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
-        history = ids
-        while True:
-            token = sample(logits, sampling, history, gen)  # (1,)
+        for i in range(p.max_tokens):
+            banned = stop_mask if i < p.min_tokens else None
+            token = sample(logits, rows, counts, gen, banned)  # (1,)
+            if counts is not None:
+                counts.add(token)
             yield int(token), logits[0]
-            history = torch.cat([history, token[:, None]], dim=1)  # (1, T0 + tokens so far)
             at = torch.tensor([slot], device=self.device)
             logits = decode_step(self.model, token[:, None], at, cache)
             slot += 1

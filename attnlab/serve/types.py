@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab.inference.sampling import SamplingConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -43,6 +45,9 @@ DEFAULT_ENGINE = EngineConfig()  # frozen, so one shared default instance is saf
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's parameters, as the API names them (the sampler's are SamplingConfig's:
+    `sampling()`)."""
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -51,6 +56,49 @@ class SamplingParams:
     seed: int | None = None  # per-request generator: same seed, same tokens, batched or alone
     logprobs: int | None = None  # top-k alternatives per generated token (0 = just the chosen)
     prompt_logprobs: bool = False  # log p(prompt token i | tokens < i) for i >= 1 (echo + logprobs)
+    top_k: int = -1  # -1 or 0: off (vLLM's)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0  # stop_token_ids cannot be chosen before this many tokens (vLLM's)
+    ignore_eos: bool = False  # the server adds no <eos> (or end of turn) to stop_token_ids
+
+    def sampling(self) -> SamplingConfig:
+        """The sampler these parameters ask for; a one-line ValueError names a bad value."""
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_k=self.top_k if self.top_k > 0 else None,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+        )
+
+
+def check_params(p: SamplingParams, vocab_size: int) -> None:
+    """A one-line ValueError for sampling parameters no engine can run (both engines' check)."""
+    p.sampling()
+    if p.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 0, got {p.top_k}")
+    if p.logprobs is not None and not 0 <= p.logprobs <= vocab_size:
+        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {p.logprobs}")
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        raise ValueError(
+            f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}"
+        )
+    for name, ids in (
+        ("logit_bias", [t for t, _ in p.logit_bias]),
+        ("stop_token_ids", p.stop_token_ids),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,9 @@ class TrainConfig:
     distributed: "ddp" or "fsdp" when launched by torchrun (one process per GPU or CPU worker;
         see training/distributed.py); "none" for a single process.
     sample_tokens: length of the text sample drawn at each evaluation; 0 draws none.
+    moe_aux_weight: the weight of a Mixture-of-Experts model's load-balancing loss in the
+        training loss (components/moe.py; Switch used 0.01, Mixtral's HF config 0.001); it
+        does nothing for a dense model. The task loss alone is logged as train_loss.
 
     Accelerators (attnlab/accel/), off unless turned on; the same numbers either way:
     keep_freed_memory: on CPU, have glibc keep freed memory in the process instead of handing
@@ -122,6 +125,7 @@ class TrainConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0
     label_smoothing: float = 0.0
+    moe_aux_weight: float = 0.01
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False
     eval_every: int = 250
@@ -156,7 +160,7 @@ class TrainConfig:
                 raise ValueError(
                     f"train.{name} must be >= 1, got {getattr(self, name)}: set --train.{name}"
                 )
-        for name in ("warmup", "grad_clip", "weight_decay", "sample_tokens"):
+        for name in ("warmup", "grad_clip", "weight_decay", "sample_tokens", "moe_aux_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"train.{name} must be >= 0, got {getattr(self, name)}: set --train.{name}"

@@ -4,7 +4,11 @@ Per step: set the learning rate from the schedule, draw the `grad_accum` micro-b
 global batch and count their target tokens, accumulate gradients (each micro-batch's loss summed
 over its tokens and divided by the global batch's count, so the sum is the global batch's mean
 loss however the tokens fall into micro-batches), stop if the loss or the gradient norm is not
-finite, clip the global gradient norm, step AdamW. Every `eval_every` steps: validation
+finite, clip the global gradient norm, step AdamW. A Mixture-of-Experts model adds its
+load-balancing loss (weighted by `moe_aux_weight`) to each micro-batch's loss, logs it as
+aux_loss beside the task's train_loss, logs the step's tokens per expert of every MoE layer as
+expert_load, and moves DeepSeek-V3-style router biases towards balance after the update
+(components/moe.py). Every `eval_every` steps: validation
 metrics, a text sample, and the best checkpoint; every `ckpt_every` steps: a checkpoint that
 `resume=True` continues from exactly (same weights, optimizer state, RNG and data position ->
 same losses).
@@ -45,6 +49,7 @@ from attnlab.accel.host_memory import keep_freed_memory
 from attnlab.accel.short_attention import use_short_attention
 from attnlab.accel.sigmoid_gelu import use_sigmoid_gelu
 from attnlab.checkpoint import CheckpointDir, read_checkpoint
+from attnlab.components.moe import router_aux_loss, take_expert_load, update_router_bias
 from attnlab.configs import to_dict
 from attnlab.training import distributed
 from attnlab.training.checks import check_new_run, check_run, check_same_model
@@ -201,7 +206,7 @@ def _step(r: _Run, step: int) -> dict:
     lr = lr_at(step, cfg, r.run.model.d_model)
     for group in r.optimizer.param_groups:
         group["lr"] = lr
-    loss_value = _backward(r)
+    loss_value, aux_value = _backward(r)
     if not math.isfinite(loss_value):
         raise r.saver.diverged(f"loss is {loss_value}", step + 1)
     r.scaler.unscale_(r.optimizer)
@@ -209,26 +214,34 @@ def _step(r: _Run, step: int) -> dict:
     grad_norm = float(clip_grad_norm_(trained_tensors(r.optimizer), max_norm))
     if not math.isfinite(grad_norm) and not r.scaler.is_enabled():  # fp16: the scaler skips
         raise r.saver.diverged(f"gradient norm is {grad_norm}", step + 1)
+    expert_load = take_expert_load(r.model)  # (L, E) tokens per expert; empty for dense
+    if expert_load.numel():
+        expert_load = ranks.sum(expert_load.to(ranks.device))  # every rank's tokens
     with _interrupts_deferred():  # the update is applied whole, or not at all
         r.scaler.step(r.optimizer)
         r.scaler.update()
         r.optimizer.zero_grad(set_to_none=True)
+        update_router_bias(r.model, expert_load)  # DeepSeek-V3's balancing; else a no-op
         state.step, r.unapplied = step + 1, None
         state.losses.append(loss_value)
     tokens = cfg.batch_size * cfg.grad_accum * ranks.world * cfg.context
-    return {
+    record = {
         "step": state.step,
         "train_loss": loss_value,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens / (time.perf_counter() - t0),
     }
+    if expert_load.numel():  # a Mixture-of-Experts model
+        record.update(aux_loss=aux_value, expert_load=expert_load.tolist())
+    return record
 
 
-def _backward(r: _Run) -> float:
+def _backward(r: _Run) -> tuple[float, float]:
     """Accumulate the gradients of this rank's slices of the global batch's `grad_accum`
     micro-batches, each scaled so their sum over ranks is the gradient of the global batch's
-    mean loss. Returns that mean loss (the same on every rank)."""
+    mean loss (plus moe_aux_weight times the MoE load-balancing loss, weighted by tokens).
+    Returns (that mean task loss, the mean auxiliary loss), the same on every rank."""
     cfg, ranks, device = r.run.train, r.ranks, r.ranks.device
     batches = [
         r.task.train_batch(r.data_gen, ranks.rank, ranks.world) for _ in range(cfg.grad_accum)
@@ -236,15 +249,21 @@ def _backward(r: _Run) -> float:
     batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
     count = torch.tensor(sum(map(r.task.n_targets, batches)), dtype=torch.float64)
     n_targets = max(ranks.sum(count.to(device)).item(), 1.0)
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         with ranks.gradient_sync(r.model, sync=i == cfg.grad_accum - 1):
             with _autocast(cfg.precision, device):
                 summed = r.loss_sum_of(batch)  # over this micro-batch's target tokens
+            # An MoE model's load-balancing loss of that forward (0 for a dense model), a mean
+            # over the batch: times its target count, it sums like the task loss.
+            aux = router_aux_loss(r.model).to(device) * r.task.n_targets(batch)
             # The ranks average their gradients; times world, that is their sum.
-            r.scaler.scale(summed * (ranks.world / n_targets)).backward()
+            loss = summed + cfg.moe_aux_weight * aux
+            r.scaler.scale(loss * (ranks.world / n_targets)).backward()
         loss_sum += summed.detach()
-    return ranks.sum(loss_sum).item() / n_targets
+        aux_sum += aux.detach()
+    loss_total, aux_total = ranks.sum(torch.stack([loss_sum, aux_sum])).tolist()  # one reduce
+    return loss_total / n_targets, aux_total / n_targets
 
 
 def _evaluate(r: _Run) -> dict:

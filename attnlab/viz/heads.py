@@ -2,6 +2,7 @@
 
     plot_head_scores({"importance": (L, H), ...})   one layer x head heatmap per score
     plot_pruning(pruning)                           loss against the fraction of heads masked
+    plot_induction_check(scores, check)             induction score beside per-head patching
 
 Each returns its Figure; with `out` it is also written as a PNG.
 """
@@ -61,4 +62,30 @@ def plot_pruning(pruning: dict, out: str | Path | None = None) -> Figure:
     ax.set_xlabel("fraction of heads masked")
     ax.set_ylabel("loss (held-out batches)")
     ax.legend()
+    return finish(fig, out)
+
+
+def plot_induction_check(scores, check: dict, out: str | Path | None = None) -> Figure:
+    """The induction score (L, H) beside what patching each head alone from [r, r] into [r', r]
+    restores (lab/induction.py), each on its own colour scale, the top heads by score ringed.
+
+    Args:
+        scores: (L, H) induction scores.  check: `induction_check`'s dict.
+    """
+    panels = {
+        "induction score": np.asarray(scores, dtype=np.float64),
+        "patching one head restores": np.asarray(check["patching"]["per_head"], dtype=np.float64),
+    }
+    L, H = panels["induction score"].shape
+    fig = Figure(figsize=(2.4 + 0.7 * H, 1.2 + 0.22 * L))
+    for ax, (name, s) in zip(fig.subplots(1, 2), panels.items()):
+        im = ax.imshow(s, cmap="viridis", vmin=min(0.0, s.min()), vmax=s.max(), aspect="auto")
+        layers, heads = zip(*check["heads"])
+        ax.scatter(heads, layers, s=60, facecolors="none", edgecolors="red", linewidths=1)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(H))
+        ax.set_yticks(range(0, L, max(1, L // 10)))
+        fig.colorbar(im, ax=ax, fraction=0.05)
     return finish(fig, out)

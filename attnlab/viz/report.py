@@ -119,10 +119,17 @@ def load_for_viz(opts: AttentionViz) -> tuple[nn.Module, object, str]:
     return build_model(get_preset(opts.preset)).eval(), None, f"{opts.preset} (random weights)"
 
 
-def attention_pictures(opts: AttentionViz, out: str | Path) -> list[Path]:
-    """A layers x heads grid per attention kind, one annotated head, and the HTML viewer."""
+def attention_pictures(
+    opts: AttentionViz, out: str | Path, opened: tuple[nn.Module, object, str] | None = None
+) -> list[Path]:
+    """A layers x heads grid per attention kind, one annotated head, and the HTML viewer.
+
+    Args:
+        opened: (model, tokenizer, name) of the checkpoint already open (as `load_for_viz`
+            gives them), so that it is not read a second time.
+    """
     out = Path(out)
-    model, tokenizer, name = load_for_viz(opts)
+    model, tokenizer, name = opened or load_for_viz(opts)
     vocab = next(m for m in model.modules() if isinstance(m, TokenEmbedding)).num_embeddings
     max_len = _max_len(model)
     src, src_tokens = _encode(opts.text, tokenizer, vocab, max_len)

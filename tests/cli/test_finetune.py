@@ -660,3 +660,15 @@ def test_dpo_keeps_a_frozen_reference_when_base_weights_train_beside_lora(base, 
     if copied:
         assert task.reference is not model and not lora_modules(task.reference)
         assert all(not p.requires_grad for p in task.reference.parameters())
+
+
+def test_the_help_says_what_finetune_and_convert_do():
+    """`attnlab --help` (the COMMANDS summaries) names every fine-tuning task and the ways to
+    train (it said "SFT or DPO" once heads had come), and convert's peft output."""
+    from attnlab.cli.__main__ import COMMANDS
+    from attnlab.finetune.run import FINETUNE_TASKS
+
+    summary = COMMANDS["finetune"]
+    assert all(task in summary.lower() for task in FINETUNE_TASKS), summary
+    assert "LoRA" in summary and "QLoRA" in summary and "full" in summary
+    assert "peft" in COMMANDS["convert"] and "GGUF" in COMMANDS["convert"]

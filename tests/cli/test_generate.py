@@ -150,9 +150,43 @@ def test_sampling_flags_come_from_sampling_config(run_dir, capsys):
     assert outs[0] == PROMPT + tok.decode(greedy) + "\n"
 
 
+@pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
+def test_the_full_sampler_flags_are_the_librarys(run_dir, capsys):
+    """--logit-bias (JSON), the penalties, --min-new-tokens and --ignore-eos: the text that
+    `generate` gives with the same settings."""
+    loaded = open_checkpoint(checkpoint(run_dir))
+    model, tok = loaded.model, loaded.tokenizer
+    eos = tok.token_id("<eos>")
+    flags = ["--temperature", "0", "--repetition-penalty", "1.5", "--presence-penalty", "1"]
+    flags += ["--frequency-penalty", "0.5", "--logit-bias", f'{{"{eos}": 100, "7": 3}}']
+    base = ["--ckpt", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "6", *flags]
+    sampling = SamplingConfig(
+        temperature=0,
+        repetition_penalty=1.5,
+        presence_penalty=1,
+        frequency_penalty=0.5,
+        logit_bias={eos: 100, 7: 3},
+    )
+    for extra, config in (
+        (
+            ["--min-new-tokens", "3"],
+            GenerationConfig(6, sampling, stop_tokens=[eos], min_new_tokens=3),
+        ),
+        (["--ignore-eos"], GenerationConfig(6, sampling)),
+    ):
+        code, out, _ = cli(capsys, *base, *extra)
+        new = generate(model, [tok.encode(PROMPT)], config)[0]
+        assert code == 0 and out == PROMPT + tok.decode(new) + "\n", extra
+        assert len(new) == (4 if extra[0] == "--min-new-tokens" else 6)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (["--logit-bias", '{"x": 1}'], "logit_bias keys must be token ids"),
+        (["--logit-bias", '{"99999": 1}'], "logit_bias key 99999 is outside the vocabulary"),
+        (["--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0], got 3.0"),
+        (["--min-new-tokens", "300"], "min_new_tokens must be in [0, max_new_tokens=200]"),
         (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
         (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
         (["--num-beams", "0"], "num_beams must be >= 1, got 0"),

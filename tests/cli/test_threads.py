@@ -20,6 +20,7 @@ def machine(monkeypatch):
     def set_machine(cores: int, load: float | None):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
         monkeypatch.setattr(threads, "busy_cores", lambda: load)
+        monkeypatch.setattr(threads, "load_average", lambda: load)  # what --threads N shows
 
     return set_machine
 

@@ -260,3 +260,79 @@ def test_an_adapter_trained_by_peft_with_biases_and_norms_loads_into_attnlab(bas
     with torch.no_grad():
         x = ids(seed=3)
         assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL
+
+
+HEADS = {  # a task head on the base: (HF class, its config, peft target_modules)
+    "bert-sequence": ("BertForSequenceClassification", FAMILIES["bert"][1], ["query", "value"]),
+    "bert-token": ("BertForTokenClassification", FAMILIES["bert"][1], ["query", "value"]),
+    "gpt2-sequence": ("GPT2ForSequenceClassification", FAMILIES["gpt2"][1], ["c_attn"]),
+}
+
+
+def make_head_base(name, tmp_path_factory):
+    """(HF class name, HF classifier directory (3 labels), attnlab config)."""
+    cls, config, _ = HEADS[name]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(name)
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("id2label", "label2id")}
+    config = type(config).from_dict({**fields, "num_labels": 3, "pad_token_id": 0})
+    getattr(T, cls)(config).save_pretrained(path)
+    return cls, path, load_hf(path)[1]
+
+
+@pytest.mark.parametrize(
+    ("name", "head_trains"),
+    [
+        ("bert-sequence", False),
+        ("bert-sequence", True),
+        ("bert-token", True),
+        ("gpt2-sequence", True),
+    ],
+)
+def test_a_classifier_adapter_loads_into_peft_with_its_head(name, head_trains, tmp_path_factory):
+    """A classifier's adapter (SEQ_CLS / TOKEN_CLS) carries its head as peft's modules_to_save
+    (peft adds classifier / score to them and reads their weights back: without them it
+    raised KeyError 'base_model.model.classifier.weight'), frozen or trained (as `attnlab
+    finetune --lora.rank` trains it)."""
+    cls, path, cfg = make_head_base(name, tmp_path_factory)
+    ours = load_hf(path)[0]
+    add_lora(ours, ("q", "v"), rank=4, alpha=8)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for m in lora_modules(ours).values():
+            m.lora_B.normal_(0.0, 0.1, generator=g)
+        for head in ("pooler", "classifier", "head"):  # what `finetune --lora.rank` trains
+            if hasattr(ours, head):
+                getattr(ours, head).requires_grad_(head_trains)
+                getattr(ours, head).weight.add_(torch.randn(getattr(ours, head).weight.shape,
+                                                            generator=g))  # fmt: skip
+    out = tmp_path_factory.mktemp("adapter")
+    save_peft(ours, cfg, out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["task_type"] == ("TOKEN_CLS" if "token" in name else "SEQ_CLS")
+    theirs = peft.PeftModel.from_pretrained(getattr(T, cls).from_pretrained(path), out).eval()
+    x = ids(seed=9)
+    with torch.no_grad():
+        assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL
+        assert (load_hf(path)[0](x) - ours(x)).abs().max() > 1e-3
+
+
+def test_a_classifier_adapter_trained_by_peft_loads_into_attnlab(tmp_path_factory, tmp_path):
+    cls, path, cfg = make_head_base("bert-sequence", tmp_path_factory)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=HEADS["bert-sequence"][2],
+                             task_type="SEQ_CLS")  # fmt: skip
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(getattr(T, cls).from_pretrained(path), config).train()
+    opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        loss = theirs(input_ids=ids(B=4, seed=10 + step), labels=torch.tensor([0, 1, 2, 1])).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    theirs.eval().save_pretrained(tmp_path)
+    ours = load_hf(path)[0]
+    load_peft(ours, cfg, tmp_path)
+    with torch.no_grad():
+        x = ids(seed=3)
+        assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL
+        assert (load_hf(path)[0](x) - ours(x)).abs().max() > 1e-3  # the head trained too

@@ -154,15 +154,27 @@ def test_saving_needs_unmerged_adapters(tmp_path):
         save_peft(model, cfg, tmp_path)
 
 
-def test_a_trained_task_head_is_refused_not_left_out(tmp_path):
-    """LoRA with a fresh head trains the head in full (peft's modules_to_save, not written
-    here): save_peft says so instead of writing adapters that would lose the head; with the
-    head frozen it writes the adapters as for any model."""
+def test_a_task_head_is_saved_in_modules_to_save(tmp_path):
+    """A classifier's adapter holds its head whole (peft's SEQ_CLS modules_to_save), trained
+    or not, and load_peft puts it back: the same logits from a fresh classifier."""
     cfg = replace(get_preset("bert-tiny"), head=HeadConfig("sequence", 3))
-    model = build_model(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
     add_lora(model, ("q", "v"), rank=4)
     model.classifier.requires_grad_(True)  # as attnlab finetune --task classify --lora.rank
-    with pytest.raises(ValueError, match=r"the task head \['classifier'\] trains beside"):
-        save_peft(model, cfg, tmp_path / "a")
-    model.classifier.requires_grad_(False)
-    assert (save_peft(model, cfg, tmp_path / "b") / "adapter_config.json").is_file()
+    with torch.no_grad():
+        model.classifier.weight.normal_()
+    save_peft(model, cfg, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS"
+    assert config["modules_to_save"] == ["bert.pooler.dense", "classifier"]
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    assert torch.equal(tensors["base_model.model.classifier.weight"], model.classifier.weight)
+    torch.manual_seed(0)
+    again = build_model(cfg).eval()  # the same base ...
+    with torch.no_grad():
+        again.classifier.weight.zero_()  # ... whose head the adapter brings back
+    load_peft(again, cfg, tmp_path)
+    x = ids(cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x), atol=1e-6, rtol=0)

@@ -14,6 +14,7 @@ from attnlab.finetune.sequences import check_examples, pack_rows, pad_rows
 from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
+from attnlab.quantize import quantize_model
 from attnlab.tokenizer import (
     CHAT_TOKENS,
     DEFAULT_CHAT_TEMPLATE,
@@ -195,6 +196,28 @@ def test_dpo_starts_at_log_2_when_the_policy_is_its_reference(tok):
     got = task.evaluate(policy, 1, "cpu")
     assert got["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert got["val_reward_margin"] == 0 and got["val_preference_accuracy"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_qlora_dpo_starts_at_log_2_as_it_trains(tok, scheme):
+    """QLoRA at step 0 (B = 0: the policy is its reference), in a training forward (the
+    adapters' gradients flow) and with precomputed reference log-probs: every log-ratio is 0
+    and the loss log 2. The quantized layers took the bf16 kernel in the no-grad reference
+    and the fp32 path in the policy: log-ratios of ~1e-3 nats, the loss off by ~1e-5."""
+    policy = tiny_model(tok.vocab_size).train()
+    quantize_model(policy, scheme)
+    add_lora(policy, targets=("q", "v", "mlp"), rank=4)
+    task = DPOTask(DPO, DPO, tok, batch_size=4, context=32, reference=None)
+    losses, rc, rr = task.pair_losses(policy, task._batch(task.train))
+    assert losses.requires_grad
+    assert float(losses.mean()) == pytest.approx(math.log(2), abs=1e-6)
+    assert float(torch.cat([rc, rr]).abs().max()) <= 1e-6
+    task.precompute_reference(policy, "cpu")
+    losses, rc, rr = task.pair_losses(policy, task.train_batch(torch.Generator().manual_seed(0)))
+    assert float(losses.mean()) == pytest.approx(math.log(2), abs=1e-6)
+    assert float(torch.cat([rc, rr]).abs().max()) <= 1e-6
+    kernels = [m.use_kernel for m in policy.modules() if hasattr(m, "use_kernel")]
+    assert kernels and any(kernels)  # the kernels are back on for inference
 
 
 def test_dpo_reference_is_the_policy_with_its_adapters_off(tok):

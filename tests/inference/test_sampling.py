@@ -18,6 +18,7 @@ from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import (
     SamplingConfig,
+    TokenCounts,
     apply_repetition_penalty,
     filter_logits,
     min_p_filter,
@@ -148,7 +149,7 @@ def test_temperature_divides_the_logits(temperature):
 def test_repetition_penalty_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
     previous = torch.tensor([[0, 1, 3, 0]])  # repeated ids are penalised once
-    got = apply_repetition_penalty(logits, previous, 2.0)
+    got = apply_repetition_penalty(logits, TokenCounts.of_prompts(previous, 4).seen, 2.0)
     assert got.tolist() == [[1.0, -2.0, 0.5, 0.0]]
 
 
@@ -162,9 +163,10 @@ def test_repetition_penalty_matches_transformers(penalty):
     logits = torch.randn(4, 30, generator=g) * 3
     previous = torch.randint(0, 30, (4, 12), generator=g)  # with repeats
     ref = RepetitionPenaltyLogitsProcessor(penalty)(previous, logits.clone())
-    torch.testing.assert_close(apply_repetition_penalty(logits, previous, penalty), ref)
+    seen = TokenCounts.of_prompts(previous, 30)
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen.seen, penalty), ref)
     cfg = SamplingConfig(temperature=1.0, repetition_penalty=penalty)
-    torch.testing.assert_close(filter_logits(logits, cfg, previous), ref)
+    torch.testing.assert_close(filter_logits(logits, cfg, seen), ref)
 
 
 def test_temperature_zero_is_greedy_and_small_temperatures_approach_it():

@@ -78,17 +78,25 @@ def test_rejections_happen_and_are_counted():
     assert spec.stats.tokens == 24 == spec.stats.rounds + spec.stats.accepted + 1
 
 
-def test_greedy_with_a_history_dependent_filter_and_a_stop_token():
-    """Repetition penalty reads each position's own history; a stop token ends both alike."""
+def test_greedy_with_penalties_stop_tokens_and_min_new_tokens():
+    """The penalties count each position's own drafts; a stop token ends both alike, and is
+    banned at each position before min_new_tokens."""
     model = tiny("llama-tiny")
-    plain = generate(model, [PROMPTS[0]], GenerationConfig(30, GREEDY))
-    stop = plain[0][10]
-    penalized = GenerationConfig(30, replace(GREEDY, repetition_penalty=1.5))
-    for config in (penalized, GenerationConfig(30, GREEDY, stop_tokens=[stop])):
-        spec = Speculative(NgramDrafter(), num_draft_tokens=4)
+    plain = generate(model, [PROMPTS[0]], GenerationConfig(30, GREEDY))[0]
+    penalties = replace(GREEDY, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3)
+    configs = [
+        GenerationConfig(30, replace(penalties, logit_bias={plain[3]: 2.0})),
+        GenerationConfig(30, GREEDY, stop_tokens=[plain[10]]),
+        # banned for 3 tokens, this stop token comes right after: inside the first round
+        GenerationConfig(30, GREEDY, stop_tokens=[plain[1]], min_new_tokens=3),
+    ]
+    for config in configs:
         want = generate(model, [PROMPTS[0]], config)
-        assert generate(model, [PROMPTS[0]], config, speculative=spec) == want
-    assert len(want[0]) == 11  # the stop token kept, nothing after it
+        for drafter in (NgramDrafter(), ModelDrafter(model)):  # the model: every draft kept
+            spec = Speculative(drafter, num_draft_tokens=4)
+            assert generate(model, [PROMPTS[0]], config, speculative=spec) == want
+    assert len(generate(model, [PROMPTS[0]], configs[1])[0]) <= 11  # stopped early
+    assert len(want[0]) == 4  # (the last config's) the stop token as soon as it is allowed
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_longest_match():

@@ -13,14 +13,14 @@ from torch import nn
 from attnlab.cli.__main__ import main
 from attnlab.components.attention import Attention
 from attnlab.components.mla import MultiHeadLatentAttention
+from attnlab.lab.head_masks import HeadGate, head_gates, set_head_mask
 from attnlab.lab.heads import (
-    HeadGate,
-    head_gates,
+    HeadsLab,
     head_importance,
     lm_loss,
     prunable_fraction,
     pruning_curve,
-    set_head_mask,
+    pruning_levels,
 )
 from tests.lab.helpers import Zero, tiny_lm
 
@@ -153,6 +153,22 @@ def test_prunable_fraction_stops_at_the_first_loss_above_one_percent():
     assert prunable_fraction([2.0, 2.01, 2.015, 2.03, 1.0]) == 0.5  # 3 masked: 2.03 > 2.02
     assert prunable_fraction([2.0, 1.9, 1.95, 2.019, 2.0]) == 1.0
     assert prunable_fraction([2.0, 2.5, 2.0]) == 0.0
+    assert prunable_fraction([2.0, 2.01, 2.5], [0.0, 0.3, 0.6]) == 0.3  # a coarse grid
+
+
+def test_a_coarse_curve_is_the_full_curve_at_seventeen_levels():
+    assert pruning_levels(270, "coarse") == [round(i * 270 / 16) for i in range(17)]
+    assert pruning_levels(8, "coarse") == list(range(9))  # fewer heads than levels: all
+    assert pruning_levels(8) == list(range(9))
+    with pytest.raises(ValueError, match="'some': choose full or coarse"):
+        pruning_levels(8, "some")
+    model = tiny_lm()
+    ids = torch.randint(256, (3, 13))
+    batches = [(ids[:, :-1], ids[:, 1:])]
+    order = [3, 6, 0, 7, 1, 5, 2, 4]
+    full = pruning_curve(model, batches, order)
+    coarse = pruning_curve(model, batches, order, [0, 2, 5, 8])
+    assert coarse == pytest.approx([full[k] for k in (0, 2, 5, 8)], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -166,9 +182,11 @@ def test_cli_lab_heads_end_to_end_in_fast_mode(tmp_path, capsys):
     assert main(train) == 0
     capsys.readouterr()
     out = tmp_path / "lab"
-    assert main(["lab", "heads", "--ckpt", str(run), "--fast", "--out", str(out)]) == 0
+    heads = ["lab", "heads", "--ckpt", str(run), "--fast", "--out", str(out)]
+    assert main([*heads, "--check-induction", "2"]) == 0
     printed = capsys.readouterr().out
     assert "prunable at <= 1% loss increase" in printed and "logit lens" in printed
+    assert "induction check, the top 2 heads by score" in printed
     result = json.loads((out / "heads.json").read_text())
     assert (result["layers"], result["heads"]) == (2, 4)
     expected = {"importance", "previous_token", "same_position", "first_token", "offset_2"}
@@ -179,7 +197,20 @@ def test_cli_lab_heads_end_to_end_in_fast_mode(tmp_path, capsys):
     assert result["options"]["context"] == 32 and result["options"]["repeat_len"] == 16
     assert sorted(result["pruning"]["importance_order"]) == list(range(8))
     assert [r["stream"] for r in result["logit_lens"]][-1] == "block 1"
-    for name in ("heads.png", "pruning.png", "attention.html", "attention_decoder_self.png"):
+    assert len(result["induction_check"]["patching"]["per_head"]) == 2
+    pictures = ("heads.png", "pruning.png", "induction.png", "attention.html")
+    for name in (*pictures, "attention_decoder_self.png"):
         assert (out / name).stat().st_size > 1000
+    assert main([*heads, "--context", "16"]) == 2
+    assert "--fast sets the sizes itself; leave out --context" in capsys.readouterr().err
     assert main(["lab", "heads", "--ckpt", str(tmp_path / "nothing"), "--fast"]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_sizes_below_their_least_are_one_clear_error():
+    with pytest.raises(ValueError, match="--batches 0: give at least 1"):
+        HeadsLab(ckpt="run", batches=0)
+    with pytest.raises(ValueError, match="--repeat-len 1: give at least 2"):
+        HeadsLab(ckpt="run", repeat_len=1)
+    with pytest.raises(ValueError, match="--curves 'half': choose one of full, coarse, none"):
+        HeadsLab(ckpt="run", curves="half")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnlab.components.hooks import hooks, run_with_cache
-from attnlab.lab.heads import set_head_mask
+from attnlab.lab.head_masks import set_head_mask
 from attnlab.lab.patching import (
     _patch_at,
     attribution_names,

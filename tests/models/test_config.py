@@ -52,7 +52,7 @@ def test_odd_rotary_part_with_partial_rope():
         ("ffn", "moe"),
         ("activation", "tanh"),
         ("arch", "decoder_only"),
-        ("norm_placement", "sandwich"),
+        ("norm_placement", "middle"),
         ("init", "kaiming"),
     ],
 )

@@ -129,6 +129,7 @@ def hf_reference(tf, name: str):
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
         ),
+        **_family_references(tf),
         "bert-base": lambda: _bert(tf, 768, 12, 12),
         "bert-large": lambda: _bert(tf, 1024, 24, 16),
         "t5-small": lambda: _t5(tf, 512, 6, 8, 2048, "relu", tied=True),
@@ -136,6 +137,70 @@ def hf_reference(tf, name: str):
         "t5-v1_1-small": lambda: _t5(tf, 512, 8, 6, 1024, "gated-gelu", tied=False),
     }
     return cases[name]()
+
+
+def _family_references(tf) -> dict:
+    """The newer dense families (models/family_presets.py), from their config.json values."""
+
+    def ref(family: str, model: str = "", **kw):
+        return lambda: (
+            getattr(tf, f"{model or family}ForCausalLM"),
+            getattr(tf, f"{family}Config")(**kw),
+        )
+
+    gemma = dict(head_dim=256, query_pre_attn_scalar=256, tie_word_embeddings=True)
+    return {
+        "qwen3-0.6b": ref(
+            "Qwen3",
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+        "olmo2-7b": ref(
+            "Olmo2",
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=100352,
+        ),
+        "phi3-mini": ref(
+            "Phi3",
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32064,
+        ),
+        "gemma2-2b": ref(
+            "Gemma2",
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=256000,
+            **gemma,
+        ),
+        "gemma3-1b": ref(
+            "Gemma3Text",
+            "Gemma3",
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=262144,
+            **gemma,
+        ),
+    }
 
 
 def hf_params(name: str) -> int:
@@ -155,6 +220,11 @@ HF_PARITY = [
     "llama3-8b",
     "mistral-7b",
     "qwen2-0.5b",
+    "qwen3-0.6b",
+    "olmo2-7b",
+    "phi3-mini",
+    "gemma2-2b",
+    "gemma3-1b",
     "bert-base",
     "bert-large",
     "t5-small",

@@ -14,7 +14,6 @@ import torch
 import attnlab.serve.engine as engine_module
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
-from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.serve.engine import Engine
@@ -84,12 +83,14 @@ def run(engine, requests, collector=None, every_step=None):
 def alone(model, request):
     """The reference: one request through `generate`, as a user would run it."""
     p = request.params
-    sampling = SamplingConfig(temperature=p.temperature, top_p=p.top_p)
-    return generate(
-        model,
-        [list(request.prompt_ids)],
-        GenerationConfig(p.max_tokens, sampling, stop_tokens=p.stop_token_ids, seed=p.seed),
-    )[0]
+    config = GenerationConfig(
+        p.max_tokens,
+        p.sampling(),
+        stop_tokens=p.stop_token_ids,
+        seed=p.seed,
+        min_new_tokens=p.min_tokens,
+    )
+    return generate(model, [list(request.prompt_ids)], config)[0]
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -120,6 +121,51 @@ def test_seeded_sampling_batched_equals_alone(llama):
     )
     for r in requests:
         assert got.tokens(r.request_id) == alone(llama, r), r.request_id
+
+
+# Every sampler setting, one per request: the engine batches them into one sampling call.
+SAMPLERS = [
+    dict(temperature=0.0, repetition_penalty=1.8),
+    dict(temperature=0.9, top_k=5),
+    dict(temperature=1.2, min_p=0.2),
+    dict(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.7),
+    dict(temperature=1.0, logit_bias=((7, 5.0), (8, -100.0))),
+    dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    dict(temperature=0.0, frequency_penalty=-1.0, logit_bias=((3, 2.0),)),
+    dict(temperature=1.0, top_p=0.5, stop_token_ids=(11, 12), min_tokens=6),
+]
+
+
+def test_mixed_samplers_batched_equal_each_alone(llama):
+    """8 requests, each with its own sampler (greedy and seeded, every processor): batched in
+    one step's sampling call, each gives the tokens `generate` gives it alone."""
+    requests = [
+        Request(r.request_id, r.prompt_ids[:12], SamplingParams(8, seed=i, **kw))
+        for i, (r, kw) in enumerate(zip(mixed_requests(8, seed=6), SAMPLERS))
+    ]
+    engine = Engine(llama, None, EngineConfig(block_size=8, prefill_chunk=320, max_context=128))
+    got, most = run(engine, requests)
+    assert most == 8
+    for r in requests:
+        assert got.tokens(r.request_id) == alone(llama, r), (r.request_id, r.params)
+
+
+def test_a_batched_sampling_call_that_raises_is_rerun_row_by_row(llama, monkeypatch):
+    real = engine_module.filter_logits
+    failed = []
+
+    def flaky(logits, *args):
+        if logits.shape[0] > 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("transient")
+        return real(logits, *args)
+
+    monkeypatch.setattr(engine_module, "filter_logits", flaky)
+    requests = mixed_requests(4, seed=7, temperature=0.0, repetition_penalty=1.5, top_k=10)
+    got, _ = run(Engine(llama, None, EngineConfig(block_size=4, max_context=128)), requests)
+    assert failed
+    for r in requests:
+        assert got.tokens(r.request_id) == alone(llama, r)
 
 
 def test_waits_for_blocks_and_stays_exact(llama):
@@ -248,17 +294,17 @@ def test_a_failing_request_ends_with_error_and_others_finish(llama, monkeypatch)
     def nan_hook(module, args, out):
         return torch.where((args[0] == NAN)[..., None], float("nan"), out)
 
-    real_sample = engine_module.sample
+    real_draw = engine_module.draw
     counts = {}
 
-    def flaky_sample(logits, cfg, previous, generator):
+    def flaky_draw(logits, greedy, generator):
         if generator is not None and generator.initial_seed() == 13:
             counts[13] = counts.get(13, 0) + 1
             if counts[13] == 3:
                 raise ValueError("sampling failed")
-        return real_sample(logits, cfg, previous, generator)
+        return real_draw(logits, greedy, generator)
 
-    monkeypatch.setattr(engine_module, "sample", flaky_sample)
+    monkeypatch.setattr(engine_module, "draw", flaky_draw)
     handles = [
         decoder.embed.register_forward_pre_hook(pre_hook),
         decoder.embed.register_forward_hook(nan_hook),

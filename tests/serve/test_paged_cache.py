@@ -153,9 +153,11 @@ def test_row_groups_is_the_cheapest_split(n_blocks, group_cost):
     assert cost(groups) == best
 
 
-def test_paged_sliding_window_equals_static():
-    """A sliding-window model (Mistral-style) masks the same keys over both caches."""
-    cfg = get_preset("llama-tiny")
+@pytest.mark.parametrize("preset", ["llama-tiny", "gemma2-tiny", "gemma3-tiny"])
+def test_paged_sliding_window_equals_static(preset):
+    """A sliding-window model (Mistral-style; Gemma's windowed layers between global ones, with
+    their own RoPE base in Gemma 3) masks the same keys over both caches."""
+    cfg = get_preset(preset)
     cfg = replace(cfg, attention=replace(cfg.attention, sliding_window=4))
     model = build_model(cfg).eval()
     prompt = list(range(1, 10))

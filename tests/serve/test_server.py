@@ -281,40 +281,6 @@ def test_unreadable_bodies_are_400(server, content):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-# Accepted by OpenAI or vLLM, not implemented here: refused by name (issue 31), not ignored.
-UNSUPPORTED = {
-    "logit_bias": {"5": 100},
-    "frequency_penalty": 0.5,
-    "presence_penalty": -1.0,
-    "top_k": 5,
-    "ignore_eos": True,
-    "min_tokens": 4,
-}
-
-
-@pytest.mark.parametrize("name", UNSUPPORTED)
-@pytest.mark.parametrize("route", ["completions", "chat"])
-def test_unsupported_parameters_are_a_400_naming_them(server, client, name, route, monkeypatch):
-    submitted = []
-    monkeypatch.setattr(server.engine, "submit", lambda *a: submitted.append(a))
-    extra = {name: UNSUPPORTED[name]}
-    with pytest.raises(openai.BadRequestError) as e:
-        if route == "chat":
-            messages = [{"role": "user", "content": "hi"}]
-            client.chat.completions.create(model="tiny", messages=messages, extra_body=extra)
-        else:
-            client.completions.create(model="tiny", prompt="a", extra_body=extra)
-    assert e.value.body["param"] == name and name in e.value.body["message"]
-    assert not submitted
-
-
-def test_unsupported_parameters_at_their_neutral_value_are_accepted(client):
-    neutral = dict(logit_bias={}, frequency_penalty=0, presence_penalty=0, top_k=-1)
-    neutral |= dict(ignore_eos=False, min_tokens=0)
-    r = client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body=neutral)
-    assert r.choices
-
-
 def test_an_unknown_model_is_a_404_the_client_raises(server, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-17", prompt="a")

@@ -128,3 +128,26 @@ def test_sigterm_past_the_stop_timeout_ends_streams_with_an_error_chunk_and_done
     last = json.loads(chunks[-2])
     assert "error" in last and "stopping" in last["error"]["message"], last
     assert "Traceback" not in stderr, stderr
+
+
+def test_serve_steer_completes_what_generate_steer_generates(tmp_path, capsys):
+    """`attnlab serve --steer` (its default engine) steers every request as `attnlab generate
+    --steer` does (greedy), and the steering changes the text (else the comparison would hold
+    unsteered too)."""
+    from attnlab.cli.__main__ import main
+
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    steer = ["--steer", "0", "the cat", "a dog", "30"]
+    flags = ["--ckpt", str(ckpt), "--prompt", "the cat", "--max-new-tokens", "12"]
+    expected = []
+    for extra in (steer, []):
+        assert main(["generate", *flags, "--temperature", "0", *extra]) == 0
+        expected.append(capsys.readouterr().out)
+    assert expected[0] != expected[1]
+    proc, url = start(ckpt, *steer)
+    try:
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 12, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        proc.kill()
+    assert "the cat" + reply["choices"][0]["text"] + "\n" == expected[0]

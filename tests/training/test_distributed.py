@@ -110,6 +110,15 @@ def make_run(root: Path, out: str, preset: str = "llama-tiny", **train) -> RunCo
     return RunConfig(replace(get_preset(preset), dropout=0.0), TrainConfig(**train_kw), data)
 
 
+def moe_run(root: Path, out: str, **train) -> RunConfig:
+    """moe-tiny with DeepSeek-V3's router bias: its update reads every rank's expert load. No
+    load-balancing loss: computed per micro-batch on each rank (as transformers and Megatron
+    do), it would differ from one process's over the whole batch."""
+    run = make_run(root, out, "moe-tiny", moe_aux_weight=0.0, sample_tokens=0, **train)
+    moe = replace(run.model.moe, score="sigmoid", bias_update_rate=0.05)
+    return replace(run, model=replace(run.model, moe=moe))
+
+
 def torchrun(root: Path, jobs: list[dict]) -> dict:
     """Run `jobs` in 2 processes; returns exit code, output, losses, and when the launch ended."""
     (root / "driver.py").write_text(DRIVER)
@@ -165,6 +174,7 @@ def runs(tmp_path_factory) -> dict:
     single = make_run(root, "single", batch_size=2 * B)
     single_mlm = make_run(root, "single_mlm", "bert-tiny", batch_size=2 * B, sample_tokens=0)
     losses = {"single": train_here(single), "single_mlm": train_here(single_mlm)}
+    losses["single_moe"] = train_here(moe_run(root, "single_moe", batch_size=2 * B))
     jobs = [
         job(make_run(root, "ddp", distributed="ddp"), "ddp"),
         job(make_run(root, "ddp_mlm", "bert-tiny", distributed="ddp", sample_tokens=0), "ddp_mlm"),
@@ -187,6 +197,8 @@ def runs(tmp_path_factory) -> dict:
             resume=True,
             start_from=str(checkpoint(root, "single", CUT)),
         ),
+        job(moe_run(root, "ddp_moe", distributed="ddp"), "ddp_moe"),
+        job(moe_run(root, "fsdp_moe", distributed="fsdp"), "fsdp_moe"),
         # Last, as it ends the launch: rank 1 raises at its 5th batch (step 5).
         job(
             make_run(root, "failing", distributed="ddp", grad_accum=1, ckpt_every=2),
@@ -234,6 +246,19 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(runs, wrapper):
     lines = (root / wrapper / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, STEPS + 1))
     assert "sample" in json.loads(lines[-1])  # sampling ran under the wrapper too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_an_moe_model_trains_on_two_ranks_as_in_one_process(runs, wrapper):
+    """Same losses, same weights, and the same router biases: the expert load is summed over
+    ranks before the bias step."""
+    losses, root = runs["losses"], runs["root"]
+    assert max(map(relative, losses[f"{wrapper}_moe"], losses["single_moe"])) <= TOLERANCE
+    final = read_checkpoint(checkpoint(root, f"{wrapper}_moe", STEPS))["weights"]
+    reference = read_checkpoint(checkpoint(root, "single_moe", STEPS))["weights"]
+    assert any(k.endswith("router_bias") for k in reference)
+    assert max(relative(final[k], reference[k]) for k in reference) <= TOLERANCE
 
 
 @pytest.mark.slow

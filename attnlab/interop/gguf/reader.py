@@ -18,18 +18,28 @@ very same weights. A Q4_1 block (20 bytes) is d, m, then 16 bytes whose low nibb
 q[0..15] and high nibbles q[16..31].
 
 llama.cpp's converter permutes q/k rows of `llama` files from HF's "half" RoPE layout to the
-interleaved one (convert_hf_to_gguf.py, `LlamaModel.permute`); qwen2 files keep HF's rows. The
+interleaved one (convert_hf_to_gguf.py, `LlamaModel.permute`); qwen2 and qwen3 files keep HF's
+rows (a qwen3 file adds blk.{i}.attn_{q,k}_norm.weight, the per-head QK-norm). The
 rows are put back for layout="half" (per row, so it works on quantized rows too) and kept for
 layout="interleaved".
+
+Gemma 2 and 3 files (convert_hf_to_gguf.py `Gemma2Model`, `Gemma3Model`) store every RMSNorm
+weight as 1 + w, HF's w plus the one its (1 + w) norm adds; the reader subtracts it again, as
+transformers' GGUF loader does, so the model is the HF one. What llama.cpp does not store it
+fixes in code (llama-model.cpp), and so does the reader: the sliding window on every other
+layer (Gemma 2) or on five layers of six (Gemma 3), local layers rotated with base 10,000
+(Gemma 3), and the query scale 1/sqrt(head_dim), or 1/sqrt(d_model / n_heads) for the 27B
+models (46 layers for Gemma 2, 62 for Gemma 3).
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from attnlab.components.positions.rope import LAYOUTS
+from attnlab.components.positions.rope import LAYOUTS, RopeScaling
 from attnlab.interop.gguf.tokenizer import tokenizer_from_metadata
 from attnlab.models.build import build_model
 from attnlab.models.config import AttentionConfig, ModelConfig, RopeConfig
@@ -37,7 +47,8 @@ from attnlab.models.weights import load_weights
 from attnlab.quantize.int4 import Int4Linear
 from attnlab.tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")  # general.architecture values read here
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")  # read here
+GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}  # global_every, the 27B model's layer count
 PERMUTED = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter
 INSTALL = "pip install 'attnlab[gguf]'"
 NAMES = {
@@ -54,7 +65,11 @@ BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "residuals.1.norm.weight",
+    "post_attention_norm.weight": "residuals.0.out_norm.weight",  # Gemma's sandwich norms
+    "post_ffw_norm.weight": "residuals.1.out_norm.weight",
     "ffn_gate.weight": "ffn.gate_proj.weight",
     "ffn_up.weight": "ffn.up_proj.weight",
     "ffn_down.weight": "ffn.down_proj.weight",
@@ -109,10 +124,10 @@ def config_from_gguf(meta: dict, layout: str = "half", tied: bool = True) -> Mod
     if rotary != head_dim:
         raise ValueError(f"partial rotary ({arch}.rope.dimension_count={rotary}) is not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling != "none" and (arch, scaling) != ("gemma3", "linear"):
         raise ValueError(f"{arch}.rope.scaling.type={scaling!r} is not supported yet")
     qwen = arch == "qwen2"
-    return ModelConfig(
+    cfg = ModelConfig(
         arch="decoder",
         d_model=d_model,
         n_layers=get("block_count"),
@@ -124,6 +139,7 @@ def config_from_gguf(meta: dict, layout: str = "half", tied: bool = True) -> Mod
             head_dim=None if head_dim == d_model // n_heads else head_dim,
             qkv_bias=qwen,
             out_bias=False,
+            qk_norm=arch == "qwen3",
         ),
         position="rope",
         rope=RopeConfig(theta=float(get("rope.freq_base", 10000.0)), layout=layout),
@@ -134,6 +150,33 @@ def config_from_gguf(meta: dict, layout: str = "half", tied: bool = True) -> Mod
         tie_embeddings=tied,
         init="gpt2",
     )
+    return _gemma(cfg, arch, get) if arch in GEMMA else cfg
+
+
+def _gemma(cfg: ModelConfig, arch: str, get) -> ModelConfig:
+    """A Gemma 2 / 3 file's config: the llama-shaped `cfg` with Gemma's components, from the
+    metadata and from what llama.cpp fixes in code (see the module docstring)."""
+    every, layers_27b = GEMMA[arch]
+    per_head = cfg.d_model // cfg.attention.n_heads if cfg.n_layers == layers_27b else None
+    softcap = get("attn_logit_softcapping", 0.0) or None if arch == "gemma2" else None
+    attention = replace(
+        cfg.attention,
+        qk_norm=arch == "gemma3",
+        softmax_scale=None if per_head is None else per_head**-0.5,
+        sliding_window=get("attention.sliding_window"),
+        global_every=every,
+        logit_softcap=softcap,
+        backend="eager" if softcap else "sdpa",
+    )
+    rope = cfg.rope
+    if arch == "gemma3":
+        factor = get("rope.scaling.factor", 0.0)
+        scaling = RopeScaling("linear", factor, cfg.max_seq_len) if factor else None
+        rope = replace(rope, local_theta=10000.0, scaling=scaling)
+    final_cap = get("final_logit_softcapping", 0.0) or None if arch == "gemma2" else None
+    return replace(cfg, attention=attention, rope=rope, ffn="geglu", activation="gelu_tanh",
+                   norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True,
+                   logit_softcap=final_cap)  # fmt: skip
 
 
 def attnlab_name(name: str) -> str | None:
@@ -202,6 +245,8 @@ def read_tensors(reader, cfg: ModelConfig, arch: str, where: str, keep_q4_1: boo
             kept.append(module)
             continue
         values = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32, copy=False)
+        if arch in GEMMA and name.endswith("norm.weight"):
+            values = values - 1.0  # the file holds 1 + w (see the module docstring)
         state[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
     return state, kept
 
@@ -209,7 +254,7 @@ def read_tensors(reader, cfg: ModelConfig, arch: str, where: str, keep_q4_1: boo
 def load_gguf(
     path: str | Path, layout: str = "half", scheme: str | None = None
 ) -> tuple[torch.nn.Module, ModelConfig, Tokenizer, dict]:
-    """Open a llama-family GGUF file as a DecoderLM in eval mode.
+    """Open a llama-family, Qwen3 or Gemma 2 / 3 GGUF file as a DecoderLM in eval mode.
 
     Args:
         path: the .gguf file.  layout: the RoPE layout of the model made ("half" or
@@ -237,8 +282,8 @@ def load_gguf(
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
-            f"{where}: architecture {arch!r} is not supported; attnlab reads the llama family "
-            f"({', '.join(ARCHITECTURES)})"
+            f"{where}: architecture {arch!r} is not supported; attnlab reads "
+            f"{', '.join(ARCHITECTURES)}"
         )
     tokenizer = tokenizer_from_metadata(meta, where)
     tied = "output.weight" not in {t.name for t in reader.tensors}

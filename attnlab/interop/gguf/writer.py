@@ -50,6 +50,9 @@ def gguf_arch(cfg: ModelConfig) -> str:
         "rope.scaling": (cfg.rope.scaling, None),
         "rope.partial_rotary": (cfg.rope.partial_rotary, 1.0),
         "scale_embeddings": (cfg.scale_embeddings, False),
+        "norm_unit_offset": (cfg.norm_unit_offset, False),
+        "logit_softcap": (cfg.logit_softcap, None),
+        "attention.logit_softcap": (a.logit_softcap, None),
         "head": (cfg.head, None),
     }
     wrong = {k: v for k, (v, want) in wrong.items() if v != want}

@@ -2,6 +2,8 @@
 tokenizers, which are already in HF's format (tokenizer.json), in and out of HF directories.
 
     load_hf(dir)              config.json architectures (or model_type) -> gpt2|llama|bloom|bert|t5
+                              |families (Qwen3, OLMo 2, Phi-3, Gemma 2/3)|moe (Mixtral,
+                              Qwen2-MoE, Qwen3-MoE)|deepseek (DeepSeek-V3)
     save_hf(model, cfg, dir)  cfg -> the one family that can hold it
 """
 
@@ -12,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from attnlab.interop.hf import bert, bloom, common, gpt2, llama, t5
+from attnlab.interop.hf import bert, bloom, common, deepseek, families, gpt2, llama, moe, t5
 from attnlab.models.config import ModelConfig
 from attnlab.tokenizer import Tokenizer
 
@@ -23,6 +25,9 @@ ARCHITECTURES: dict[str, ModuleType] = {
     **{a: bloom for a in bloom.ARCHITECTURES},
     **{a: bert for a in bert.ARCHITECTURES},
     **{a: t5 for a in t5.ARCHITECTURES},
+    **{a: families for a in families.ARCHITECTURES},
+    **{a: moe for a in moe.ARCHITECTURES},
+    **{a: deepseek for a in deepseek.ARCHITECTURES},
 }
 MODEL_TYPES: dict[str, ModuleType] = {
     "gpt2": gpt2,
@@ -32,6 +37,9 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "bloom": bloom,
     "bert": bert,
     "t5": t5,
+    **{m: families for m in families.MODEL_TYPES},
+    **{family: moe for family in moe.DENSE},
+    "deepseek_v3": deepseek,
 }
 TOKENIZER = "tokenizer.json"
 
@@ -74,8 +82,10 @@ def converter_for(cfg: ModelConfig) -> ModuleType:
         raise ValueError(f"no supported HF family holds arch={cfg.arch!r}")
     if cfg.position == "learned":
         return gpt2
+    if cfg.moe is not None:
+        return deepseek if cfg.attention.kind == "mla" else moe
     if cfg.position == "rope":
-        return llama
+        return llama if families.family_of(cfg) is None else families
     if cfg.position == "alibi":
         return bloom
     raise ValueError(

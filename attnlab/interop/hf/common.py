@@ -226,10 +226,23 @@ def activation_to_hf(name: str) -> str:
     return {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[name]
 
 
+# Fields of the newer families (interop/hf/families.py) at the value every older family has:
+# each family refuses other values unless its own `expected` names the field.
+NEWER_FIELDS = {
+    "attention.qk_norm_scope": "head",
+    "attention.global_every": None,
+    "attention.logit_softcap": None,
+    "rope.local_theta": None,
+    "norm_unit_offset": False,
+    "logit_softcap": None,
+}
+
+
 def require(cfg: ModelConfig, family: str, expected: dict[str, object]) -> None:
-    """Raise a ValueError listing every field of `cfg` (dotted names) that `family` cannot hold."""
+    """Raise a ValueError listing every field of `cfg` (dotted names) that `family` cannot hold
+    (`expected`, and NEWER_FIELDS where `expected` does not name them)."""
     wrong = []
-    for dotted, want in expected.items():
+    for dotted, want in (NEWER_FIELDS | expected).items():
         value = cfg
         for part in dotted.split("."):
             value = getattr(value, part)

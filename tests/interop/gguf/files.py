@@ -25,10 +25,21 @@ GGUF_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+# Gemma's norms under llama.cpp's names (its post_attention_layernorm is a sandwich norm, not
+# the pre-FFN norm of a Llama), stored as 1 + w (convert_hf_to_gguf.py `Gemma2Model`).
+GEMMA_NAMES = GGUF_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
 
@@ -50,7 +61,7 @@ def byte_level_tokenizer(vocab_size: int = 320):
 
 
 def tiny_hf_llama(vocab_size: int, family: str = "llama", tie: bool = True, seed: int = 0):
-    """A tiny random transformers LlamaForCausalLM (or Qwen2ForCausalLM) in fp32."""
+    """A tiny random transformers LlamaForCausalLM (or Qwen2 / Qwen3ForCausalLM) in fp32."""
     import transformers
 
     torch.manual_seed(seed)
@@ -69,7 +80,55 @@ def tiny_hf_llama(vocab_size: int, family: str = "llama", tie: bool = True, seed
     )
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields)).eval()
+    if family == "qwen3":
+        # head_dim 128 (not 64 / 4): transformers' GGUF loader reads no key_length for qwen3
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=128))
+        with torch.no_grad():  # QK-norm weights start at 1: make them matter
+            for name, p in model.named_parameters():
+                if "_norm." in name:
+                    p.add_(0.3 * torch.randn_like(p))
+        return model.eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+
+
+def tiny_hf_gemma(vocab_size: int, family: str, seed: int = 0):
+    """A tiny random transformers Gemma2 / Gemma3ForCausalLM in fp32 with the layer pattern
+    llama.cpp assumes (Gemma 3: six layers, the last one global, scaled RoPE there), its norm
+    weights perturbed so that the stored 1 + w matters."""
+    import transformers
+
+    torch.manual_seed(seed)
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        vocab_size=vocab_size,
+        max_position_embeddings=128,
+        sliding_window=4,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+    )
+    if family == "gemma2":
+        config = transformers.Gemma2Config(
+            **fields, num_hidden_layers=2, attn_logit_softcapping=4.0, final_logit_softcapping=3.0
+        )
+        model = transformers.Gemma2ForCausalLM(config)
+    else:
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        config = transformers.Gemma3TextConfig(**fields, num_hidden_layers=6, rope_parameters=rope)
+        model = transformers.Gemma3ForCausalLM(config)
+    config._attn_implementation = "eager"  # the soft-capped attention is written out
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -81,11 +140,20 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def gguf_name(hf_name: str) -> str:
-    if hf_name in GGUF_NAMES:
-        return GGUF_NAMES[hf_name]
+def gguf_name(hf_name: str, names: dict = GGUF_NAMES) -> str:
+    if hf_name in names:
+        return names[hf_name]
     _, _, i, rest = hf_name.split(".", 3)  # model.layers.{i}.rest
-    return f"blk.{i}.{GGUF_NAMES[rest]}"
+    return f"blk.{i}.{names[rest]}"
+
+
+def _gemma_meta(w, cfg) -> None:
+    """What llama.cpp's converter writes for Gemma 2 / 3 beyond a Llama's metadata."""
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.attn_logit_softcapping is not None:
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if cfg.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
 def write_gguf(
@@ -111,10 +179,20 @@ def write_gguf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch.startswith("gemma"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch.startswith("gemma"):
+        _gemma_meta(w, cfg)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":  # Gemma 3's global layers, 4B and up
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     if tokenizer_meta:
         data = json.loads(tokenizer.to_str())
         vocab = data["model"]["vocab"]
@@ -134,17 +212,20 @@ def write_gguf(
             "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
         )
     qtype = gguf.GGMLQuantizationType[quant]
+    names = GEMMA_NAMES if arch.startswith("gemma") else GGUF_NAMES
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         x = tensor.detach().float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            x = x + 1.0
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             x = _llama_cpp_permute(x, heads)
         if x.ndim == 2 and quant != "F32":
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, names), gguf.quants.quantize(x, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), x)
+            w.add_tensor(gguf_name(name, names), x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -14,6 +14,7 @@ from tests.interop.gguf.files import (
     byte_level_tokenizer,
     random_k_quant,
     rewrite_gguf,
+    tiny_hf_gemma,
     tiny_hf_llama,
     write_gguf,
 )
@@ -105,6 +106,31 @@ def test_qwen2_file_keeps_hf_rows_and_biases(tmp_path, tokenizer):
         expected = hf(IDS).logits
     assert (logits(loaded) - expected).abs().max() < FP32_NOISE
     assert (logits(loaded) - hf_gguf_logits(path)).abs().max() < FP32_NOISE
+
+
+def test_qwen3_file_reads_its_qk_norms(tmp_path, tokenizer):
+    hf = tiny_hf_llama(tokenizer.get_vocab_size(), family="qwen3")
+    path = write_gguf(tmp_path / "qwen3.gguf", hf, tokenizer, arch="qwen3")
+    loaded = open_checkpoint(path)
+    assert loaded.config.attention.qk_norm and not loaded.config.attention.qkv_bias
+    with torch.no_grad():
+        expected = hf(IDS).logits
+    assert (logits(loaded) - expected).abs().max() < FP32_NOISE
+
+
+@pytest.mark.slow  # a 6-layer transformers model written and read back: about 0.4 s each
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_file_is_the_model_it_came_from(tmp_path, tokenizer, family):
+    """Norms stored as 1 + w, sandwich norms, the window pattern llama.cpp fixes in code, Gemma
+    2's soft-caps and Gemma 3's QK-norms and two RoPE bases."""
+    hf = tiny_hf_gemma(tokenizer.get_vocab_size(), family)
+    path = write_gguf(tmp_path / f"{family}.gguf", hf, tokenizer, arch=family)
+    loaded = open_checkpoint(path)
+    a = loaded.config.attention
+    assert (a.sliding_window, a.global_every) == (4, 2 if family == "gemma2" else 6)
+    with torch.no_grad():
+        expected = hf(IDS).logits
+    assert (logits(loaded) - expected).abs().max() < FP32_NOISE
 
 
 def test_kept_int4_equals_the_dequantized_model(tmp_path, tokenizer, hf_model):
