@@ -36,8 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora, remove_lora
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.configs import from_dict, to_dict
 from attnlab.interop.gguf import load_gguf
 from attnlab.interop.hf.auto import load_hf, load_tokenizer
@@ -487,6 +488,12 @@ def open_checkpoint(
         raise ValueError(f"{str(path / CONFIG)!r} has no 'model' section (nor an HF model_type)")
     if not (path / WEIGHTS).is_file():
         raise ValueError(f"{str(path)!r} is not a checkpoint (no {WEIGHTS})")
+    if _prompt_method(config) != "none":
+        if scheme is not None:
+            raise ValueError(
+                f"{str(path)!r} is a prefix- or prompt-tuning run; open it without a scheme"
+            )
+        return _open_prompt_learning(path, config, device, dtype)
     if _lora_rank(config):
         if scheme is not None:
             raise ValueError(
@@ -521,6 +528,38 @@ def _lora_rank(run: dict) -> int:
     return (lora.get("rank") or 0) if isinstance(lora, dict) else 0
 
 
+def plain_model(loaded: "Loaded", what: str) -> "Loaded":
+    """`loaded`, unless it is a prefix- or prompt-tuning run (a PromptLearningLM), which `what`
+    (a command's work on a plain model: export, quantize, analyze) cannot take: then a
+    ValueError naming the checkpoint."""
+    if isinstance(loaded.model, PromptLearningLM):
+        raise ValueError(
+            f"{str(loaded.path)!r} is a {loaded.model.method}-tuning run (a frozen base and a "
+            f"learned prefix): {what}"
+        )
+    return loaded
+
+
+def _prompt_method(run: dict) -> str:
+    """The prompt-learning method of a run config `attnlab finetune --peft.method M` wrote
+    ("prefix" or "prompt"), else "none"."""
+    peft = run.get("peft")
+    return (peft.get("method") or "none") if isinstance(peft, dict) else "none"
+
+
+def _open_prompt_learning(path: Path, run: dict, device, dtype) -> Loaded:
+    """A prefix- or prompt-tuning run: the frozen base and its prefix, as the PromptLearningLM
+    it trained (adapters/prompt_learning.py), which generation knows how to run."""
+    cfg = from_dict(ModelConfig, run["model"])
+    p = from_dict(PromptLearningConfig, run["peft"])
+    model = PromptLearningLM(build_model(cfg), p.method, p.num_virtual_tokens, p.prefix_projection)
+    copy_weights(model, load_file(str(path / WEIGHTS)), f"checkpoint {str(path)!r}")
+    if dtype is not None:
+        model = model.to(dtype)
+    tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
+    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+
+
 def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:
     """A LoRA fine-tuning run: its checkpoint holds the frozen base's weights and the adapters
     apart (so that a resume is exact), and its run config the LoRA section. The adapters go
@@ -545,7 +584,14 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
     else:
         model = build_model(cfg)
     add_lora(
-        model, lora.target_names, lora.rank, lora.alpha, lora.dropout, lora.bias, lora.save_names
+        model,
+        lora.target_names,
+        lora.rank,
+        lora.alpha,
+        lora.dropout,
+        lora.bias,
+        lora.save_names,
+        rslora=lora.rslora,
     )
     copy_weights(model, weights, f"checkpoint {str(path)!r}")
     if not (

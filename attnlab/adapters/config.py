@@ -17,6 +17,8 @@ class LoraConfig:
     modules_to_save: comma-separated module-name endings whose modules train in full beside
         the adapters, as peft's modules_to_save (e.g. "norm": every LayerNorm). A task head
         always trains in full.
+    rslora: scale the update by alpha / sqrt(rank) (rsLoRA, Kalajdzievski 2023; peft's
+        use_rslora) instead of alpha / rank.
     """
 
     rank: int = 0
@@ -25,6 +27,7 @@ class LoraConfig:
     targets: str = "q_proj,v_proj"
     bias: Literal["none", "all", "lora_only"] = "none"
     modules_to_save: str = ""
+    rslora: bool = False
 
     def __post_init__(self):
         check_literals(self)
@@ -48,3 +51,31 @@ class LoraConfig:
     def trains_base(self) -> bool:
         """Whether weights of the base train beside the adapters (bias or modules_to_save)."""
         return bool(self.rank) and (self.bias != "none" or bool(self.save_names))
+
+
+@dataclass(frozen=True)
+class PromptLearningConfig:
+    """Prefix tuning or prompt tuning (`--peft.*`, adapters/prompt_learning.py): a frozen decoder
+    LM steered by learned virtual tokens, as peft's PrefixTuningConfig / PromptTuningConfig.
+
+    method: "none", "prefix" (learned keys and values in every layer; Li & Liang 2021) or
+        "prompt" (learned input embeddings; Lester et al. 2021).
+    num_virtual_tokens: P, the prefix's length.
+    prefix_projection: (prefix) train the prefix through an MLP of this hidden width (peft's
+        prefix_projection with encoder_hidden_size); 0 trains the prefix itself.
+    """
+
+    method: Literal["none", "prefix", "prompt"] = "none"
+    num_virtual_tokens: int = 20
+    prefix_projection: int = 0
+
+    def __post_init__(self):
+        check_literals(self)
+        if self.num_virtual_tokens < 1:
+            raise ValueError(f"peft.num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
+        if self.prefix_projection < 0:
+            raise ValueError(f"peft.prefix_projection must be >= 0, got {self.prefix_projection}")
+        if self.prefix_projection and self.method != "prefix":
+            raise ValueError(
+                "peft.prefix_projection is prefix tuning's MLP: give --peft.method prefix"
+            )

@@ -10,6 +10,9 @@ A pre-trained weight W0 (N, K) stays frozen; what trains is a rank-r update besi
 A starts Kaiming-uniform (a = sqrt(5), as nn.Linear and `peft` initialise it) and B at zero, so
 the wrapped model starts out exactly equal to the base, and the gradient reaches B first.
 `alpha / r` keeps the update's size steady when r changes (the paper's section 4.1).
+rsLoRA (Kalajdzievski 2023, arXiv:2312.03732) scales by alpha / sqrt(r) instead: with 1/r the
+update's gradients shrink as r grows, so large ranks learn no better than small ones; 1/sqrt(r)
+keeps them stable (peft's `use_rslora=True`).
 
 QLoRA-style (Dettmers et al. 2023): the frozen W0 may be one of attnlab's quantized Linears
 (`Int8Linear`, `Int4Linear`); A and B stay fp32 whatever the base holds. When its input needs a
@@ -69,11 +72,14 @@ class LoRALinear(nn.Module):
     Args:
         base: an nn.Linear, Int8Linear or Int4Linear (frozen here).
         rank: r, the rank of the update (>= 1).
-        alpha: the update is scaled by alpha / r.
+        alpha: the update is scaled by alpha / r (alpha / sqrt(r) with `rslora`).
         dropout: dropout probability on the input of A (training only).
+        rslora: rank-stabilised scaling, alpha / sqrt(r) (Kalajdzievski 2023).
     """
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(
+        self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, rslora: bool = False
+    ):
         super().__init__()
         if not is_linear_like(base):
             raise ValueError(f"LoRA wraps Linear layers, not {type(base).__name__}")
@@ -83,7 +89,8 @@ class LoRALinear(nn.Module):
             raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout}")
         self.base = base.requires_grad_(False)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.rank, self.alpha, self.scale = int(rank), float(alpha), alpha / rank
+        self.rank, self.alpha, self.rslora = int(rank), float(alpha), bool(rslora)
+        self.scale = alpha / (math.sqrt(rank) if rslora else rank)
         device = base.weight.device  # a Parameter (nn.Linear) or a buffer (quantized)
         # fp32 whatever the base holds: the update is small, and bf16 would round most of it away
         self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, device=device))
@@ -137,7 +144,8 @@ class LoRALinear(nn.Module):
             self.merged = False
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha:g}, merged={self.merged}"
+        rs = ", rslora=True" if self.rslora else ""
+        return f"rank={self.rank}, alpha={self.alpha:g}{rs}, merged={self.merged}"
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -183,6 +191,7 @@ def add_lora(
     dropout: float = 0.0,
     bias: str = "none",
     modules_to_save: str | tuple[str, ...] | list[str] = (),
+    rslora: bool = False,
 ) -> list[str]:
     """Wrap the targeted Linears in LoRALinear (in place) and freeze everything else (but the
     biases and modules that `bias` and `modules_to_save` train, see `train_beside_adapters`).
@@ -195,6 +204,7 @@ def add_lora(
         dropout: on the input of A.
         bias: "none", "all" or "lora_only" (peft's LoraConfig.bias).
         modules_to_save: module-name endings whose modules train in full (peft's).
+        rslora: scale by alpha / sqrt(r) (rsLoRA, peft's use_rslora) instead of alpha / r.
 
     Returns:
         the wrapped module names, in model order.
@@ -211,7 +221,7 @@ def add_lora(
         a = alpha[name] if isinstance(alpha, dict) else alpha
         owner, _, attr = name.rpartition(".")
         parent = model.get_submodule(owner) if owner else model
-        setattr(parent, attr, LoRALinear(model.get_submodule(name), r, a, dropout))
+        setattr(parent, attr, LoRALinear(model.get_submodule(name), r, a, dropout, rslora))
     train_beside_adapters(model, bias, modules_to_save)
     return names
 

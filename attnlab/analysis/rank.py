@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, plain_model
 from attnlab.models.build import build_model
 from attnlab.viz.attention_maps import run_attention
 from attnlab.viz.capture import attention_layers
@@ -351,7 +351,7 @@ def rank_analysis(opts: RankAnalysis) -> tuple[list[RankRow], str]:
 
 
 def _checkpoint_rows(opts: RankAnalysis, text: list[str]) -> list[RankRow]:
-    loaded = open_checkpoint(opts.ckpt)
+    loaded = plain_model(open_checkpoint(opts.ckpt), "analyze takes a plain model")
     trained, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.config
     torch.manual_seed(opts.seed)
     init = build_model(cfg).eval()

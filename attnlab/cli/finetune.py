@@ -1,13 +1,15 @@
 """Fine-tune a checkpoint: a task head (classify, tag), SFT or DPO, in full or with LoRA
-adapters when --lora.rank is given (QLoRA on an int8 / int4 checkpoint from attnlab quantize).
+adapters when --lora.rank is given (QLoRA on an int8 / int4 checkpoint from attnlab quantize),
+or a learned prefix with --peft.method prefix|prompt.
 
     attnlab finetune --ckpt runs/bert --task classify              # built-in: stdlib packages
     attnlab finetune --ckpt runs/bert --task tag --data.source ner.jsonl
     attnlab finetune --ckpt runs/base --task sft --data.source pairs.jsonl
     attnlab finetune --ckpt runs/base --task dpo --lora.rank 8 --dpo.beta 0.1
+    attnlab finetune --ckpt runs/base --task sft --peft.method prefix --peft.num_virtual_tokens 16
 
 The same machinery as `attnlab train`: YAML/JSON config files and --section.field overrides
-(sections train, data, lora, dpo), the training loop with its progress bar, metrics.jsonl,
+(sections train, data, lora, dpo, peft), the training loop with its progress bar, metrics.jsonl,
 checkpoints and exact --resume (give the same flags again).
 
 A thin command over attnlab/finetune/run.py (what each task trains, LoRA, DPO's reference).
@@ -95,6 +97,10 @@ def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     d, t, lora = run_cfg.data, run_cfg.train, run_cfg.lora
     how = f"LoRA rank {lora.rank} on {lora.targets}" if lora.rank else "all weights"
+    if run_cfg.peft.method != "none":  # prefix or prompt tuning: the base frozen
+        p = run_cfg.peft
+        mlp = f" through an MLP of {p.prefix_projection}" if p.prefix_projection else ""
+        how = f"{p.method} tuning, {p.num_virtual_tokens} virtual tokens{mlp}"
     if lora.rank and lora.bias != "none":
         how += f", bias {lora.bias}"
     if lora.rank and lora.save_names:

@@ -2,12 +2,18 @@
 
     attnlab serve --ckpt runs/default                       # http://127.0.0.1:8000/v1
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
+    attnlab serve --ckpt gpt2-hf --lora sql=adapters/sql --lora chat=adapters/chat
 
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
 quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
-`sequential` runs one request at a time. SIGTERM or Ctrl-C stops admitting, lets running
-requests finish for up to --stop-timeout seconds, then exits.
+`sequential` runs one request at a time. `--lora NAME=DIR` (repeatable) serves a LoRA adapter in
+the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab finetune
+--lora.rank R` run on the same base, beside the base, listed in
+/v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
+requests for different adapters share one batched decode step (adapters/multi_lora.py).
+SIGTERM or Ctrl-C stops admitting, lets running requests finish for up to --stop-timeout
+seconds, then exits.
 
     attnlab serve --ckpt runs/default --steer 3 ' love' ' hate' 4
 
@@ -29,10 +35,17 @@ import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
 from attnlab.accel.host_memory import keep_freed_memory
+from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.lora import lora_modules
+from attnlab.adapters.multi_lora import add_multi_lora
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
 from attnlab.cli.options import add_speculative_flags, add_steer_flag, speculative_from_args
+from attnlab.configs import from_dict
+from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
+from attnlab.models.config import ModelConfig
 from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
@@ -97,6 +110,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--model-name",
         metavar="NAME",
         help="the model id clients send (default: the checkpoint directory's name)",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve a LoRA adapter for this base (a PEFT directory, or an attnlab finetune "
+        "--lora.rank run) as model NAME; repeatable",
     )
     p.add_argument(
         "--stop-timeout",
@@ -170,8 +191,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device: str) -> int:
-    """Start the engine on the opened checkpoint and serve until stopped."""
+    """Start the engine on the opened checkpoint (with its --lora adapters) and serve until
+    stopped."""
     model, tokenizer = loaded.model, loaded.tokenizer
+    name = args.model_name or Path(args.ckpt).resolve().name
+    if args.lora and isinstance(model, PromptLearningLM):
+        raise ValueError(
+            "--lora adapters go on a plain base, not on a prefix- or prompt-tuning run"
+        )
+    adapters = add_served_adapters(model, loaded.config, args.lora, name)
     if args.fast_linear and torch.device(device).type == "cpu":
         enable_fast_linear(model)
     max_context = args.max_context or loaded.config.max_seq_len
@@ -192,11 +220,15 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
             if not args.compile_attention:
                 raise
             raise ValueError(f"{err}: serve without --compile-attention") from err
-    name = args.model_name or Path(args.ckpt).resolve().name
-    settings = Settings(name, context, model_vocab(model), args.api_key, args.stop_timeout)
+    settings = Settings(
+        name, context, model_vocab(model), args.api_key, args.stop_timeout, adapters=adapters
+    )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"attnlab serve: {name} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True)
+    served = "".join(f", {a}" for a in adapters)
+    print(
+        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True
+    )
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
     return 0
@@ -204,10 +236,13 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
 
 def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     """The checkpoint `attnlab serve --ckpt` serves (any kind `open_checkpoint` reads; a LoRA
-    run's adapters merged), checked: a decoder-only LM with an LM head and a tokenizer."""
+    run's adapters merged; a prefix- or prompt-tuning run, whose prefix both engines write
+    first into each request's cache), checked: a decoder-only LM with an LM head and a
+    tokenizer."""
     loaded = open_checkpoint(ckpt, device)
     model = loaded.model
-    if loaded.config.arch != "decoder" or hasattr(model, "encode") or prefix_length(model):
+    image = prefix_length(model) and not isinstance(model, PromptLearningLM)
+    if loaded.config.arch != "decoder" or hasattr(model, "encode") or image:
         raise ValueError(
             f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
             "language model checkpoint"
@@ -217,6 +252,59 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     if loaded.tokenizer is None:
         raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
     return loaded
+
+
+def add_served_adapters(
+    model: torch.nn.Module, cfg: ModelConfig, specs: list[str], base_name: str
+) -> dict[str, str]:
+    """Read every --lora NAME=DIR (`adapter_weights`) and put them all on
+    `model` as MultiLoRALinear stacks, adapter i + 1 the i-th named. Returns {NAME: DIR}.
+
+    Raises:
+        ValueError naming the flag for a malformed or repeated NAME, a directory that is no
+        LoRA adapter, or an adapter for another base model.
+    """
+    served: dict[str, str] = {}
+    stacks = []
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--lora {spec!r}: give NAME=DIR, e.g. --lora sql=adapters/sql")
+        if name == base_name or name in served:
+            raise ValueError(f"--lora {spec!r}: the model id {name!r} is already served")
+        try:
+            stacks.append(adapter_weights(model, cfg, Path(path)))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--lora {spec!r}: {e}") from None
+        served[name] = str(Path(path).resolve())
+    if stacks:
+        add_multi_lora(model, stacks)
+    return served
+
+
+def adapter_weights(model: torch.nn.Module, cfg: ModelConfig, path: Path) -> dict[str, tuple]:
+    """{our Linear's name: (A, B, scale)} of the LoRA adapter in `path`: a PEFT directory, or
+    a LoRA run of `attnlab finetune --lora.rank R` on this very base (its config and weights).
+    Either must train A and B alone: biases or whole modules trained beside them would change
+    the base for every request."""
+    if (path / "adapter_config.json").is_file() or not (path / "config.json").is_file():
+        _, found, others = read_adapters(model, cfg, path)
+        if others:
+            raise ValueError(f"the adapter trains {sorted(others)[0]} beside A and B")
+        return {n: (a.A, a.B, a.scale) for n, a in found.items()}
+    run = open_checkpoint(path, keep_adapters=True)
+    adapters = lora_modules(run.model)
+    if not adapters:
+        raise ValueError(f"{str(path)!r} holds no LoRA adapters (nor an adapter_config.json)")
+    ours = dict(model.named_parameters())
+    base = {
+        k.replace(".base.", "."): p for k, p in run.model.named_parameters() if "lora_" not in k
+    }
+    if run.config != cfg or any(not torch.equal(p, ours[k]) for k, p in base.items() if k in ours):
+        raise ValueError(f"{str(path)!r} was trained on another base model than --ckpt's")
+    if from_dict(LoraConfig, run.run["lora"]).trains_base:
+        raise ValueError(f"{str(path)!r} trains biases or modules beside A and B")
+    return {n: (m.lora_A.detach(), m.lora_B.detach(), m.scale) for n, m in adapters.items()}
 
 
 def model_vocab(model: torch.nn.Module) -> int:

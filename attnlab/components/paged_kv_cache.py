@@ -410,16 +410,17 @@ class PagedKVCache(nn.Module):
                 del self.prefixes[self.prefix_of.pop(block)]
             table.append(block)
 
-    def match_prefix(self, seq: Hashable, prompt: Sequence[int]) -> int:
+    def match_prefix(self, seq: Hashable, prompt: Sequence[int], salt: tuple = ()) -> int:
         """Share the cached blocks of the longest prefix of `prompt` seen before, in whole
         blocks, leaving at least its last token to compute (its logits are the first token's).
 
-        Call on a new sequence (empty table). Returns the number of tokens whose keys and
-        values are already in its table.
+        Call on a new sequence (empty table). `salt` keeps apart prompts whose keys differ for
+        the same tokens (another LoRA adapter's: the serve engine's). Returns the number of
+        tokens whose keys and values are already in its table.
         """
         table, n = self.tables[seq], 0
         while (n + self.block_size) < len(prompt):
-            block = self.prefixes.get(tuple(prompt[: n + self.block_size]))
+            block = self.prefixes.get((*salt, *prompt[: n + self.block_size]))
             if block is None:
                 break
             self.allocator.share(block)
@@ -427,12 +428,14 @@ class PagedKVCache(nn.Module):
             n += self.block_size
         return n
 
-    def register_prefix(self, seq: Hashable, prompt: Sequence[int], start: int, end: int) -> None:
+    def register_prefix(
+        self, seq: Hashable, prompt: Sequence[int], start: int, end: int, salt: tuple = ()
+    ) -> None:
         """Offer the full blocks of `prompt` that `seq` wrote between positions start and end
-        to later prompts with the same prefix."""
+        to later prompts with the same prefix (and the same `salt`, as `match_prefix`)."""
         table, size = self.tables[seq], self.block_size
         for i in range(start // size, end // size):
-            key = tuple(prompt[: (i + 1) * size])
+            key = (*salt, *prompt[: (i + 1) * size])
             if key not in self.prefixes and table[i] not in self.prefix_of:
                 self.prefixes[key], self.prefix_of[table[i]] = table[i], key
 

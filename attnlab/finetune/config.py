@@ -84,13 +84,24 @@ class DPOConfig:
     precompute_reference: compute the frozen reference's log-probs of every pair once before
         training (then each step runs the policy alone, and no copy of the model is kept).
     rpo_alpha: RPO (Pang et al. 2024): add this times the chosen responses' SFT loss (0: DPO).
+    loss: "sigmoid" (DPO), "ipo" (Azar et al. 2023: beta is its tau) or "robust" (Chowdhury et
+        al. 2024), as trl's loss_type (finetune/objectives.py `dpo_loss`).
+    label_smoothing: the probability eps that a pair's preference is flipped: with "sigmoid",
+        conservative DPO (cDPO); with "robust", the flip rate its loss corrects for.
     """
 
     beta: float = 0.1
     precompute_reference: bool = False
     rpo_alpha: float = 0.0
+    loss: Literal["sigmoid", "ipo", "robust"] = "sigmoid"
+    label_smoothing: float = 0.0
 
     def __post_init__(self):
+        check_literals(self)
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.loss == "ipo" and self.label_smoothing:
+            raise ValueError("dpo.label_smoothing applies to --dpo.loss sigmoid or robust, not ipo")
         if self.beta <= 0:
             raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
         if self.rpo_alpha < 0:

@@ -22,7 +22,8 @@ where log pi(y|x) is the sum of the policy's token log-probs over the response t
 base plus LoRA adapters) the same model with its adapters switched off, as `peft` users do. The
 implicit rewards r(x, y) = beta * (log pi(y|x) - log ref(y|x)) (§5) are returned with the loss:
 their margin r_w - r_l and how often r_w > r_l are the preference metrics. RPO (Pang et al.
-2024) adds alpha times the chosen responses' SFT loss (`pair_losses`).
+2024) adds alpha times the chosen responses' SFT loss (`pair_losses`). IPO, conservative DPO
+(label smoothing) and robust DPO change the loss of the same margin (`dpo_loss`).
 
 Shapes: B batch (of sequences; of pairs for DPO), T length, V vocab_size.
 """
@@ -108,27 +109,63 @@ def sequence_logps(logits: Tensor, labels: Tensor) -> Tensor:
     return token_logps(logits, labels).sum(-1)
 
 
+DPOLoss = Literal["sigmoid", "ipo", "robust"]
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
+
+
 def dpo_loss(
     policy_chosen: Tensor,
     policy_rejected: Tensor,
     ref_chosen: Tensor,
     ref_rejected: Tensor,
     beta: float = 0.1,
+    loss: DPOLoss = "sigmoid",
+    label_smoothing: float = 0.0,
+    lengths: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The DPO loss of each pair (Rafailov et al. 2023, eq. 7) and the implicit rewards.
+    """The preference loss of each pair and the implicit rewards. With h = the chosen log-ratio
+    minus the rejected one, (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)):
+
+    sigmoid  DPO (Rafailov et al. 2023, eq. 7): -log sigmoid(beta h). With label_smoothing
+             eps > 0, conservative DPO (cDPO, Mitchell 2023): the label is taken to be flipped
+             with probability eps, -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h),
+             whose optimum is a finite margin instead of an unbounded one.
+    ipo      IPO (Azar et al. 2023, eq. 17): (h' - 1 / (2 beta))^2, a squared loss that pulls
+             the margin to 1 / (2 beta) rather than to infinity, with beta the paper's tau.
+             h' is h with each log-ratio divided by its response's token count (`lengths`),
+             as trl computes it (the form the paper's results used, say its authors).
+    robust   robust DPO (Chowdhury et al. 2024): an unbiased loss under labels flipped with
+             probability eps, (-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) /
+             (1 - 2 eps).
 
     Args:
         policy_chosen, policy_rejected: (B,) log pi(y_w|x) and log pi(y_l|x) (`sequence_logps`).
         ref_chosen, ref_rejected: (B,) the same under the frozen reference (no gradient).
         beta: how far the policy may move from the reference (the KL penalty's weight).
+        loss: "sigmoid", "ipo" or "robust" (trl's loss_type of the same name).
+        label_smoothing: eps, for sigmoid (cDPO) and robust.
+        lengths: (chosen, rejected) response token counts, each (B,); ipo needs them.
 
     Returns:
-        losses: (B,) -log sigmoid(beta * (chosen log-ratio - rejected log-ratio)).
+        losses: (B,).
         chosen_rewards, rejected_rewards: (B,) beta * (log pi - log ref), detached.
     """
     chosen_ratio = policy_chosen - ref_chosen  # (B,) log pi(y_w|x) / ref(y_w|x)
     rejected_ratio = policy_rejected - ref_rejected  # (B,)
-    losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))  # (B,)
+    eps = label_smoothing
+    z = beta * (chosen_ratio - rejected_ratio)  # (B,)
+    if loss == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    elif loss == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    elif loss == "ipo":
+        if lengths is None:
+            raise ValueError("the IPO loss needs the responses' token counts (lengths)")
+        n_chosen, n_rejected = (n.clamp(min=1) for n in lengths)
+        margin = chosen_ratio / n_chosen - rejected_ratio / n_rejected  # (B,)
+        losses = (margin - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"DPO loss must be one of {list(DPO_LOSSES)}, got {loss!r}")
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
@@ -152,6 +189,8 @@ def pair_losses(
     ref_logps: Tensor,
     beta: float = 0.1,
     rpo_alpha: float = 0.0,
+    loss: DPOLoss = "sigmoid",
+    label_smoothing: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The loss of each pair of a DPO batch, with RPO's NLL term when rpo_alpha > 0.
 
@@ -166,13 +205,16 @@ def pair_losses(
         labels: (2b, T) their labels.
         ref_logps: (2b,) the reference's sequence log-probs, in the same order.
         beta: DPO's beta.  rpo_alpha: the NLL term's weight (0: plain DPO).
+        loss, label_smoothing: `dpo_loss`'s (sigmoid, ipo or robust; eps).
 
     Returns:
         losses (b,), chosen_rewards (b,), rejected_rewards (b,) as `dpo_loss`.
     """
     b = token_logps.shape[0] // 2
     logps = token_logps.sum(-1)  # (2b,) log pi(y|x)
-    losses, chosen, rejected = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], beta)
+    n = (labels != IGNORE_INDEX).sum(-1)  # (2b,) response tokens
+    policy, ref, lengths = (logps[:b], logps[b:]), (ref_logps[:b], ref_logps[b:]), (n[:b], n[b:])
+    losses, chosen, rejected = dpo_loss(*policy, *ref, beta, loss, label_smoothing, lengths)
     if rpo_alpha:
         losses = losses + rpo_alpha * chosen_nll(token_logps[:b], labels[:b])
     return losses, chosen, rejected

@@ -41,7 +41,13 @@ written as peft writes them, and read back:
 Where each of our 1-D weights sits in the HF export is found as for the Linears: `hf_vectors`
 marks every one with its own numbers, runs the converter, and reads where they land (GPT-2's
 fused c_attn bias holds our q, k and v biases); a whole matrix in modules_to_save (an
-embedding) as a Linear's weight is (`hf_placements`). DoRA and rsLoRA raise a ValueError.
+embedding) as a Linear's weight is (`hf_placements`). rsLoRA's alpha / sqrt(r) scaling is
+`use_rslora` (the alpha written is then scale * sqrt(r)); DoRA raises a ValueError.
+
+Prefix tuning and prompt tuning (adapters/prompt_learning.py) are peft's PREFIX_TUNING and
+PROMPT_TUNING: one tensor, "prompt_embeddings", the prefix's keys and values (P, L * 2 * K*D)
+in the HF model's head order, or the soft prompt (P, C) (`save_prompt_learning`,
+`load_prompt_learning`).
 
 A task head is written whole, as peft writes it: for task_type SEQ_CLS and TOKEN_CLS peft adds
 "classifier" and "score" to modules_to_save, and reads their weights back from the adapter
@@ -61,7 +67,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.adapters.lora import LoRALinear, add_lora, is_linear_like, lora_modules
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import check_output_dir, open_checkpoint, resolve_checkpoint
+from attnlab.components.attention import Attention
 from attnlab.interop.convert import detect_format
 from attnlab.interop.hf import converter_for
 from attnlab.models.build import build_model
@@ -77,7 +85,6 @@ BASE_LAYER = ".base_layer"  # peft's wrapped Linear: the bias of an adapted M is
 # adapter_config.json fields that change what LoRA computes, and the only value read here
 PLAIN_LORA = {
     "use_dora": False,
-    "use_rslora": False,
     "lora_bias": False,
 }
 BIAS_MODES = ("none", "all", "lora_only")  # adapter_config.json "bias": all are read
@@ -426,6 +433,10 @@ def save_peft(
     cfg = config_with_head(cfg, model)  # a model built with n_labels: its head in the config
     if any(m.merged for m in adapters.values()):
         raise ValueError("unmerge the adapters before saving them (merged: the base holds them)")
+    rslora = {m.rslora for m in adapters.values()}
+    if len(rslora) > 1:
+        raise ValueError("some adapters scale by rsLoRA and some not: peft has one use_rslora")
+    rslora = rslora.pop()
     places = hf_placements(cfg, list(adapters))
     groups: dict[str, list[str]] = {}
     for name in adapters:
@@ -443,7 +454,7 @@ def save_peft(
         A = torch.cat([m.lora_A.detach().cpu() for m in members])  # (r_M, K)
         tensors[f"{PREFIX}{module}.lora_A.weight"] = A.contiguous()
         tensors[f"{PREFIX}{module}.lora_B.weight"] = B
-        ranks[module], alphas[module] = rank, scale * rank
+        ranks[module], alphas[module] = rank, scale * (rank**0.5 if rslora else rank)
     r = max(set(ranks.values()), key=list(ranks.values()).count)  # the most common rank
     alpha = next(alphas[m] for m in ranks if ranks[m] == r)
     first = next(iter(adapters.values()))
@@ -461,6 +472,7 @@ def save_peft(
         "init_lora_weights": True,
         "inference_mode": True,
         **PLAIN_LORA,
+        "use_rslora": rslora,
         "bias": bias,
         "modules_to_save": saved or None,
     }
@@ -482,8 +494,9 @@ def _hf_base(run: dict) -> str | None:
 
 
 def save_run_peft(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
-    """The LoRA adapters of a fine-tuning run (`attnlab finetune --lora.rank R`) as a peft
-    adapter directory: `attnlab convert --from attnlab RUN --to peft DIR`.
+    """The LoRA adapters of a fine-tuning run (`attnlab finetune --lora.rank R`), or its prefix
+    (`--peft.method prefix|prompt`), as a peft adapter directory: `attnlab convert --from
+    attnlab RUN --to peft DIR`.
 
     peft loads it onto the HF export of the run's base (`attnlab convert --from attnlab BASE
     --to hf DIR`; a QLoRA run's: the float checkpoint its base was quantized from). A task
@@ -503,6 +516,8 @@ def save_run_peft(src: str | Path, dst: str | Path, overwrite: bool = False) -> 
         raise ValueError(f"the output directory is the input directory ({str(src)!r})")
     check_output_dir(dst, overwrite)
     loaded = open_checkpoint(src, keep_adapters=True)
+    if isinstance(loaded.model, PromptLearningLM):  # --peft.method prefix|prompt
+        return save_prompt_learning(loaded.model, loaded.config, dst, _hf_base(loaded.run))
     if not lora_modules(loaded.model):
         raise ValueError(
             f"{str(src)!r} holds no LoRA adapters (only a run of attnlab finetune --lora.rank R "
@@ -572,6 +587,60 @@ def read_peft(path: str | Path) -> tuple[dict, dict[str, tuple[Tensor, Tensor]],
     return config, {m: (ab["A"], ab["B"]) for m, ab in parts.items()}, others
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """One of our Linears' adapter, read from a peft directory: A (r, K), B (N, r), alpha, and
+    rsLoRA's scaling or not (`LoRALinear`'s arguments)."""
+
+    A: Tensor
+    B: Tensor
+    alpha: float
+    rslora: bool
+
+    @property
+    def scale(self) -> float:
+        r = self.A.shape[0]
+        return self.alpha / (r**0.5 if self.rslora else r)
+
+
+def read_adapters(
+    model: nn.Module, cfg: ModelConfig, path: str | Path
+) -> tuple[dict, dict[str, Adapter], dict[str, Tensor]]:
+    """(adapter_config.json, {our Linear's name: Adapter}, {HF key: tensor} of the biases and
+    modules_to_save weights) of a peft directory made for the HF export of `model`.
+
+    Raises:
+        ValueError for a directory that is no LoRA adapter, or one for another base model
+        (a module its HF export does not have, or shapes that differ).
+    """
+    config, weights, others = read_peft(path)
+    linears = [n for n, m in model.named_modules() if is_linear_like(m)]
+    places = hf_placements(cfg, linears, strict=False)
+    by_module: dict[str, list[str]] = {}
+    for name, place in places.items():
+        by_module.setdefault(place.module, []).append(name)
+    unknown = sorted(set(weights) - set(by_module))
+    if unknown:
+        raise ValueError(
+            f"the adapter in {str(path)!r} adapts {unknown}, which this {cfg.arch} model's HF "
+            f"export does not have (is it for another base model?)"
+        )
+    rslora, adapters = bool(config.get("use_rslora", False)), {}
+    for module, (A, B) in weights.items():
+        r = _pattern(config.get("rank_pattern"), module, config["r"])
+        alpha = _pattern(config.get("alpha_pattern"), module, config["lora_alpha"])
+        for name in by_module[module]:
+            p, lin = places[name], model.get_submodule(name)
+            if A.shape != (r, lin.in_features) or B.shape != (p.out_features, r):
+                raise ValueError(
+                    f"adapter for {module}: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
+                    f"the model needs ({r}, {lin.in_features}) and ({p.out_features}, {r}) "
+                    "(is it for another base model?)"
+                )
+            adapters[name] = Adapter(A, B[p.rows], float(alpha), rslora)
+    return config, adapters, others
+
+
 @torch.no_grad()
 def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]:
     """Add the adapters of a peft directory (made for the HF export of `model`) to `model`.
@@ -586,36 +655,124 @@ def load_peft(model: nn.Module, cfg: ModelConfig, path: str | Path) -> list[str]
     """
     if lora_modules(model):
         raise ValueError(f"the model already has LoRA on {list(lora_modules(model))}")
-    config, weights, others = read_peft(path)
-    linears = [n for n, m in model.named_modules() if is_linear_like(m)]
-    places = hf_placements(cfg, linears, strict=False)
-    by_module: dict[str, list[str]] = {}
-    for name, place in places.items():
-        by_module.setdefault(place.module, []).append(name)
-    unknown = sorted(set(weights) - set(by_module))
-    if unknown:
-        raise ValueError(
-            f"the adapter in {str(path)!r} adapts {unknown}, which this {cfg.arch} model's HF "
-            f"export does not have (is it for another base model?)"
-        )
-    ranks, alphas, values = {}, {}, {}
-    for module, (A, B) in weights.items():
-        r = _pattern(config.get("rank_pattern"), module, config["r"])
-        alpha = _pattern(config.get("alpha_pattern"), module, config["lora_alpha"])
-        for name in by_module[module]:
-            p, lin = places[name], model.get_submodule(name)
-            if A.shape != (r, lin.in_features) or B.shape != (p.out_features, r):
-                raise ValueError(
-                    f"adapter for {module}: lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}; "
-                    f"the model needs ({r}, {lin.in_features}) and ({p.out_features}, {r})"
-                )
-            ranks[name], alphas[name], values[name] = r, alpha, (A, B[p.rows])
-    names = add_lora(model, list(values), ranks, alphas, config.get("lora_dropout", 0.0))
+    config, adapters, others = read_adapters(model, cfg, path)
+    ranks = {n: a.A.shape[0] for n, a in adapters.items()}
+    alphas = {n: a.alpha for n, a in adapters.items()}
+    dropout, rslora = config.get("lora_dropout", 0.0), bool(config.get("use_rslora", False))
+    names = add_lora(model, list(adapters), ranks, alphas, dropout, rslora=rslora)
     for name in names:
         lora: LoRALinear = model.get_submodule(name)
-        A, B = values[name]
-        lora.lora_A.copy_(A)
-        lora.lora_B.copy_(B)
+        lora.lora_A.copy_(adapters[name].A)
+        lora.lora_B.copy_(adapters[name].B)
     if others:  # trained biases and norms (bias "all" / "lora_only", modules_to_save)
         _load_extras(model, cfg, others, repr(str(path)))
     return names
+
+
+# --- prefix tuning and prompt tuning (adapters/prompt_learning.py) -------------------------------
+
+PROMPT_TYPES = {"prefix": "PREFIX_TUNING", "prompt": "PROMPT_TUNING"}  # peft's peft_type
+PROMPT_KEY = "prompt_embeddings"  # the one tensor peft saves for a prompt-learning method
+
+
+def _kv_rows(model: nn.Module, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """For our key and value outputs (K*D each), the index of each in the HF model's: the HF
+    prefix holds layer i's keys as its k projection's outputs, which a RoPE layout may order
+    otherwise (`hf_placements`; GPT-2's c_attn holds them at an offset, taken off here)."""
+    attn = next(n for n, m in model.named_modules() if isinstance(m, Attention))
+    places = hf_placements(cfg, [f"{attn}.k_proj", f"{attn}.v_proj"])
+    rows = [places[f"{attn}.{p}"].rows for p in ("k_proj", "v_proj")]
+    return tuple(r - r.min() for r in rows)
+
+
+def save_prompt_learning(
+    model: PromptLearningLM,
+    cfg: ModelConfig,
+    path: str | Path,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write a prefix- or prompt-tuned model's prefix as a peft adapter directory for the HF
+    export of its base: `PeftModel.from_pretrained(hf_model, path)` gives the same logits.
+
+    As peft, the file holds the prefix alone ("prompt_embeddings": (P, L * 2 * K*D) keys and
+    values, or (P, C) embeddings): a prefix_projection MLP is saved as its output, and the
+    config says prefix_projection so that peft knows where it came from.
+    """
+    if not isinstance(model, PromptLearningLM):
+        raise ValueError(f"{type(model).__name__} has no prefix or soft prompt to save")
+    prefix = model.prefix().detach().float().cpu()
+    attn = model.decoder.blocks[0].self_attn
+    if model.method == "prefix":
+        L, P = len(model.decoder.blocks), model.num_virtual_tokens
+        rows_k, rows_v = _kv_rows(model.decoder, cfg)
+        ours = prefix.view(P, L, 2, -1)
+        theirs = torch.empty_like(ours)
+        theirs[..., 0, rows_k], theirs[..., 1, rows_v] = ours[..., 0, :], ours[..., 1, :]
+        prefix = theirs.reshape(P, -1)
+    heads = attn.n_kv_heads if model.method == "prefix" else attn.n_heads
+    token_dim = attn.n_kv_heads * attn.head_dim if model.method == "prefix" else cfg.d_model
+    config = {
+        "peft_type": PROMPT_TYPES[model.method],
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "num_virtual_tokens": model.num_virtual_tokens,
+        "token_dim": token_dim,
+        "num_layers": len(model.decoder.blocks),
+        "num_attention_heads": heads,
+        "num_transformer_submodules": 1,
+        "inference_mode": True,
+    }
+    if model.method == "prefix":
+        hidden = model.transform[0].out_features if model.transform is not None else token_dim
+        config |= {"prefix_projection": model.transform is not None, "encoder_hidden_size": hidden}
+    else:
+        config |= {"prompt_tuning_init": "RANDOM", "prompt_tuning_init_text": None}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({PROMPT_KEY: prefix.contiguous()}, str(path / WEIGHTS), metadata={"format": "pt"})
+    return path
+
+
+def load_prompt_learning(model: nn.Module, cfg: ModelConfig, path: str | Path) -> PromptLearningLM:
+    """A peft prefix- or prompt-tuning adapter (peft's `save_pretrained` or
+    `save_prompt_learning`) on an attnlab decoder LM: the PromptLearningLM that holds it (its
+    saved prefix, trainable; a prefix_projection MLP is not in the file, so none is rebuilt).
+
+    Raises:
+        ValueError naming the field or shape that does not fit `model`.
+    """
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} has no {CONFIG} (not a peft adapter directory)")
+    config = json.loads(file.read_text())
+    methods = {v: k for k, v in PROMPT_TYPES.items()}
+    method = methods.get(config.get("peft_type"))
+    if method is None:
+        raise ValueError(
+            f"{str(file)!r}: peft_type={config.get('peft_type')!r}, not one of {sorted(methods)}"
+        )
+    if config.get("num_transformer_submodules", 1) != 1 or cfg.arch != "decoder":
+        raise ValueError(f"{str(file)!r}: prefix and prompt tuning load onto a decoder LM only")
+    if config.get("num_layers") != len(model.blocks):
+        raise ValueError(
+            f"{str(file)!r} is for {config.get('num_layers')} layers, the model has "
+            f"{len(model.blocks)} (is it for another base model?)"
+        )
+    P = int(config["num_virtual_tokens"])
+    wrapped = PromptLearningLM(model, method, P)
+    state = load_file(str(Path(path) / WEIGHTS)) if (Path(path) / WEIGHTS).is_file() else {}
+    prefix = state.get(PROMPT_KEY)
+    if prefix is None or prefix.shape != wrapped.embedding.weight.shape:
+        got = None if prefix is None else tuple(prefix.shape)
+        raise ValueError(
+            f"{str(path)!r}: {PROMPT_KEY} is {got}, the model needs "
+            f"{tuple(wrapped.embedding.weight.shape)} (is it for another base model?)"
+        )
+    if method == "prefix":
+        rows_k, rows_v = _kv_rows(model, cfg)
+        theirs = prefix.view(P, len(model.blocks), 2, -1)
+        prefix = torch.stack([theirs[..., 0, rows_k], theirs[..., 1, rows_v]], dim=2).reshape(P, -1)
+    with torch.no_grad():
+        wrapped.embedding.weight.copy_(prefix)
+    return wrapped

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from attnlab.adapters.config import LoraConfig
+from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora
-from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.adapters.prompt_learning import PromptLearningLM
+from attnlab.checkpoint import Loaded, open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.finetune import data
 from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, HeadOptions
@@ -62,6 +63,7 @@ DEFAULT_SECTIONS = {  # the run's sections beside its model, as they start
     "lora": LoraConfig(),
     "dpo": DPOConfig(),
     "head": HeadOptions(),
+    "peft": PromptLearningConfig(),
 }
 
 
@@ -77,6 +79,7 @@ class FinetuneRun:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     head: HeadOptions = field(default_factory=HeadOptions)
+    peft: PromptLearningConfig = field(default_factory=PromptLearningConfig)
 
 
 def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
@@ -178,7 +181,7 @@ def as_words(example: dict) -> dict:
 def open_base(path: str | Path, task: str) -> Loaded:
     """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer. A LoRA
     fine-tuning run (say, the SFT run that DPO starts from) opens with its adapters merged."""
-    loaded = open_checkpoint(path)
+    loaded = plain_model(open_checkpoint(path), "fine-tune its base (run.base) instead")
     head = task_head_kind(loaded.config)
     if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or head is not None):
         kind = head or f"an {loaded.config.arch} model"
@@ -202,6 +205,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         dropout=lora.dropout,
         bias=lora.bias,
         modules_to_save=lora.save_names,
+        rslora=lora.rslora,
     )
     if has_task_head(model):
         for name in head_modules(model):
@@ -246,7 +250,14 @@ def build_task(
         )
     dpo = run.dpo
     return DPOTask(
-        train_ex, val_ex, beta=dpo.beta, reference=reference, rpo_alpha=dpo.rpo_alpha, **common
+        train_ex,
+        val_ex,
+        beta=dpo.beta,
+        reference=reference,
+        rpo_alpha=dpo.rpo_alpha,
+        loss=dpo.loss,
+        label_smoothing=dpo.label_smoothing,
+        **common,
     )
 
 
@@ -283,6 +294,8 @@ def build_finetune(configs: dict, ckpt: str | Path):
             add_adapters(model, lora)
         return model, task, run
     model = loaded.model
+    if configs["peft"].method != "none":
+        return _prompt_learning(configs, loaded, run)
     # DPO's reference, the model before DPO: the policy with its adapters off under LoRA
     # (objectives.reference_model), else (or when base weights train too) a frozen copy
     copied = not lora.rank or lora.trains_base
@@ -292,6 +305,23 @@ def build_finetune(configs: dict, ckpt: str | Path):
     task = build_task(run, loaded.tokenizer, reference)
     if d.task == "dpo" and run.dpo.precompute_reference:
         task.precompute_reference(model, resolve_device(t.device))
+    return model, task, run
+
+
+def _prompt_learning(configs: dict, loaded: Loaded, run: FinetuneRun):
+    """(model, task, run) of a prefix- or prompt-tuning run (`--peft.method prefix|prompt`):
+    the base frozen inside a PromptLearningLM; DPO's reference is a frozen copy of the base."""
+    p, d = configs["peft"], configs["data"]
+    if configs["lora"].rank:
+        raise ValueError("--peft.method trains a prefix instead of LoRA: leave out --lora.rank")
+    if d.packing or configs["train"].compile:
+        flag = "--data.packing" if d.packing else "--train.compile"
+        raise ValueError(f"{flag} is not supported with --peft.method; leave it off")
+    reference = copy.deepcopy(loaded.model) if d.task == "dpo" else None
+    model = PromptLearningLM(loaded.model, p.method, p.num_virtual_tokens, p.prefix_projection)
+    task = build_task(run, loaded.tokenizer, reference)
+    if d.task == "dpo" and run.dpo.precompute_reference:
+        task.precompute_reference(model, resolve_device(configs["train"].device))
     return model, task, run
 
 

@@ -224,6 +224,8 @@ class DPOTask(_PromptTask):
         beta: DPO's beta.  reference: the frozen reference model, or None (adapters off).
         rpo_alpha: the weight of RPO's NLL term on the chosen responses (0: plain DPO;
             `objectives.pair_losses`).
+        loss, label_smoothing: the preference loss (sigmoid, ipo, robust) and its eps
+            (`objectives.dpo_loss`).
     """
 
     fields = DPO_FIELDS
@@ -240,9 +242,12 @@ class DPOTask(_PromptTask):
         chat_template: bool = True,
         eval_examples: int = 64,
         rpo_alpha: float = 0.0,
+        loss: str = "sigmoid",
+        label_smoothing: float = 0.0,
     ):
         super().__init__(train, val, tokenizer, batch_size, context, chat_template, eval_examples)
         self.beta, self.rpo_alpha = beta, rpo_alpha
+        self.loss, self.label_smoothing = loss, label_smoothing
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
         self.ref_train = self.ref_val = None  # (N, 2) reference log-probs, once precomputed
 
@@ -319,7 +324,8 @@ class DPOTask(_PromptTask):
         ref_logps = batch.get("ref_logps")  # (2b,) when precomputed
         if ref_logps is None:
             ref_logps = self._reference_logps(model, batch)
-        return pair_losses(tokens, batch["labels"], ref_logps, self.beta, self.rpo_alpha)
+        extra = (self.rpo_alpha, self.loss, self.label_smoothing)
+        return pair_losses(tokens, batch["labels"], ref_logps, self.beta, *extra)
 
     def loss_sum(self, model: nn.Module, batch: dict) -> Tensor:
         """The DPO loss summed over the batch's pairs (a scalar)."""

@@ -36,6 +36,7 @@ from attnlab.inference.steps import (
     prefix_length,
 )
 from attnlab.inference.text import IncrementalDecoder, StopStrings, shortest_with_stop
+from attnlab.models.vision import PrefixVisionLM
 
 DEFAULT_SAMPLING = SamplingConfig()  # frozen, so one shared default instance is safe
 DEFAULT_GENERATION = GenerationConfig()
@@ -52,7 +53,7 @@ def context_window(model: nn.Module, max_context: int | None) -> tuple[int | Non
         raise ValueError(f"max_context must be >= 1, got {max_context}")
     table = decoder_of(model).positions.max_positions
     if table is not None:
-        table -= prefix_length(model)  # image tokens take the first positions
+        table -= prefix_length(model)  # image or virtual tokens take the first positions
     limits = [n for n in (table, max_context) if n is not None]
     return (min(limits) if limits else None), table
 
@@ -73,7 +74,7 @@ def plan_crop(
     keep = window if crop_to is None else crop_to
     if not 1 <= keep <= window:
         raise ValueError(f"crop_to must be in [1, {window}] (the context window), got {keep}")
-    if prefix_length(model):
+    if isinstance(model, PrefixVisionLM):
         raise ValueError(
             f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"{window} text positions of this image-prefix model, which cannot crop its "

@@ -18,6 +18,7 @@ from attnlab.checkpoint import (
     WEIGHTS,
     check_output_dir,
     open_checkpoint,
+    plain_model,
     resolve_checkpoint,
     save_pretrained,
 )
@@ -94,7 +95,7 @@ def quantize_checkpoint(
     found = read_scheme(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
     if found is not None:
         raise ValueError(f"{str(ckpt)!r} is already quantized ({found}); quantize a float one")
-    loaded = open_checkpoint(ckpt)
+    loaded = plain_model(open_checkpoint(ckpt), "quantize its base checkpoint instead")
     model, cfg = loaded.model, loaded.config
     if (ckpt / WEIGHTS).is_file():
         float_bytes = (ckpt / WEIGHTS).stat().st_size

@@ -14,6 +14,8 @@ What goes into the cache first depends on the model:
     encoder-decoder          [ decoder start ]        + cross-attention K/V of the encoded source
     VisionEncoderDecoder     [ prompt ]               + cross-attention K/V of the encoded image
     PrefixVisionLM           [ image tokens | prompt ]  (`PrefixVisionLM.prefill`)
+    PromptLearningLM         [ virtual tokens | prompt ]  (prefix / prompt tuning:
+                                                       `write_prefix`, then the prompt)
 
 Shapes: B batch, T0 longest prompt, N image tokens, S_max cache slots, M source length,
 V vocab_size.
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.components.kv_cache import ModelCache
 from attnlab.models.vision import PrefixVisionLM
 
@@ -54,7 +57,9 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 def prefix_length(model: nn.Module) -> int:
     """How many cache slots a model fills before the prompt: N image tokens for an image-prefix
-    model, 0 otherwise."""
+    model, P virtual tokens for a prefix- or prompt-tuned one, 0 otherwise."""
+    if isinstance(model, PromptLearningLM):
+        return model.num_virtual_tokens
     return model.encoder.patches.n_tokens if isinstance(model, PrefixVisionLM) else 0
 
 
@@ -75,10 +80,12 @@ def prefill(
     memory: Tensor | None = None,
     memory_mask: Tensor | None = None,
     last_only: bool = False,
+    start: int = 0,
 ) -> Tensor:
-    """Run the prompt through the model, filling cache slots 0..T0-1. ids (B, T0) -> (B, T0, V),
-    or (B, 1, V) with last_only (all generation needs: the next token's logits)."""
-    slots = torch.arange(ids.shape[1], device=ids.device)
+    """Run the prompt through the model, filling cache slots start..start+T0-1 (after a prefix
+    already in the cache). ids (B, T0) -> (B, T0, V), or (B, 1, V) with last_only (all
+    generation needs: the next token's logits)."""
+    slots = torch.arange(start, start + ids.shape[1], device=ids.device)
     return decoder_of(model)(
         ids, memory=memory, memory_mask=memory_mask, cache=cache, slots=slots, last_only=last_only
     )
@@ -122,7 +129,10 @@ def fill_cache(
     N = prefix_length(model)
     key_valid = torch.cat([mask.new_ones(B, N), mask, mask.new_ones(B, room)], dim=1)  # (B, S_max)
     cache = ModelCache.for_decoder(decoder_of(model), key_valid, cross=memory is not None)
-    if N:
+    if isinstance(model, PromptLearningLM):  # the learned prefix first, then the prompt
+        model.write_prefix(cache)
+        logits = prefill(model, ids, cache, last_only=True, start=N)  # (B, 1, V)
+    elif N:
         if images is None:
             raise ValueError("an image-prefix model needs its images: pass source=images")
         logits = model.prefill(images, ids, cache)  # (B, 1, V)

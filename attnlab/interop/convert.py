@@ -17,6 +17,7 @@ from typing import Literal
 from attnlab.checkpoint import (
     check_output_dir,
     open_checkpoint,
+    plain_model,
     resolve_checkpoint,
     save_pretrained,
 )
@@ -95,6 +96,7 @@ def convert(
     loaded = open_checkpoint(
         src, layout=layout if src_format in ("hf", "gguf") else "half", scheme=keep
     )
+    plain_model(loaded, "its prefix has no place in a model format: convert --to peft writes it")
     if dst_format == "gguf":
         return save_gguf(loaded.model, loaded.config, dst, loaded.tokenizer, gguf_type)
     quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, QUANTIZED)]

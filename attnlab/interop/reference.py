@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnlab.checkpoint import open_checkpoint, resolve_checkpoint
+from attnlab.checkpoint import open_checkpoint, plain_model, resolve_checkpoint
 from attnlab.interop.check import Report, check
 from attnlab.interop.convert import detect_format
 from attnlab.interop.hf import common
@@ -73,7 +73,7 @@ def check_dirs(
     layout: str = "half",
 ) -> Report:
     """Load both directories (see the module docstring) and `check` them on `inputs`."""
-    under_test = open_checkpoint(model_dir, layout=layout)
+    under_test = plain_model(open_checkpoint(model_dir, layout=layout), "check takes a plain model")
     reference_dir = resolve_checkpoint(reference_dir)  # a run directory: its latest checkpoint
     if detect_format(reference_dir) == "hf":
         reference = load_transformers(reference_dir)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.lab.head_masks import head_shape, set_head_mask
 from attnlab.lab.head_scores import (
@@ -313,7 +313,7 @@ def heads_lab(opts: HeadsLab, out: str | Path) -> dict:
         The dict saved as heads.json.
     """
     started, out, opts = time.perf_counter(), Path(out), opts.sized()
-    loaded = open_checkpoint(opts.ckpt)
+    loaded = plain_model(open_checkpoint(opts.ckpt), "the heads experiments take a plain causal LM")
     model = loaded.model.eval()
     try:
         L, H = head_shape(model)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, plain_model
 from attnlab.components.hooks import HookPoint, hooks, run_with_cache
 from attnlab.components.norms import LayerNorm, RMSNorm
 from attnlab.models.decoder import DecoderLM
@@ -406,7 +406,7 @@ def patch_lab(
     Returns:
         The JSON dict, with "files": the paths written.
     """
-    loaded = open_checkpoint(ckpt)
+    loaded = plain_model(open_checkpoint(ckpt), "patching takes a plain causal LM")
     tok = loaded.tokenizer
     if tok is None:
         raise ValueError(f"{str(loaded.path)!r} has no tokenizer.json to read the prompts with")

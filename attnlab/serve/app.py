@@ -111,10 +111,14 @@ async def health():
 
 
 async def models(request: Request):
+    """The base, then each LoRA adapter with the base as its parent (as vLLM lists them)."""
     settings = request.app.state.settings
     card = {"id": settings.model_name, "object": "model", "created": settings.created}
     card |= {"owned_by": "attnlab", "max_model_len": settings.context}
-    return {"object": "list", "data": [card]}
+    cards = [card | {"root": settings.model_name, "parent": None}]
+    for name, path in settings.adapters.items():
+        cards.append(card | {"id": name, "root": path, "parent": settings.model_name})
+    return {"object": "list", "data": cards}
 
 
 async def metrics(request: Request):
@@ -149,7 +153,7 @@ async def completions(request: Request):
     app = request.app
     tokenizer, settings = app.state.tokenizer, app.state.settings
     body = await read_body(request)
-    wire.check_model(body, settings)
+    model, adapter = wire.requested_model(body, settings)
     prompts = [await prompt_ids(p, tokenizer, settings) for p in wire.raw_prompts(body)]
     echo = wire.field_of(body, "echo", bool, False, rule="a boolean")
     rule = f"in [0, {wire.MAX_LOGPROBS}]"
@@ -158,20 +162,20 @@ async def completions(request: Request):
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=scored, chat=False)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    choices = submit(app, rid, prompts, params, n, echo, chat=False)
+    choices = submit(app, rid, prompts, params, n, echo, chat=False, adapter=adapter)
     if stream:
         return sse(stream_completion(app, rid, choices, body, k, echo), app, choices)
     if not await wait_all(request, app, choices):
         return Response(status_code=GONE)
     out = [wire.completion_choice(tokenizer, c, k) for c in choices]
-    return wire.envelope(rid, "text_completion", settings, out, usage_of(choices, prompts))
+    return wire.envelope(rid, "text_completion", model, out, usage_of(choices, prompts))
 
 
 async def chat(request: Request):
     app = request.app
     tokenizer, settings = app.state.tokenizer, app.state.settings
     body = await read_body(request)
-    wire.check_model(body, settings)
+    model, adapter = wire.requested_model(body, settings)
     try:
         text = tokenizer.apply_chat_template(wire.chat_messages(body))
     except ValueError as e:  # no chat template
@@ -186,13 +190,13 @@ async def chat(request: Request):
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = submit(app, rid, prompts, params, n, False, chat=True)
+    choices = submit(app, rid, prompts, params, n, False, chat=True, adapter=adapter)
     if stream:
         return sse(stream_chat(app, rid, choices, body, want), app, choices)
     if not await wait_all(request, app, choices):
         return Response(status_code=GONE)
     out = [wire.chat_choice(tokenizer, c, want) for c in choices]
-    return wire.envelope(rid, "chat.completion", settings, out, usage_of(choices, prompts))
+    return wire.envelope(rid, "chat.completion", model, out, usage_of(choices, prompts))
 
 
 ROUTES = {
@@ -247,10 +251,13 @@ async def encode(tokenizer, text: str) -> list[int]:
 
 
 # --- running the choices --------------------------------------------------------------------------
-def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, chat: bool):
-    """One engine request per prompt and choice. The n choices of a seeded request draw with
-    seeds seed, seed + 1, ... (different from each other, each reproducible). Every request
-    stops at <eos>, a chat reply also at the template's <|end|>, unless it asks ignore_eos."""
+def submit(
+    app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, chat: bool, adapter=0
+):
+    """One engine request per prompt and choice, through LoRA adapter `adapter` (0: the base).
+    The n choices of a seeded request draw with seeds seed, seed + 1, ... (different from each
+    other, each reproducible). Every request stops at <eos>, a chat reply also at the
+    template's <|end|>, unless it asks ignore_eos."""
     engine, settings, tokenizer = app.state.engine, app.state.settings, app.state.tokenizer
     loop = asyncio.get_running_loop()
     names = ["<eos>", "<|end|>"] if chat else ["<eos>"]
@@ -273,7 +280,7 @@ def submit(app, rid: str, prompts, params: SamplingParams, n: int, echo: bool, c
                 seed=None if params.seed is None else params.seed + j,
                 stop_token_ids=params.stop_token_ids + stops,
             )
-            request = EngineRequest(f"{rid}-{i}", tuple(ids), choice_params)
+            request = EngineRequest(f"{rid}-{i}", tuple(ids), choice_params, adapter)
             choice = Choice(i, request, tokenizer, engine.cancel, tuple(ids) if echo else ())
 
             def on_event(event, queue=choice.queue):  # on the engine's thread
@@ -385,11 +392,12 @@ def include_usage(body: dict) -> bool:
 
 # --- completions ----------------------------------------------------------------------------------
 async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[dict]:
-    settings, tokenizer = app.state.settings, app.state.tokenizer
+    tokenizer = app.state.tokenizer
+    model, _ = wire.requested_model(body, app.state.settings)
 
     def chunk(c: Choice, text: str, logprobs=None, finish=None) -> dict:
         choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return wire.envelope(rid, "text_completion", settings, [choice])
+        return wire.envelope(rid, "text_completion", model, [choice])
 
     try:
         if echo and k is None:  # with logprobs, the echo waits for the prompt's log-probs
@@ -414,18 +422,19 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
                 yield chunk(c, text, logprobs, c.finish_reason)
         if include_usage(body):
             prompts = [c.request.prompt_ids for c in choices]
-            yield wire.envelope(rid, "text_completion", settings, [], usage_of(choices, prompts))
+            yield wire.envelope(rid, "text_completion", model, [], usage_of(choices, prompts))
     finally:
         cancel_unfinished(app, choices)
 
 
 # --- chat -----------------------------------------------------------------------------------------
 async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
-    settings, tokenizer = app.state.settings, app.state.tokenizer
+    tokenizer = app.state.tokenizer
+    model, _ = wire.requested_model(body, app.state.settings)
 
     def chunk(c: Choice, delta: dict, logprobs=None, finish=None) -> dict:
         choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return wire.envelope(rid, "chat.completion.chunk", settings, [choice])
+        return wire.envelope(rid, "chat.completion.chunk", model, [choice])
 
     try:
         for c in choices:
@@ -442,9 +451,7 @@ async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
                 yield chunk(c, {"content": text} if text else {}, logprobs, c.finish_reason)
         if include_usage(body):
             prompts = [c.request.prompt_ids for c in choices]
-            yield wire.envelope(
-                rid, "chat.completion.chunk", settings, [], usage_of(choices, prompts)
-            )
+            yield wire.envelope(rid, "chat.completion.chunk", model, [], usage_of(choices, prompts))
     finally:
         cancel_unfinished(app, choices)
 

@@ -30,9 +30,17 @@ sampling one sequence ends it with finish_reason "error"; a batched decode step 
 re-run one row at a time, so only the rows that raise alone fail. A failed sequence's blocks are
 zeroed before they go back to the pool.
 
+LoRA adapters served beside the base (`attnlab serve --lora NAME=DIR`) are chosen per request
+(`Request.adapter`): every forward runs row b through its sequence's adapter
+(adapters/multi_lora.py), so requests for different adapters share one decode step, and the
+prefix cache keeps their blocks apart (the same tokens have other keys under another adapter).
+A prefix- or prompt-tuned model (adapters/prompt_learning.py) has its learned prefix written
+into each sequence's first positions before its prompt (`Sequence.offset`).
+
 Shapes: B running sequences, T tokens per row of a step, V vocab_size.
 """
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +49,8 @@ import torch
 from torch import nn
 
 from attnlab.accel.paged_attention import use_compiled_decode
+from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
+from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.components.paged_kv_cache import PagedKVCache
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingRows, TokenCounts, draw, filter_logits
@@ -77,7 +87,10 @@ class Engine:
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig = DEFAULT_ENGINE):
         self.decoder = decoder_of(model)
-        if self.decoder is not model:
+        # a prefix- or prompt-tuned model: its learned prefix first in every sequence's blocks
+        self.prefixed = model if isinstance(model, PromptLearningLM) else None
+        self.n_prefix = 0 if self.prefixed is None else model.num_virtual_tokens
+        if self.decoder is not model and self.prefixed is None:
             raise ValueError(f"the engine serves decoder-only models, got a {type(model).__name__}")
         self.model, self.tokenizer, c = model, tokenizer, config
         self.context, _ = context_window(model, c.max_context)  # None: no limit but the pool's
@@ -88,7 +101,7 @@ class Engine:
                     "this model has no position table: give max_context (e.g. max_seq_len) "
                     "or n_blocks"
                 )
-            n_blocks = c.max_batch * -(-self.context // c.block_size)
+            n_blocks = c.max_batch * -(-(self.n_prefix + self.context) // c.block_size)
         self.cache = PagedKVCache(self.decoder, n_blocks, c.block_size)
         self.compile_attention, self._prepared = c.compile_attention, False
         self.threads = torch.get_num_threads() if c.threads is None else c.threads
@@ -98,6 +111,9 @@ class Engine:
         self.max_queue = c.max_queue  # the server refuses a request that needs more
         self.vocab_size = self.decoder.head.out_features
         self.device = self.decoder.head.weight.device
+        # LoRA adapters chosen per request (adapters/multi_lora.py): how many there are
+        stacks = multi_lora_modules(model)
+        self.n_adapters = stacks[0].A.shape[0] - 1 if stacks else 0
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
         self._cancels: set[str] = set()
         self._cond = threading.Condition()
@@ -172,6 +188,7 @@ class Engine:
             len(request.prompt_ids),
             time.perf_counter(),
             counts=counts,
+            offset=self.n_prefix,
         )
         with self._cond:
             if self._stopping:
@@ -283,10 +300,14 @@ class Engine:
     def _prefill(self, seq: Sequence, n: int) -> None:
         """Write prompt tokens seq.cached .. seq.cached + n - 1 into the cache."""
         start = seq.cached
+        if start == 0 and self.prefixed is not None:  # the learned prefix, before the prompt
+            first = self.cache.step([seq.id], [0], self.n_prefix)
+            self.prefixed.write_prefix(first, first.slots)
         ids = torch.tensor([seq.tokens[start : start + n]], device=self.device)  # (1, n)
-        step = self.cache.step([seq.id], [start], n)
+        step = self.cache.step([seq.id], [seq.offset + start], n)
         want_all = seq.request.params.prompt_logprobs
-        logits = self.decoder(ids, cache=step, slots=step.slots, last_only=not want_all)[0]
+        with self._adapters([seq]):
+            logits = self.decoder(ids, cache=step, slots=step.slots, last_only=not want_all)[0]
         if want_all:  # logits[i] scores token start + i + 1 of the prompt
             if start == 0:
                 seq.prompt_logprobs.append(None)
@@ -297,8 +318,8 @@ class Engine:
             seq.prompt_logprobs += lps
             seq.prompt_top += tops
         seq.cached += n
-        if self.scheduler.prefix_caching:
-            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached)
+        if self.scheduler.prefix_caching and not seq.offset:
+            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached, seq.salt)
         if not seq.prefilling:
             seq.logits = logits[-1]  # (V,)
 
@@ -407,11 +428,19 @@ class Engine:
     def _forward(self, seqs: list[Sequence]) -> None:
         """Feed each sequence's last token at its own position; keep the next logits."""
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
-        step = self.cache.step([s.id for s in seqs], [s.cached for s in seqs], 1)
-        logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
+        step = self.cache.step([s.id for s in seqs], [s.offset + s.cached for s in seqs], 1)
+        with self._adapters(seqs):  # one step for all rows, each through its own adapter
+            logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
         for seq, row in zip(seqs, logits):
             seq.cached += 1
             seq.logits = row  # (V,)
+
+    def _adapters(self, seqs: list[Sequence]):
+        """The block in which row b of a forward runs through seqs[b]'s LoRA adapter."""
+        if not self.n_adapters:
+            return contextlib.nullcontext()
+        rows = torch.tensor([s.request.adapter for s in seqs], device=self.device)  # (B,)
+        return adapter_rows(self.model, rows)
 
     def _finish(
         self,
@@ -443,6 +472,10 @@ class Engine:
         p, n = request.params, len(request.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
+        if not 0 <= request.adapter <= self.n_adapters:
+            raise ValueError(
+                f"adapter {request.adapter} is not one of the {self.n_adapters} served"
+            )
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -453,7 +486,7 @@ class Engine:
                 f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
                 f"context of {self.context} tokens: shorten the prompt or lower max_tokens"
             )
-        need = self.cache.blocks_for(n + p.max_tokens)
+        need = self.cache.blocks_for(self.n_prefix + n + p.max_tokens)
         if need > self.cache.n_blocks:
             raise ValueError(
                 f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) needs {need} KV blocks, "

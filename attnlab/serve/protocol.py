@@ -50,11 +50,13 @@ class Settings:
     """What the server knows beside the engine.
 
     Attributes:
-        model_name: the model id clients send (any other is a 400).
+        model_name: the model id clients send for the base (an unknown one is a 404).
         context: prompt + generated tokens of one request, at most.
         vocab_size: token ids must be below it.
         api_key: when set, /v1 and the tokenizer endpoints need `Authorization: Bearer KEY`.
         stop_timeout: seconds running requests get when the server stops.
+        adapters: {model id: adapter directory} of the LoRA adapters served beside the base
+            (`--lora NAME=DIR`); the i-th named is the engine's adapter i + 1 (0: the base).
     """
 
     model_name: str
@@ -63,6 +65,7 @@ class Settings:
     api_key: str | None = None
     stop_timeout: float = 10.0
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 # --- reading a request ----------------------------------------------------------------------------
@@ -94,13 +97,19 @@ def field_of(body: dict, name: str, kind: type, default, check=None, rule: str =
     return value
 
 
-def check_model(body: dict, settings: Settings) -> None:
-    """A request naming another model is a 404, as OpenAI and vLLM answer (a missing name
-    means the one served)."""
+def requested_model(body: dict, settings: Settings) -> tuple[str, int]:
+    """(model id, adapter index) of the model a request names: the base (index 0; also when
+    it names none) or one of the LoRA adapters, as vLLM picks them. Any other name is a 404,
+    as OpenAI and vLLM answer."""
     model = body.get("model", settings.model_name)
-    if model != settings.model_name:
-        message = f"model {model!r} is not served here: use {settings.model_name!r}"
-        raise APIError(404, message, "model", "model_not_found")
+    if model == settings.model_name:
+        return model, 0
+    names = list(settings.adapters)
+    if isinstance(model, str) and model in names:
+        return model, names.index(model) + 1
+    served = ", ".join(repr(n) for n in [settings.model_name, *names])
+    message = f"model {model!r} is not served here: use one of {served}"
+    raise APIError(404, message, "model", "model_not_found")
 
 
 def token_ids(value, settings: Settings, param: str) -> list[int]:
@@ -309,9 +318,10 @@ def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
     return {"content": content}
 
 
-def envelope(rid: str, kind: str, settings: Settings, choices: list, usage=None) -> dict:
-    """The object around the choices ("text_completion", "chat.completion", or a chunk)."""
-    out = {"id": rid, "object": kind, "created": int(time.time()), "model": settings.model_name}
+def envelope(rid: str, kind: str, model: str, choices: list, usage=None) -> dict:
+    """The object around the choices ("text_completion", "chat.completion", or a chunk) of a
+    request for `model` (the base's id or an adapter's)."""
+    out = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
     out["choices"] = choices
     if usage is not None:
         out["usage"] = usage

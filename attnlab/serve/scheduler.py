@@ -55,6 +55,8 @@ class Sequence:
         logits: (V,) logits of the next token, once the prompt is in the cache.
         submitted, first_token: times (time.perf_counter) for the time to first token.
         counts: its prompt's and output's tokens, when its sampler has penalties.
+        offset: cache positions before the prompt's (a prefix- or prompt-tuned model's learned
+            prefix, adapters/prompt_learning.py): token i sits at position offset + i.
     """
 
     request: Request
@@ -71,10 +73,18 @@ class Sequence:
     logits: torch.Tensor | None = None
     first_token: float | None = None
     counts: TokenCounts | None = None
+    offset: int = 0
 
     @property
     def id(self) -> str:
         return self.request.request_id
+
+    @property
+    def salt(self) -> tuple:
+        """What keeps this prompt's cached blocks apart from the same tokens' under another
+        LoRA adapter (the prefix cache's key; none for the base)."""
+        adapter = self.request.adapter
+        return (("adapter", adapter),) if adapter else ()
 
     @property
     def prompt(self) -> list[int]:
@@ -86,8 +96,8 @@ class Sequence:
 
     @property
     def max_len(self) -> int:
-        """The most tokens this sequence can hold: prompt + max_tokens."""
-        return self.n_prompt + self.request.params.max_tokens
+        """The most cache positions this sequence can take: offset + prompt + max_tokens."""
+        return self.offset + self.n_prompt + self.request.params.max_tokens
 
     @property
     def prefilling(self) -> bool:
@@ -146,10 +156,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.cache.add(seq.id)
-            if self.prefix_caching and not seq.request.params.prompt_logprobs:
+            if self.prefix_caching and not (seq.request.params.prompt_logprobs or seq.offset):
                 # Whole blocks of a prompt prefix seen before are shared, not recomputed
-                # (prompt log-probabilities need every position computed, so they skip this).
-                seq.cached = seq.prefix_hits = self.cache.match_prefix(seq.id, seq.prompt)
+                # (prompt log-probabilities need every position computed, so they skip this;
+                # so does a learned prefix, which shifts the prompt off the block boundaries).
+                seq.cached = seq.prefix_hits = self.cache.match_prefix(seq.id, seq.prompt, seq.salt)
             self.running.append(seq)
             admitted.append(seq)
         return admitted

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingRows, TokenCounts, sample
@@ -106,6 +107,8 @@ class SequentialEngine:
         self.context = context_length(model, config.max_context)
         self.vocab_size = decoder_of(model).head.out_features
         self.device = decoder_of(model).head.weight.device
+        stacks = multi_lora_modules(model)  # LoRA adapters chosen per request
+        self.n_adapters = stacks[0].A.shape[0] - 1 if stacks else 0
         self._waiting: deque[tuple[Request, OnEvent, float]] = deque()  # + arrival time
         self._cancelled: set[str] = set()
         self._running: str | None = None
@@ -133,6 +136,10 @@ class SequentialEngine:
     def submit(self, request: Request, on_event: OnEvent) -> None:
         """Queue `request`; `on_event` gets each token and, last, one event with finish_reason."""
         check_request(request, self.vocab_size, self.context)
+        if not 0 <= request.adapter <= self.n_adapters:
+            raise ValueError(
+                f"adapter {request.adapter} is not one of the {self.n_adapters} served"
+            )
         with self._cond:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -205,7 +212,9 @@ class SequentialEngine:
                 request, on_event, arrived = self._waiting.popleft()
                 self._running = request.request_id
             try:
-                reason = self._run(request, on_event, arrived)
+                rows = torch.tensor([request.adapter], device=self.device)
+                with adapter_rows(self.model, rows if self.n_adapters else None):
+                    reason = self._run(request, on_event, arrived)
                 if reason != _NO_FINAL:
                     on_event(TokenEvent(request.request_id, None, None, None, reason))
             except Exception as e:  # the request fails; the engine keeps serving

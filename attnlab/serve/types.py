@@ -106,6 +106,7 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    adapter: int = 0  # the LoRA adapter of the request (adapters/multi_lora.py); 0: the base
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnlab.checkpoint import open_checkpoint
+from attnlab.checkpoint import open_checkpoint, plain_model
 from attnlab.components.embedding import TokenEmbedding
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
@@ -113,7 +113,7 @@ def _encode(text: str, tokenizer, vocab_size: int, max_len: int) -> tuple[torch.
 def load_for_viz(opts: AttentionViz) -> tuple[nn.Module, object, str]:
     """(model in eval mode, tokenizer or None, a name for titles)."""
     if opts.ckpt is not None:
-        loaded = open_checkpoint(opts.ckpt)
+        loaded = plain_model(open_checkpoint(opts.ckpt), "viz draws a plain model's attention")
         return loaded.model, loaded.tokenizer, Path(opts.ckpt).name
     torch.manual_seed(opts.seed)
     return build_model(get_preset(opts.preset)).eval(), None, f"{opts.preset} (random weights)"

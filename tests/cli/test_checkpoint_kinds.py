@@ -23,7 +23,7 @@ from attnlab.tokenizer import train_char_tokenizer
 
 pytestmark = pytest.mark.slow  # the checkpoints are made by 4 commands first (about 4 s)
 
-KINDS = ("lora", "int8", "classifier", "hf")
+KINDS = ("lora", "prefix", "int8", "classifier", "hf")
 WORDS = ["ab", "cab", "bead", "face", "dab", "fed", "add", "deaf", "bad", "cafe"]
 
 
@@ -51,6 +51,10 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     finetune += ["--data.eval_before=false", "--data.eval_examples=2", "--data.max_new_tokens=2"]
     finetune += ["--train.batch_size=2", "--train.context=32", "--train.progress=false"]
     assert main([*finetune, "--train.device=cpu", "--train.out_dir", str(lora)]) == 0
+    prefix = root / "prefix"
+    peft = ["--peft.method=prefix", "--peft.num_virtual_tokens=2"]
+    finetune = [a for a in finetune if not a.startswith("--lora.")]
+    assert main([*finetune, *peft, "--train.device=cpu", "--train.out_dir", str(prefix)]) == 0
     int8 = root / "int8"
     assert main(["quantize", "--ckpt", str(base), "--scheme", "int8", "--out", str(int8)]) == 0
     hf = root / "hf"
@@ -59,7 +63,15 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     tok = train_char_tokenizer(corpus.read_text().splitlines())
     cfg = replace(cfg, vocab_size=tok.vocab_size)
     clf = save_pretrained(root / "classifier", build_model(cfg, n_labels=3).eval(), cfg, tok)
-    return {"lora": lora, "int8": int8, "classifier": clf, "hf": hf, "corpus": corpus, "root": root}
+    return {
+        "lora": lora,
+        "prefix": prefix,
+        "int8": int8,
+        "classifier": clf,
+        "hf": hf,
+        "corpus": corpus,
+        "root": root,
+    }
 
 
 def argv_of(command: str, kind: str, ckpts: dict) -> list[str]:
@@ -92,6 +104,17 @@ REFUSALS = {
     ("convert", "int8"): "holds quantized weights",
     ("quantize", "int8"): "is already quantized (int8)",
     **{("embodied", kind): "not on scenes ('vqa' or 'vla')" for kind in KINDS},
+    **{
+        (command, "prefix"): f"is a prefix-tuning run (a frozen base and a learned prefix): {what}"
+        for command, what in [
+            ("viz", "viz draws a plain model's attention"),
+            ("lab heads", "the heads experiments take a plain causal LM"),
+            ("analyze rank", "analyze takes a plain model"),
+            ("convert", "its prefix has no place in a model format: convert --to peft writes it"),
+            ("check", "check takes a plain model"),
+            ("quantize", "quantize its base checkpoint instead"),
+        ]
+    },
 }
 COMMANDS = ("eval", "generate", "viz", "lab heads", "analyze rank", "convert", "check")
 COMMANDS += ("quantize", "embodied")
@@ -115,7 +138,10 @@ def test_every_command_opens_every_checkpoint_kind(ckpts, command, kind, capsys)
 @pytest.mark.parametrize("kind", KINDS)
 def test_serve_opens_every_checkpoint_kind(ckpts, kind):
     """attnlab serve's loading: every decoder kind opens (a LoRA run merged), a classifier (an
-    encoder's) is refused in one line."""
+    encoder's) is refused in one line, a prefix-tuning run opens with its prefix."""
+    if kind == "prefix":
+        assert type(open_served(str(ckpts[kind])).model).__name__ == "PromptLearningLM"
+        return
     if kind == "classifier":
         with pytest.raises(ValueError, match="attnlab serve needs a decoder-only") as e:
             open_served(str(ckpts[kind]))

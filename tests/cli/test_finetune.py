@@ -1,6 +1,7 @@
 """`attnlab finetune` end to end: SFT and DPO from a small base checkpoint, resume, errors."""
 
 import argparse
+import copy
 import json
 import random
 import string
@@ -18,6 +19,7 @@ from attnlab.cli.eval import evaluate_checkpoint
 from attnlab.cli.finetune import add_parser, configs_from_args
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
+from attnlab.finetune.peft_format import load_prompt_learning
 from attnlab.finetune.run import build_finetune, load_examples
 from attnlab.finetune.tasks import SFTTask
 from attnlab.models.build import build_model
@@ -255,6 +257,51 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     argv = ["generate", "--ckpt", str(out), "--prompt", "up ab:", "--max-new-tokens", "4"]
     assert main([*argv, "--temperature", "0", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("up ab:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["prefix", "prompt"])
+def test_prefix_and_prompt_tuning_train_only_the_prefix_and_reopen(base, tmp_path, capsys, method):
+    """--peft.method prefix|prompt: the loss falls with the base frozen (its weights in the
+    checkpoint unchanged), the run reopens as the PromptLearningLM it trained (the same eval
+    metrics), generates, and exports to the PEFT format."""
+    out = tmp_path / method
+    # a prefix learns at a large learning rate (Lester et al. use 0.3)
+    extra = ("--train.steps=12", "--train.eval_every=12", "--train.lr=0.3", "--train.min_lr=0.03")
+    peft_flags = (f"--peft.method={method}", "--peft.num_virtual_tokens=4")
+    if method == "prefix":
+        peft_flags += ("--peft.prefix_projection=16",)
+    assert main(args(base, "sft", out, *extra, *peft_flags)) == 0
+    assert f"trained: {method} tuning, 4 virtual tokens" in capsys.readouterr().out
+    rows = records(out)
+    losses = [r["train_loss"] for r in rows]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    saved = load_file(str(out / "checkpoints" / "step_000012" / "model.safetensors"))
+    before = load_file(str(base["ckpt"] / "model.safetensors"))
+    assert all(torch.equal(saved[f"decoder.{k}"], v) for k, v in before.items())
+    loaded = open_checkpoint(out)
+    assert type(loaded.model).__name__ == "PromptLearningLM"
+    last = {k: v for k, v in rows[-1].items() if k.startswith("val_")}
+    assert evaluate_checkpoint(str(out), device="cpu") == pytest.approx(last, abs=1e-5)
+    capsys.readouterr()
+    argv = ["generate", "--ckpt", str(out), "--prompt", "up ab:", "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("up ab:")
+    assert (
+        main(["convert", "--from", "attnlab", str(out), "--to", "peft", str(tmp_path / "adapter")])
+        == 0
+    )
+    frozen = copy.deepcopy(loaded.model.decoder)  # the base, on which the prefix loads again
+    again = load_prompt_learning(frozen, loaded.config, tmp_path / "adapter")
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(again.eval()(ids), loaded.model(ids), atol=1e-5, rtol=0)
+
+
+def test_prefix_tuning_with_lora_is_one_clear_error(base, tmp_path, capsys):
+    argv = args(base, "sft", tmp_path / "x", "--peft.method=prefix", "--lora.rank=4")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "leave out --lora.rank" in err and "Traceback" not in err
 
 
 @pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)

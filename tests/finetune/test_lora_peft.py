@@ -336,3 +336,29 @@ def test_a_classifier_adapter_trained_by_peft_loads_into_attnlab(tmp_path_factor
         x = ids(seed=3)
         assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL
         assert (load_hf(path)[0](x) - ours(x)).abs().max() > 1e-3  # the head trained too
+
+
+def test_rslora_adapters_go_both_ways_with_peft(tmp_path, tmp_path_factory):
+    """On GPT-2, rsLoRA (use_rslora: alpha / sqrt(r)): peft's adapter loads into attnlab with
+    the same logits, and attnlab's, saved again (GPT-2's q and v become one adapter of rank 2r,
+    whose alpha must then be re-derived with sqrt), loads back into peft with the same logits."""
+    family, path, cfg = make_base("gpt2", tmp_path_factory)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILIES[family][2], use_rslora=True)
+    theirs = peft.get_peft_model(hf_model(family, path), config).eval()
+    randomize_B(theirs)
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = load_hf(path)[0]
+    load_peft(ours, cfg, tmp_path / "peft")
+    assert {m.scale for m in lora_modules(ours).values()} == {8 / 2}  # alpha / sqrt(4)
+    x = ids(seed=5)
+    with torch.no_grad():
+        assert (theirs(input_ids=x).logits - ours(x)).abs().max() <= ATOL
+    mine = load_hf(path)[0]
+    add_lora(mine, ("q", "v"), rank=4, alpha=8, rslora=True)
+    with torch.no_grad():
+        for m in lora_modules(mine).values():
+            m.lora_B.normal_(0.0, 0.1)
+    save_peft(mine, cfg, tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(hf_model(family, path), tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert (back(input_ids=x).logits - mine(x)).abs().max() <= ATOL

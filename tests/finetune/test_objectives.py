@@ -204,6 +204,75 @@ def test_rpo_loss_and_gradient_equal_trl_sigmoid_plus_sft(alpha):
         assert abs(dpo.item() - ours.item()) > 1e-3
 
 
+def variant_batch(seed=5, B=4, T=6):
+    """Per-token log-probs (2B, T) with responses of different lengths at the end, their labels,
+    trl's completion mask (2B, T + 1) and reference log-probs."""
+    torch.manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (2 * B,))
+    keep = torch.arange(T)[None, :] >= T - lengths[:, None]  # (2B, T)
+    per_token = (-torch.rand(2 * B, T, dtype=torch.float64) * 4).requires_grad_()
+    ref = torch.randn(2 * B, dtype=torch.float64) * 5 - 10
+    mask = torch.cat([torch.zeros(2 * B, 1, dtype=torch.long), keep.long()], dim=1)
+    return per_token, keep, torch.where(keep, 7, IGNORE_INDEX), mask, ref
+
+
+def assert_equal_with_gradient(ours, theirs, wrt):
+    (g_ours,) = torch.autograd.grad(ours, wrt, retain_graph=True)
+    (g_theirs,) = torch.autograd.grad(theirs, wrt)
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert (g_ours - g_theirs).abs().max().item() < 1e-6
+    assert g_ours.abs().max().item() > 1e-3  # not a comparison of zeros
+
+
+@pytest.mark.hf  # trl builds on transformers
+@pytest.mark.parametrize(("loss", "eps"), [("ipo", 0.0), ("robust", 0.1), ("robust", 0.3)])
+def test_ipo_and_robust_dpo_equal_trl(loss, eps):
+    """IPO (per-token normalised margins, responses of different lengths) and robust DPO equal
+    trl's loss_type "ipo" / "robust", loss and gradient."""
+    per_token, keep, labels, mask, ref = variant_batch()
+    B = per_token.shape[0] // 2
+    ours = pair_losses(per_token * keep, labels, ref, 0.5, loss=loss, label_smoothing=eps)[0]
+    trainer = trl_trainer(0.5, [loss], [1.0])
+    trainer.label_smoothing = eps
+    theirs, _ = trl_loss(trainer, per_token * keep, mask, ref[:B], ref[B:])
+    assert_equal_with_gradient(ours.mean(), theirs, per_token)
+
+
+@pytest.mark.hf  # trl builds on transformers
+@pytest.mark.parametrize("eps", [0.1, 0.25])
+def test_conservative_dpo_equals_trls_label_smoothed_sigmoid(eps):
+    """cDPO, -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h): trl 1.x has it no longer
+    under "sigmoid", but its "aot" loss is exactly this of h after sorting the batch's
+    log-ratios, a no-op on one pair: pair by pair, loss and gradient are trl's."""
+    per_token, keep, labels, mask, ref = variant_batch(seed=6, B=3)
+    B = per_token.shape[0] // 2
+    ours = pair_losses(per_token * keep, labels, ref, 0.5, loss="sigmoid", label_smoothing=eps)[0]
+    trainer = trl_trainer(0.5, ["aot"], [1.0])
+    trainer.label_smoothing = eps
+    theirs = []
+    for i in range(B):
+        rows = [i, B + i]  # pair i: its chosen row, then its rejected row
+        one, _ = trl_loss(trainer, (per_token * keep)[rows], mask[rows], ref[[i]], ref[[B + i]])
+        theirs.append(one)
+    assert_equal_with_gradient(ours.mean(), torch.stack(theirs).mean(), per_token)
+    plain = pair_losses(per_token * keep, labels, ref, 0.5)[0]
+    assert (plain - ours).abs().max() > 1e-3  # the smoothing matters
+
+
+def test_ipo_loss_is_the_papers_squared_margin():
+    """Azar et al. eq. 17 by hand, with each log-ratio per response token, and its minimum at
+    a margin of 1 / (2 tau)."""
+    pi_w, pi_l, ref_w, ref_l, tau, n_w, n_l = -3.0, -5.0, -4.0, -4.5, 0.5, 2, 4
+    t = torch.tensor
+    got, _, _ = dpo_loss(
+        t([pi_w]), t([pi_l]), t([ref_w]), t([ref_l]), tau, "ipo", lengths=(t([n_w]), t([n_l]))
+    )
+    margin = (pi_w - ref_w) / n_w - (pi_l - ref_l) / n_l
+    assert got.item() == pytest.approx((margin - 1 / (2 * tau)) ** 2)
+    at_optimum = dpo_loss(t([1.0]), t([0.0]), t([0.0]), t([0.0]), tau, "ipo", lengths=(t([1]),) * 2)
+    assert at_optimum[0].item() == pytest.approx(0.0)
+
+
 def test_dpo_loss_is_the_papers_formula():
     """Eq. 7 by hand: -log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))."""
     pi_w, pi_l, ref_w, ref_l, beta = -3.0, -5.0, -4.0, -4.5, 0.5

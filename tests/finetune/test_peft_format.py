@@ -109,7 +109,6 @@ def edit_config(path, **fields):
     ("fields", "message"),
     [
         ({"use_dora": True}, "use_dora=True is not supported"),
-        ({"use_rslora": True}, "use_rslora=True is not supported"),
         ({"bias": "some"}, "bias='some' is not one of"),
         ({"peft_type": "IA3"}, "peft_type='IA3', only LORA loads"),
     ],

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from attnlab.checkpoint import open_checkpoint, save_pretrained
+from attnlab.cli.serve import add_served_adapters
 from attnlab.models.build import build_model
 from attnlab.models.presets import llama_tiny
 from attnlab.serve.app import bind, create_app
@@ -41,17 +42,31 @@ class Server:
     """The app on 127.0.0.1:<free port> in a thread (uvicorn), until `close()`."""
 
     def __init__(
-        self, ckpt: Path, engine_cls=SequentialEngine, api_key=None, model_name="tiny", **engine_kw
+        self,
+        ckpt: Path,
+        engine_cls=SequentialEngine,
+        api_key=None,
+        model_name="tiny",
+        lora=(),
+        **engine_kw,
     ):
         import uvicorn
 
         loaded = open_checkpoint(ckpt)
         self.model, self.tokenizer, self.config = loaded.model, loaded.tokenizer, loaded.config
+        adapters = add_served_adapters(self.model, self.config, list(lora), model_name)  # NAME=DIR
         context = loaded.config.max_seq_len
         self.engine = engine_cls(
             self.model, self.tokenizer, EngineConfig(max_context=context, **engine_kw)
         )
-        settings = Settings(model_name, context, loaded.config.vocab_size, api_key, stop_timeout=5)
+        settings = Settings(
+            model_name,
+            context,
+            loaded.config.vocab_size,
+            api_key,
+            stop_timeout=5,
+            adapters=adapters,
+        )
         self.app = create_app(self.engine, self.tokenizer, settings)
         sock = bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
