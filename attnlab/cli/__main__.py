@@ -19,7 +19,7 @@ from attnlab.cli.threads import (
 # when chosen, so one command's dependencies never slow down (or break) another.
 COMMANDS = {
     "train": "Train a model (default: a small Llama on the Python standard library), then sample.",
-    "finetune": "Fine-tune a checkpoint: classify or tag heads, SFT, DPO; in full, LoRA or QLoRA.",
+    "finetune": "Fine-tune: classify/tag heads, SFT, DPO, reward model, GRPO; full, LoRA or QLoRA.",
     "eval": "Evaluate a checkpoint: loss/perplexity, masked-token accuracy or exact match.",
     "generate": "Generate text from a checkpoint: sampling, beam search, stop strings, streaming.",
     "chat": "Chat with a checkpoint in the terminal through its chat template (streaming).",

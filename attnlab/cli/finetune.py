@@ -1,16 +1,18 @@
-"""Fine-tune a checkpoint: a task head (classify, tag), SFT or DPO, in full or with LoRA
-adapters when --lora.rank is given (QLoRA on an int8 / int4 checkpoint from attnlab quantize),
-or a learned prefix with --peft.method prefix|prompt.
+"""Fine-tune a checkpoint: a task head (classify, tag), SFT, DPO, a reward model or GRPO, in
+full or with LoRA adapters when --lora.rank is given (QLoRA on an int8 / int4 checkpoint from
+attnlab quantize), or a learned prefix with --peft.method prefix|prompt.
 
     attnlab finetune --ckpt runs/bert --task classify              # built-in: stdlib packages
     attnlab finetune --ckpt runs/bert --task tag --data.source ner.jsonl
     attnlab finetune --ckpt runs/base --task sft --data.source pairs.jsonl
     attnlab finetune --ckpt runs/base --task dpo --lora.rank 8 --dpo.beta 0.1
+    attnlab finetune --ckpt runs/base --task reward --data.builtin spec
+    attnlab finetune --ckpt runs/sft --task grpo --grpo.reward signature --data.builtin spec
     attnlab finetune --ckpt runs/base --task sft --peft.method prefix --peft.num_virtual_tokens 16
 
 The same machinery as `attnlab train`: YAML/JSON config files and --section.field overrides
-(sections train, data, lora, dpo, peft), the training loop with its progress bar, metrics.jsonl,
-checkpoints and exact --resume (give the same flags again).
+(sections train, data, lora, dpo, head, reward, grpo, peft), the training loop with its
+progress bar, metrics.jsonl, checkpoints and exact --resume (give the same flags again).
 
 A thin command over attnlab/finetune/run.py (what each task trains, LoRA, DPO's reference).
 A new run prints the base's metrics first, so a run reports them before and after. A LoRA
@@ -48,7 +50,7 @@ SPLITS = ("train", "val")
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.usage = (
-        "%(prog)s --ckpt BASE --task classify|tag|sft|dpo [--config FILE] [--resume] "
+        "%(prog)s --ckpt BASE --task classify|tag|sft|dpo|reward|grpo [--config FILE] [--resume] "
         "[--SECTION.FIELD=V]"
     )
     p.add_argument("--ckpt", required=True, help="the base checkpoint (attnlab or HF directory)")
@@ -107,6 +109,10 @@ def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:
         how += f", modules_to_save {lora.modules_to_save}"
     if run_cfg.data.task == "classify" and run_cfg.head.pooling != "cls":
         how += f", {run_cfg.head.pooling}-pooled head"
+    per_step = f"{t.batch_size}"
+    if d.task == "grpo":  # batch_size counts prompts
+        g = run_cfg.grpo
+        per_step += f" prompts x {g.num_generations} completions, reward {g.reward}, beta {g.beta}"
     skipped = getattr(task, "skipped", 0)  # SFT/DPO leave out what is too long (heads cut it)
     left_out = f", {skipped} longer than the context left out" if skipped else ""
     n_train, n_val = (len(getattr(task, f"{s}_rows", None) or getattr(task, s)) for s in SPLITS)
@@ -116,7 +122,7 @@ def run_header(run_cfg: FinetuneRun, model: torch.nn.Module, task) -> str:
             f"task: {d.task} on {d.source}: {n_train} training, {n_val} "
             f"held-out examples{left_out}",
             f"trained: {how}, {trained:,} parameters ({100 * trained / total:.2f}%)",
-            f"train: {t.steps} steps of {t.batch_size} on {t.device}, out_dir {t.out_dir}",
+            f"train: {t.steps} steps of {per_step} on {t.device}, out_dir {t.out_dir}",
             accelerators_line(t),
         ]
     )

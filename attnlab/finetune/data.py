@@ -6,6 +6,8 @@ standard library (like the default pre-training corpus), and a user's own JSONL 
     classify    {"text", "label"}                         a function's source (ast)  file
     sft         {"prompt", "response"}                    docstring -> signature     module
     dpo         {"prompt", "chosen", "rejected"}          sft, one part corrupted    module
+    spec        {"prompt", "response"} and pairs          name + arguments -> bare   module
+                                                          signature, one part broken
 
 Tagging labels every lexical token of a window of source lines as NAME, KEYWORD
 (`keyword.iskeyword`), STRING, NUMBER, COMMENT or OP; `char_tags` writes the spans as BIO
@@ -13,7 +15,12 @@ tags over characters and `token_tags` moves them onto a tokenizer's tokens (offs
 tags, the first-subword or all-subwords rule). Classification asks which of eight top-level
 packages a function comes from. Instructions ask for the signature (`def name(args):`, the
 arguments by `ast.unparse`) of the function whose docstring's first line is given; the DPO
-pairs reject a signature with the wrong name, a dropped argument or a renamed one.
+pairs reject a signature with the wrong name, a dropped argument or a renamed one. The
+"spec -> signature" examples state the function's name and arguments in the prompt, so that the
+prompt decides the answer (a docstring line does not: no small model knows every module's API);
+their pairs reject a signature with exactly one part broken (the name, or an argument dropped,
+added, renamed or swapped), as many added as dropped so that length tells nothing. The reward
+and GRPO tasks read the same examples (pairs; prompts with their "name" and "args").
 
 Every split is deterministic and disjoint by file (tag, classify) or by module (sft, dpo): a
 key's split comes from a hash of the key and the seed, never from the order files are found.
@@ -33,11 +40,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from attnlab.finetune.signatures import all_args, corrupt_signature, functions, signature
+from attnlab.finetune.signatures import (
+    SPEC_KINDS,
+    all_args,
+    applicable_kinds,
+    bare_signature,
+    corrupt_signature,
+    functions,
+    signature,
+)
 from attnlab.finetune.tagging import spans_from_words, tag_spans, windows
 from attnlab.training.data import stdlib_files, stdlib_root  # the "stdlib" corpus's files
 
-TaskKind = Literal["tag", "classify", "sft", "dpo"]
+TaskKind = Literal["tag", "classify", "sft", "dpo", "reward", "grpo"]
 SPLITS = ("train", "val", "test")
 FRACTIONS = (0.8, 0.1, 0.1)  # train, val, test: of the files (or modules)
 FIELDS = {  # a user's JSONL: the fields of each line, by task
@@ -45,6 +60,8 @@ FIELDS = {  # a user's JSONL: the fields of each line, by task
     "classify": ("text", "label"),
     "sft": ("prompt", "response"),
     "dpo": ("prompt", "chosen", "rejected"),
+    "reward": ("prompt", "chosen", "rejected"),  # and an optional number "margin"
+    "grpo": ("prompt",),  # other fields go to the reward function
 }
 # Eight packages present in every CPython since 3.10 (not tkinter: distributions ship it apart),
 # each with 5+ files and about 100+ functions of 3+ lines, so every split holds each of them.
@@ -59,6 +76,7 @@ CLASSIFY_PACKAGES = (
     "xml",
 )
 SFT_PROMPT = "Write the signature of the function documented as: {doc}"
+SPEC_PROMPT = "Write the signature of the function {name} whose arguments are: {args}"
 
 
 # --- files and splits ---------------------------------------------------------------------------
@@ -409,6 +427,79 @@ def build_preferences(
     return TaskData("dpo", out)
 
 
+def build_spec_instructions(instructions: TaskData | None = None) -> TaskData:
+    """ "Write the signature of the function NAME whose arguments are: a, b, *, c" -> `def
+    NAME(a, b, *, c):`: the prompt states the name and the arguments (as `bare_signature` writes
+    them, no defaults nor annotations), so it decides the answer. Made from the instructions
+    (default: `build_instructions()`), so split by the same modules; coroutines are left out
+    (the spec does not say `async`), and a prompt found twice in a split is kept once.
+
+    Returns:
+        TaskData("sft") of {"prompt", "response", "module", "name", "args"} examples.
+    """
+    instructions = build_instructions() if instructions is None else instructions
+    out: dict[str, list[dict]] = {}
+    for split, examples in instructions.splits.items():
+        seen, kept = set(), []
+        for ex in examples:
+            node = ast.parse(ex["response"] + " ...").body[0]
+            if isinstance(node, ast.AsyncFunctionDef):
+                continue
+            sig = bare_signature(node)
+            args = sig[len(f"def {node.name}(") : -len("):")]
+            prompt = SPEC_PROMPT.format(name=node.name, args=args or "none")
+            if prompt not in seen:
+                seen.add(prompt)
+                kept.append({**ex, "prompt": prompt, "response": sig})
+        out[split] = kept
+    return TaskData("sft", out)
+
+
+def build_spec_preferences(spec: TaskData | None = None, seed: int = 0) -> TaskData:
+    """Preference pairs of the spec examples (default: `build_spec_instructions()`): chosen =
+    the right bare signature, rejected = the same with exactly one part broken (signatures.
+    SPEC_KINDS: name, drop, add, rename, swap), the kind drawn per pair from those that apply
+    with a generator seeded by `seed` and the pair's text. A signature without arguments can
+    only take another name (adding one would unbalance added against dropped); each draw of
+    "add" or "drop" takes whichever of the two the split has had fewer of, so they are as many
+    (to one) and a longer or shorter answer says nothing. Wrong names and argument names come
+    from the same split. One pair per prompt.
+
+    Returns:
+        TaskData("dpo") of {"prompt", "chosen", "rejected", "module", "corruption"}.
+    """
+    spec = build_spec_instructions() if spec is None else spec
+    out: dict[str, list[dict]] = {}
+    for split, examples in spec.splits.items():
+        names = sorted({ex["name"] for ex in examples})
+        arg_names = sorted({a for ex in examples for a in ex["args"]})
+        counts = {"add": 0, "drop": 0}
+        pairs = []
+        for ex in examples:
+            rng = random.Random(_hash(ex["prompt"] + ex["response"], seed))
+            kinds = applicable_kinds(ex["response"], names, SPEC_KINDS)
+            if "drop" not in kinds:
+                kinds = [k for k in kinds if k != "add"]
+            if not kinds:
+                continue
+            kind = rng.choice(kinds)
+            if kind in counts:
+                kind = min(("add", "drop"), key=lambda k: (counts[k], k != kind))
+                counts[kind] += 1
+            _, rejected = corrupt_signature(ex["response"], names, arg_names, rng, (kind,))
+            pairs.append(
+                {
+                    "prompt": ex["prompt"],
+                    "chosen": ex["response"],
+                    "rejected": rejected,
+                    "module": ex["module"],
+                    "corruption": kind,
+                }
+            )
+        out[split] = pairs
+    return TaskData("dpo", out)
+
+
 # --- a user's own JSONL -------------------------------------------------------------------------
 def _check_field(path, n: int, kind: str, row: dict, field: str) -> None:
     """ValueError naming the file, line and field unless row[field] is right for `kind`."""
@@ -446,7 +537,8 @@ def load_jsonl(path: str | Path, kind: TaskKind) -> list[dict]:
         path: the file.
         kind: "classify" {"text", "label"} (label a string or an int, kept as a string),
             "tag" {"tokens", "tags"} (word-level BIO), "sft" {"prompt", "response"}, "dpo"
-            {"prompt", "chosen", "rejected"}.
+            {"prompt", "chosen", "rejected"}, "reward" the same and an optional number
+            "margin" (trl's), "grpo" {"prompt"} and any other fields (the reward function's).
 
     Returns:
         the examples; "tag" ones as {"text", "spans"} like the built-in ones
@@ -480,6 +572,9 @@ def load_jsonl(path: str | Path, kind: TaskKind) -> list[dict]:
             raise ValueError(f"{path}, line {n}: expected a JSON object with {FIELDS[kind]}")
         for field in FIELDS[kind]:
             _check_field(path, n, kind, row, field)
+        margin = row.get("margin", 0.0) if kind == "reward" else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise ValueError(f"{path}, line {n}: field 'margin' must be a number, got {margin!r}")
         if kind == "tag":
             text, spans = spans_from_words(row["tokens"], row["tags"])
             row = {"text": text, "spans": spans}

@@ -11,6 +11,9 @@ its evaluation. `attnlab finetune` (attnlab/cli/finetune.py) is a thin command o
 - sft / dpo fine-tune a decoder LM through the tokenizer's chat template when it has one.
   DPO's reference is a frozen copy of the base, or under LoRA the policy with its adapters off
   (`adapters.lora.disable_adapters`); dpo.precompute_reference computes its log-probs once.
+- reward puts a one-output sequence head on a decoder (finetune/reward.py) and trains it on
+  preference pairs; grpo trains a decoder LM on its own samples, scored by grpo.reward
+  (finetune/grpo.py, finetune/rewards.py), against the same kind of reference as DPO.
 
 A LoRA run's checkpoints hold the frozen base weights and the adapters (so a resume is exact)
 and its LoRA section (adapters/config.py); `open_checkpoint` merges them on opening. A run's
@@ -31,8 +34,17 @@ from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.finetune import data
-from attnlab.finetune.config import DPOConfig, FinetuneDataConfig, HeadOptions
+from attnlab.finetune.config import (
+    DPOConfig,
+    FinetuneDataConfig,
+    GRPOConfig,
+    HeadOptions,
+    RewardConfig,
+)
+from attnlab.finetune.grpo import GRPOTask
 from attnlab.finetune.heads_tasks import ClassifyTask, TagTask, build_head_task
+from attnlab.finetune.reward import RewardTask, reward_model
+from attnlab.finetune.rewards import load_reward
 from attnlab.finetune.tagging import words_from_spans
 from attnlab.finetune.tasks import DPOTask, SFTTask
 from attnlab.models.config import ModelConfig
@@ -56,13 +68,17 @@ FINETUNE_TRAIN = replace(
     out_dir="runs/finetune",
 )
 HEAD_TASKS = ("classify", "tag")  # a task head on the base (finetune/heads_tasks.py)
-FINETUNE_TASKS = ("sft", "dpo", *HEAD_TASKS)
+LM_TASKS = ("sft", "dpo", "reward", "grpo")  # on a decoder LM, through its chat format
+PAIR_TASKS = ("dpo", "reward")  # preference pairs
+FINETUNE_TASKS = (*LM_TASKS, *HEAD_TASKS)
 DEFAULT_SECTIONS = {  # the run's sections beside its model, as they start
     "train": FINETUNE_TRAIN,
     "data": FinetuneDataConfig(),
     "lora": LoraConfig(),
     "dpo": DPOConfig(),
     "head": HeadOptions(),
+    "reward": RewardConfig(),
+    "grpo": GRPOConfig(),
     "peft": PromptLearningConfig(),
 }
 
@@ -79,6 +95,8 @@ class FinetuneRun:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     head: HeadOptions = field(default_factory=HeadOptions)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     peft: PromptLearningConfig = field(default_factory=PromptLearningConfig)
 
 
@@ -86,9 +104,11 @@ def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
     """The built-in (train, validation) examples, made from the standard library by
     attnlab.finetune.data: a function's package (classify), `tokenize` spans of source
     windows (tag), "write the signature of the function documented as: ..." -> `def
-    name(args):` (sft), and the right signature preferred to a corrupted one (dpo).
-    data.max_examples caps the training examples (classify: divided among the packages; dpo:
-    the prompts, each giving data.pairs_per_prompt training pairs)."""
+    name(args):` (sft; grpo's prompts), and the right signature preferred to a corrupted one
+    (dpo, reward); with data.builtin "spec", the prompts state the name and arguments
+    (data.build_spec_instructions). data.max_examples caps the training examples (classify:
+    divided among the packages; dpo: the prompts, each giving data.pairs_per_prompt training
+    pairs)."""
     n = d.max_examples
     if d.task == "classify":
         per_class = max(1, n // len(data.CLASSIFY_PACKAGES)) if n else None
@@ -97,7 +117,12 @@ def builtin_examples(d: FinetuneDataConfig) -> tuple[list[dict], list[dict]]:
         built = data.build_tagging(**({"max_examples": n} if n else {}))
     else:
         built = data.build_instructions(**({"max_examples": n} if n else {}))
-        if d.task == "dpo":
+        spec = d.builtin == "spec"
+        if spec:
+            built = data.build_spec_instructions(built)
+        if d.task in PAIR_TASKS and spec:
+            built = data.build_spec_preferences(built)
+        elif d.task in PAIR_TASKS:
             built = data.build_preferences(built, pairs_per_prompt=d.pairs_per_prompt)
     return built.splits["train"], built.splits["val"]
 
@@ -109,10 +134,12 @@ def load_examples(d: FinetuneDataConfig, seed: int = 0) -> tuple[list[dict], lis
     class draws a warning (`check_held_out`). Tagging examples come as {"tokens", "tags"}
     words (`tagging.words_from_spans`); held-out classification examples in a seeded random
     order (built-in ones come grouped by label)."""
-    if d.pairs_per_prompt > 1 and (d.task, d.source) != ("dpo", "builtin"):
+    if d.pairs_per_prompt > 1 and (
+        d.task not in PAIR_TASKS or d.source != "builtin" or d.builtin != "docstring"
+    ):
         raise ValueError(
             "data.pairs_per_prompt draws more corruptions of the built-in signatures: it "
-            "applies to --task dpo on the built-in data only"
+            "applies to --task dpo or reward on the built-in docstring pairs only"
         )
     if d.source == "builtin":
         train_ex, val_ex = builtin_examples(d)
@@ -179,11 +206,12 @@ def as_words(example: dict) -> dict:
 
 
 def open_base(path: str | Path, task: str) -> Loaded:
-    """The base checkpoint, checked: a decoder LM for sft and dpo, and a tokenizer. A LoRA
-    fine-tuning run (say, the SFT run that DPO starts from) opens with its adapters merged."""
+    """The base checkpoint, checked: a decoder LM for sft, dpo, reward and grpo, and a
+    tokenizer. A LoRA fine-tuning run (say, the SFT run that DPO starts from) opens with its
+    adapters merged."""
     loaded = plain_model(open_checkpoint(path), "fine-tune its base (run.base) instead")
     head = task_head_kind(loaded.config)
-    if task in ("sft", "dpo") and (loaded.config.arch != "decoder" or head is not None):
+    if task in LM_TASKS and (loaded.config.arch != "decoder" or head is not None):
         kind = head or f"an {loaded.config.arch} model"
         raise ValueError(
             f"--ckpt {path!r} is {kind}; --task {task} fine-tunes a decoder LM (a GPT-2 or "
@@ -223,14 +251,19 @@ def has_task_head(model: torch.nn.Module) -> bool:
 
 
 def build_task(
-    run: FinetuneRun, tokenizer, reference: torch.nn.Module | None = None, eval_only=False
+    run: FinetuneRun,
+    tokenizer,
+    reference: torch.nn.Module | None = None,
+    eval_only=False,
+    policy: torch.nn.Module | None = None,
 ):
-    """The SFTTask, DPOTask, ClassifyTask or TagTask of `run` (its examples read or built
-    here; a head task's labels are those of run.model.head). eval_only: for `evaluate` alone
-    (SFT and DPO then encode one training example, not all of them)."""
+    """The SFTTask, DPOTask, RewardTask, GRPOTask, ClassifyTask or TagTask of `run` (its
+    examples read or built here; a head task's labels are those of run.model.head). eval_only:
+    for `evaluate` alone (the LM tasks then encode one training example, not all of them).
+    policy: the model GRPO samples from (the one being trained)."""
     t, d = run.train, run.data
     train_ex, val_ex = load_examples(d, t.seed)
-    if eval_only and d.task in ("sft", "dpo"):
+    if eval_only and d.task in LM_TASKS:
         train_ex = train_ex[:1]
     if d.task in HEAD_TASKS:
         task_cls = ClassifyTask if d.task == "classify" else TagTask
@@ -247,6 +280,19 @@ def build_task(
     if d.task == "sft":
         return SFTTask(
             train_ex, val_ex, packing=d.packing, max_new_tokens=d.max_new_tokens, **common
+        )
+    if d.task == "reward":
+        return RewardTask(train_ex, val_ex, center=run.reward.center_coefficient, **common)
+    if d.task == "grpo":
+        reward = load_reward(run.grpo.reward, d.chat_template, resolve_device(t.device))
+        return GRPOTask(
+            train_ex,
+            val_ex,
+            policy=policy,
+            reward=reward,
+            grpo=run.grpo,
+            reference=reference,
+            **common,
         )
     dpo = run.dpo
     return DPOTask(
@@ -266,8 +312,13 @@ def build_finetune(configs: dict, ckpt: str | Path):
     {section: config} (DEFAULT_SECTIONS' keys) ask for: a task head, LoRA adapters, DPO's
     reference."""
     t, d, lora = configs["train"], configs["data"], configs["lora"]
-    if t.compile and d.task == "dpo":
-        raise ValueError("--train.compile is not supported with --task dpo; leave it off")
+    if t.compile and d.task in ("dpo", "grpo"):
+        raise ValueError(f"--train.compile is not supported with --task {d.task}; leave it off")
+    if configs["peft"].method != "none" and d.task not in ("sft", "dpo", "grpo"):
+        raise ValueError(
+            f"--peft.method {configs['peft'].method} trains a language model's prefix (--task "
+            f"sft, dpo or grpo); --task {d.task} trains a head: use LoRA or full fine-tuning"
+        )
     loaded = open_base(ckpt, d.task)
     run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
     torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
@@ -293,16 +344,23 @@ def build_finetune(configs: dict, ckpt: str | Path):
         if lora.rank:
             add_adapters(model, lora)
         return model, task, run
+    if d.task == "reward":  # a fresh one-output head on the base's body
+        model, cfg = reward_model(loaded)
+        run = replace(run, model=cfg)
+        if lora.rank:
+            add_adapters(model, lora)
+        return model, build_task(run, loaded.tokenizer), run
     model = loaded.model
     if configs["peft"].method != "none":
         return _prompt_learning(configs, loaded, run)
-    # DPO's reference, the model before DPO: the policy with its adapters off under LoRA
-    # (objectives.reference_model), else (or when base weights train too) a frozen copy
+    # DPO's and GRPO's reference, the model before: the policy with its adapters off under
+    # LoRA (objectives.reference_model), else (or when base weights train too) a frozen copy
     copied = not lora.rank or lora.trains_base
-    reference = copy.deepcopy(model) if d.task == "dpo" and copied else None
+    wants = d.task == "dpo" or (d.task == "grpo" and run.grpo.beta > 0)
+    reference = copy.deepcopy(model) if wants and copied else None
     if lora.rank:
         add_adapters(model, lora)
-    task = build_task(run, loaded.tokenizer, reference)
+    task = build_task(run, loaded.tokenizer, reference, policy=model)
     if d.task == "dpo" and run.dpo.precompute_reference:
         task.precompute_reference(model, resolve_device(t.device))
     return model, task, run
@@ -310,16 +368,18 @@ def build_finetune(configs: dict, ckpt: str | Path):
 
 def _prompt_learning(configs: dict, loaded: Loaded, run: FinetuneRun):
     """(model, task, run) of a prefix- or prompt-tuning run (`--peft.method prefix|prompt`):
-    the base frozen inside a PromptLearningLM; DPO's reference is a frozen copy of the base."""
+    the base frozen inside a PromptLearningLM; DPO's and GRPO's reference is a frozen copy of
+    the base."""
     p, d = configs["peft"], configs["data"]
     if configs["lora"].rank:
         raise ValueError("--peft.method trains a prefix instead of LoRA: leave out --lora.rank")
     if d.packing or configs["train"].compile:
         flag = "--data.packing" if d.packing else "--train.compile"
         raise ValueError(f"{flag} is not supported with --peft.method; leave it off")
-    reference = copy.deepcopy(loaded.model) if d.task == "dpo" else None
+    wants = d.task == "dpo" or (d.task == "grpo" and run.grpo.beta > 0)
+    reference = copy.deepcopy(loaded.model) if wants else None
     model = PromptLearningLM(loaded.model, p.method, p.num_virtual_tokens, p.prefix_projection)
-    task = build_task(run, loaded.tokenizer, reference)
+    task = build_task(run, loaded.tokenizer, reference, policy=model)
     if d.task == "dpo" and run.dpo.precompute_reference:
         task.precompute_reference(model, resolve_device(configs["train"].device))
     return model, task, run
@@ -335,7 +395,7 @@ def evaluate_finetuned(loaded, device) -> dict:
     on the held-out examples of its own run config; DPO's reference is its base checkpoint."""
     run = from_dict(FinetuneRun, loaded.run)
     reference = open_checkpoint(run.base, device).model if run.data.task == "dpo" else None
-    task = build_task(run, loaded.tokenizer, reference, eval_only=True)
+    task = build_task(run, loaded.tokenizer, reference, eval_only=True, policy=loaded.model)
     return task.evaluate(loaded.model, run.train.eval_batches, device)
 
 

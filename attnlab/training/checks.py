@@ -18,6 +18,8 @@ TASK_ARCH = {
     "vla": "vlm",
     "sft": "decoder",  # attnlab finetune (finetune/tasks.py, finetune/heads_tasks.py)
     "dpo": "decoder",
+    "reward": "decoder",  # a one-output sequence head on a decoder (finetune/reward.py)
+    "grpo": "decoder",
     "classify": ("encoder", "decoder"),  # a task head: any of these families
     "tag": ("encoder",),
 }

@@ -59,6 +59,8 @@ def base(tmp_path_factory) -> dict:
         "ckpt": root / "base",
         "sft": write_jsonl(root / "sft.jsonl", sft),
         "dpo": write_jsonl(root / "dpo.jsonl", dpo),
+        "reward": root / "dpo.jsonl",
+        "grpo": write_jsonl(root / "grpo.jsonl", [{"prompt": e["prompt"]} for e in dpo]),
     }
 
 
@@ -181,6 +183,21 @@ def test_pairs_per_prompt_off_the_builtin_pairs_is_one_clear_error(base, tmp_pat
     assert err.startswith("attnlab finetune: error: ") and len(err.splitlines()) == 1
     assert "data.pairs_per_prompt" in err and "--task dpo" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_builtin_spec_with_a_jsonl_source_is_one_clear_error(base, tmp_path, capsys):
+    argv = args(base, "reward", tmp_path / "out", "--train.steps=1", "--data.builtin=spec")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: ") and "\n" not in err
+    assert "data.builtin='spec' chooses the built-in" in err
+
+
+def test_a_prefix_on_a_reward_head_is_one_clear_error(base, tmp_path, capsys):
+    argv = args(base, "reward", tmp_path / "out", "--train.steps=1", "--peft.method=prefix")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: --peft.method prefix") and "\n" not in err
 
 
 def test_an_unknown_task_is_one_clear_error(base, tmp_path, capsys):
@@ -707,6 +724,63 @@ def test_dpo_keeps_a_frozen_reference_when_base_weights_train_beside_lora(base, 
     if copied:
         assert task.reference is not model and not lora_modules(task.reference)
         assert all(not p.requires_grad for p in task.reference.parameters())
+
+
+# --- the reward model and GRPO --------------------------------------------------------------------
+def uppercase_share(prompts, completions, **fields):
+    """A reward the tiny base can reach in a few steps: the share of upper-case characters."""
+    return [sum(ch.isupper() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def not_a_number(prompts, completions, **fields):
+    return ["high"] * len(completions)
+
+
+@pytest.mark.slow
+def test_reward_model_then_grpo_from_it_with_lora(base, tmp_path, capsys):
+    """--task reward learns the pairs (held-out pairwise accuracy 1.0; `attnlab eval` agrees);
+    then GRPO with LoRA, rewarded by that model (RLHF), raises the held-out reward."""
+    rm = tmp_path / "rm"
+    extra = ("--train.steps=30", "--train.eval_every=30")
+    assert main(args(base, "reward", rm, *extra)) == 0
+    last = records(rm)[-1]
+    assert last["val_accuracy"] == 1.0 and last["val_margin"] > 1.0
+    assert evaluate_checkpoint(str(rm), device="cpu")["val_accuracy"] == 1.0
+    out = tmp_path / "grpo"
+    extra = ("--train.steps=10", "--train.eval_every=10", "--train.batch_size=4")
+    extra += (f"--grpo.reward={rm}", "--grpo.max_completion_length=8", "--lora.rank=4")
+    assert main(args(base, "grpo", out, "--train.lr=1e-2", *extra)) == 0
+    text = capsys.readouterr().out
+    assert "4 prompts x 4 completions" in text and "LoRA rank 4" in text
+    before = float(text.split("before fine-tuning: ")[-1].split("val_reward ")[1].split()[0])
+    assert records(out)[-1]["val_reward"] > before + 1.0
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_returns_no_number_stops_in_one_line(base, tmp_path, capsys):
+    reward = "--grpo.reward=tests.cli.test_finetune:not_a_number"
+    argv = args(base, "grpo", tmp_path / "out", "--train.steps=1", "--data.eval_examples=1", reward)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab finetune: error: the reward function ") and "\n" not in err
+    assert "tests.cli.test_finetune:not_a_number returned 'high'" in err
+
+
+@pytest.mark.slow
+def test_grpo_resumes_exactly(base, tmp_path):
+    """GRPO samples inside its batches from a seed the run's generator draws: 2 steps, then
+    --resume to 4, equal 4 steps in one go (the same losses and weights)."""
+    common = ("--train.schedule=constant", "--train.warmup=0", "--train.eval_every=2")
+    common += ("--train.ckpt_every=2", "--train.batch_size=2", "--data.eval_examples=2")
+    common += ("--grpo.reward=tests.cli.test_finetune:uppercase_share", "--grpo.beta=0.1")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(args(base, "grpo", whole, "--train.steps=4", *common)) == 0
+    assert main(args(base, "grpo", split, "--train.steps=2", *common)) == 0
+    assert main(args(base, "grpo", split, "--train.steps=4", "--resume", *common)) == 0
+    assert [r["train_loss"] for r in records(split)] == [r["train_loss"] for r in records(whole)]
+    a = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_help_says_what_finetune_and_convert_do():
