@@ -39,12 +39,14 @@ def write_checkpoint(path: Path) -> Path:
 
 
 class SlowEngine(SequentialEngine):
-    """A SequentialEngine that takes 10 ms per token and ignores <eos>: a request of 100
-    tokens lasts over a second."""
+    """A SequentialEngine that takes DELAY s (10 ms) per token and ignores <eos>: a request of
+    100 tokens lasts over a second."""
+
+    DELAY = 0.01
 
     def _run(self, request, on_event, arrived):
         def slow(event):
-            time.sleep(0.01)
+            time.sleep(self.DELAY)
             on_event(event)
 
         request = replace(request, params=replace(request.params, stop_token_ids=()))
