@@ -229,8 +229,10 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     served = "".join(f", {a}" for a in adapters)
+    page = f"; chat page at http://{host}:{port}/" if args.ui else ""
     print(
-        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True
+        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__}){page}",
+        flush=True,
     )
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
