@@ -4,6 +4,8 @@
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
     attnlab serve --ckpt gpt2-hf --lora sql=adapters/sql --lora chat=adapters/chat
 
+http://127.0.0.1:8000/ is a chat page over the API (serve/static/chat.html; `--no-ui`: none).
+
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
 quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
@@ -120,6 +122,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--lora.rank run) as model NAME; repeatable",
     )
     p.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the chat page at / (the /v1 API is the same either way)",
+    )
+    p.add_argument(
         "--stop-timeout",
         type=float,
         default=SETTINGS_DEFAULTS["stop_timeout"],
@@ -221,13 +229,21 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
                 raise
             raise ValueError(f"{err}: serve without --compile-attention") from err
     settings = Settings(
-        name, context, model_vocab(model), args.api_key, args.stop_timeout, adapters=adapters
+        name,
+        context,
+        model_vocab(model),
+        args.api_key,
+        args.stop_timeout,
+        adapters=adapters,
+        ui=args.ui,
     )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     served = "".join(f", {a}" for a in adapters)
+    page = f"; chat page at http://{host}:{port}/" if args.ui else ""
     print(
-        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True
+        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__}){page}",
+        flush=True,
     )
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
