@@ -2,6 +2,7 @@
 
     attnlab generate --ckpt runs/default --prompt "ROMEO:" --temperature 0.8 --top-k 50 --stream
     attnlab generate --ckpt runs/finetune --chat --prompt "Write the signature of ..."
+    attnlab generate --ckpt model.gguf --prompt "def f(" --temperature 0 --speculative ngram
 
 --chat reads the prompt as one user message: the checkpoint's chat template (stored with its
 tokenizer) writes it as the model was fine-tuned on, with the assistant's generation prompt,
@@ -15,14 +16,25 @@ An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint 
 generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
     attnlab generate --ckpt runs/vqa_cups --scene 7     # as `attnlab embodied --seed 7`
+
+--speculative ngram|draft drafts tokens (by prompt lookup, or with a draft model: --draft-ckpt,
+or --draft-quantize int4 for the model's own int4 copy) and checks them in one forward of the
+model (docs/generation.md); --verbose prints the acceptance rate and tokens/s.
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.options import add_sampling_flags, add_steer_flag, sampling_and_device
+from attnlab.cli.options import (
+    add_sampling_flags,
+    add_speculative_flags,
+    add_steer_flag,
+    sampling_and_device,
+    speculative_from_args,
+)
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Constraint
@@ -114,8 +126,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     only.add_argument(
         "--choice", action="append", metavar="TEXT", help="the output is one of these (repeat)"
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the generation's speed to stderr (with --speculative: its acceptance rate)",
+    )
     add_steer_flag(p)
     add_sampling_flags(p)
+    add_speculative_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         constraint=constraint_of(args),
     )
+    speculative = speculative_from_args(args, device, tokenizer)
+    start = time.perf_counter()
     with steering(model, text_steers(model, tokenizer, args.steer)):  # no --steer: no hooks
         text = generate_text(
             model,
@@ -189,10 +209,15 @@ def run(args: argparse.Namespace) -> int:
             config,
             on_text=show if args.stream else None,
             on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
+            speculative=speculative,
         )
+    seconds = time.perf_counter() - start
     if not args.stream:
         show(args.prompt + text if echo else text)
     print()
+    if args.verbose:
+        line = f"generated in {seconds:.2f} s"  # the prefill and the text's decoding included
+        print(line if speculative is None else speculative.stats.line(), file=sys.stderr)
     return 0
 
 

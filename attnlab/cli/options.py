@@ -262,3 +262,60 @@ def add_steer_flag(p: argparse.ArgumentParser) -> None:
         "entering block LAYER at every position (activation addition); repeatable, e.g. "
         "--steer 3 ' love' ' hate' 4",
     )
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of speculative decoding (`generate` and `serve` share them; off by default)."""
+    from attnlab.inference.speculative import DEFAULT_DRAFT_TOKENS
+
+    group = p.add_argument_group("speculative decoding (inference/speculative.py)")
+    group.add_argument(
+        "--speculative",
+        choices=("ngram", "draft"),
+        help="draft tokens by prompt lookup (ngram) or with a draft model (draft) and check "
+        "them in one forward of the model; greedy output is unchanged (default: off)",
+    )
+    group.add_argument(
+        "--draft-ckpt",
+        metavar="DIR",
+        help="--speculative draft: the draft model, with the model's tokenizer (default: "
+        "--ckpt itself, quantized with --draft-quantize)",
+    )
+    group.add_argument(
+        "--draft-quantize",
+        choices=("int4", "int8"),
+        help="quantize the draft model (a .gguf file keeps its own Q4_1 matrices for int4)",
+    )
+    group.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_DRAFT_TOKENS,
+        metavar="K",
+        help="drafts per round (default %(default)s)",
+    )
+
+
+def speculative_from_args(args: argparse.Namespace, device, tokenizer):
+    """The `Speculative` that add_speculative_flags' flags name, or None (--speculative not
+    given). The draft model opens on `device`, checked against the model's `tokenizer`."""
+    from attnlab.inference.speculative import (
+        ModelDrafter,
+        NgramDrafter,
+        Speculative,
+        open_draft_model,
+    )
+
+    if args.speculative != "draft" and (args.draft_ckpt or args.draft_quantize):
+        raise ValueError("--draft-ckpt and --draft-quantize need --speculative draft")
+    if args.speculative is None:
+        return None
+    if args.speculative == "ngram":
+        return Speculative(NgramDrafter(), args.num_draft_tokens)
+    if args.draft_ckpt is None and args.draft_quantize is None:
+        raise ValueError(
+            "--speculative draft needs a smaller model: --draft-ckpt DIR, or --draft-quantize "
+            "int4 for the model's own int4 copy"
+        )
+    path = args.draft_ckpt or args.ckpt
+    draft = open_draft_model(path, device, args.draft_quantize, tokenizer)
+    return Speculative(ModelDrafter(draft), args.num_draft_tokens)

@@ -4,6 +4,8 @@
     attnlab serve --ckpt gpt2-hf --port 8080 --api-key s3cret --engine sequential
     attnlab serve --ckpt gpt2-hf --lora sql=adapters/sql --lora chat=adapters/chat
 
+http://127.0.0.1:8000/ is a chat page over the API (serve/static/chat.html; `--no-ui`: none).
+
 Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, converted from HF,
 quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
@@ -20,6 +22,9 @@ seconds, then exits.
 `--steer` (the syntax of `attnlab generate --steer`, inference/steering.py) steers every
 request: the vectors are added to the residual stream for the server's whole life, on both
 engines, so a served greedy completion is `attnlab generate`'s with the same steering.
+
+`--speculative ngram|draft` (inference/speculative.py) decodes one request at a time (batch 1):
+it runs the sequential engine, and /metrics gains the acceptance rate and tokens/s.
 """
 
 import argparse
@@ -37,7 +42,7 @@ from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
-from attnlab.cli.options import add_steer_flag
+from attnlab.cli.options import add_speculative_flags, add_steer_flag, speculative_from_args
 from attnlab.configs import from_dict
 from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.steering import steering, text_steers
@@ -117,6 +122,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--lora.rank run) as model NAME; repeatable",
     )
     p.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the chat page at / (the /v1 API is the same either way)",
+    )
+    p.add_argument(
         "--stop-timeout",
         type=float,
         default=SETTINGS_DEFAULTS["stop_timeout"],
@@ -125,6 +136,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
     add_steer_flag(p)
+    add_speculative_flags(p)
     p.add_argument(
         "--compile-attention",
         action="store_true",
@@ -168,6 +180,13 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_freed_memory and torch.device(device).type == "cpu":
         keep_freed_memory()  # for the whole process, from here on
     Engine = engine_class(args.engine)
+    if args.speculative is not None and Engine is not SequentialEngine:
+        print(
+            "attnlab serve: --speculative decodes one request at a time (batch 1): running "
+            "--engine sequential",
+            file=sys.stderr,
+        )
+        Engine = SequentialEngine
     threads = torch.get_num_threads()
     if Engine is not SequentialEngine:
         # The engine's thread gets the threads; this one (loading, then the HTTP event loop)
@@ -197,7 +216,7 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
     if Engine is SequentialEngine:
         if args.compile_attention:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
-        engine = Engine(model, tokenizer, options)
+        engine = Engine(model, tokenizer, options, speculative_from_args(args, device, tokenizer))
     else:
         options = dataclasses.replace(
             options, threads=threads, compile_attention=args.compile_attention
@@ -210,13 +229,21 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
                 raise
             raise ValueError(f"{err}: serve without --compile-attention") from err
     settings = Settings(
-        name, context, model_vocab(model), args.api_key, args.stop_timeout, adapters=adapters
+        name,
+        context,
+        model_vocab(model),
+        args.api_key,
+        args.stop_timeout,
+        adapters=adapters,
+        ui=args.ui,
     )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     served = "".join(f", {a}" for a in adapters)
+    page = f"; chat page at http://{host}:{port}/" if args.ui else ""
     print(
-        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__})", flush=True
+        f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__}){page}",
+        flush=True,
     )
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)

@@ -27,6 +27,7 @@ from attnlab.inference.beam import beam_search
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Matcher, banned_by
 from attnlab.inference.sampling import SamplingConfig, SamplingRows, TokenCounts, sample
+from attnlab.inference.speculative import Speculative
 from attnlab.inference.steps import (
     decode_step,
     decoder_of,
@@ -183,6 +184,16 @@ def row_matchers(config: GenerationConfig, tokenizer, B: int, V: int) -> list[Ma
     return [Matcher(config.constraint, tokenizer, config.stop_tokens, V) for _ in range(B)]
 
 
+def token_stream(model, prompts, config, speculative: Speculative | None, **kw):
+    """Each step's tokens: `stream_tokens(model, prompts, config, **kw)`, or drafted and
+    verified by `speculative` (which takes no constraint)."""
+    if speculative is None:
+        return stream_tokens(model, prompts, config, **kw)
+    if config.constraint is not None:
+        raise ValueError("speculative decoding takes no constraint: leave out one of the two")
+    return speculative.stream(model, prompts, config)
+
+
 class _Notice:
     """The crop notice, given once: to `on_notice`, or as a ContextCropWarning."""
 
@@ -211,6 +222,7 @@ def generate(
     on_token: Callable[[Tensor], None] | None = None,
     step_fn: Callable | None = None,
     on_notice: Callable[[str], None] | None = None,
+    speculative: Speculative | None = None,
     tokenizer=None,
 ) -> list[list[int]]:
     """Generate up to `config.max_new_tokens` per prompt and return only the new tokens of each
@@ -222,6 +234,8 @@ def generate(
         decode: token ids -> text, for stop strings (detokenized incrementally, text.py).
         on_token: called with each step's (B,) tokens as they come (streaming).
         source, source_mask, step_fn, on_notice, tokenizer: see `stream_tokens`.
+        speculative: draft and verify instead of one decode step per token (speculative.py;
+            one prompt, a decoder-only model); the same tokens when greedy.
     """
     if config.stop_strings and decode is None:
         raise ValueError("stop_strings need a `decode` function (token ids -> text)")
@@ -229,10 +243,11 @@ def generate(
     stops = [StopStrings(config.stop_strings) for _ in prompts]
     rows: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    stream = stream_tokens(
+    stream = token_stream(
         model,
         prompts,
         config,
+        speculative,
         source=source,
         source_mask=source_mask,
         step_fn=step_fn,
@@ -265,6 +280,7 @@ def generate_text(
     max_new_tokens: int | None = None,
     on_text: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    speculative: Speculative | None = None,
 ) -> str:
     """Text in, text out: encode `prompt`, generate, and return only the new text.
 
@@ -282,6 +298,7 @@ def generate_text(
             the pieces add up to the result.
         on_notice: called with a one-line notice if the context is cropped (see
             `stream_tokens`; default a ContextCropWarning).
+        speculative: draft and verify (speculative.py): a decoder-only model, num_beams 1.
 
     Returns:
         the generated text, special tokens left out.
@@ -292,6 +309,8 @@ def generate_text(
     if max_new_tokens is not None:
         config = replace(config, max_new_tokens=max_new_tokens)
     if config.num_beams != 1:
+        if speculative is not None:
+            raise ValueError("speculative decoding replaces sampling, not beam search")
         if config.sampling != DEFAULT_SAMPLING or on_text is not None or config.constraint:
             raise ValueError(
                 f"beam search (num_beams={config.num_beams}) is deterministic and returns "
@@ -308,15 +327,17 @@ def generate_text(
         if piece and on_text is not None:
             on_text(piece)
 
-    for token in stream_tokens(
+    stream = token_stream(
         model,
         [ids],
         config,
+        speculative,
         source=source,
         source_mask=source_mask,
         on_notice=on_notice,
         tokenizer=tokenizer,
-    ):
+    )
+    for token in stream:
         t = int(token[0])
         show(text.push(t))
         if t in config.stop_tokens or stops.find(text.text) is not None:

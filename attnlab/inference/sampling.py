@@ -333,6 +333,24 @@ def draw(logits: Tensor, greedy: bool, generator: torch.Generator | None = None)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def token_distribution(
+    logits: Tensor,
+    cfg: "SamplingConfig | SamplingRows",
+    counts: TokenCounts | None = None,
+    banned: Tensor | None = None,
+) -> Tensor:
+    """The distribution `sample` draws from, as probabilities: (B, V) logits -> (B, V) fp32.
+    A greedy row (temperature 0) is the one-hot of its argmax. Speculative decoding compares
+    two of these (speculative.py)."""
+    rows = as_rows(cfg, logits)
+    logits = filter_logits(logits.float(), rows, counts, banned)
+    probs = torch.softmax(logits, dim=-1)
+    if any(rows.greedy):
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        probs = torch.where(rows.temperature == 0, one_hot, probs)
+    return probs
+
+
 def sample(
     logits: Tensor,
     cfg: "SamplingConfig | SamplingRows",

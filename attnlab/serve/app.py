@@ -8,6 +8,8 @@
                                 the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
+    GET  /                      the chat page (static/chat.html; off with `--no-ui`): plain
+                                HTML/JS that streams /v1/chat/completions, fetching nothing else
 
 Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
 the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
@@ -28,9 +30,16 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from importlib.resources import files
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,6 +51,7 @@ from attnlab.serve.types import Request as EngineRequest
 
 POLL_S = 0.5  # how often a plain (non-streaming) request checks that its client is still there
 OPEN_PATHS = ("/health", "/metrics")  # need no API key (probes and scrapers on loopback)
+PAGE = "/"  # the chat page: open too (it holds no data; it asks for the key and sends it)
 GONE = 499  # nginx's "client closed request": the status of an answer nobody reads
 SPECIAL_NAMES = {"eos_token": "<eos>", "bos_token": "<bos>", "pad_token": "<pad>"}
 
@@ -56,7 +66,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         key = self.settings.api_key
-        if key and not scope["path"].startswith(OPEN_PATHS):
+        path = scope["path"]
+        if key and path != PAGE and not path.startswith(OPEN_PATHS):
             headers = dict(scope["headers"])
             if headers.get(b"authorization", b"") != f"Bearer {key}".encode():
                 error = APIError(401, "a wrong or missing API key: send Authorization: Bearer KEY")
@@ -84,6 +95,8 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error)
     for path, endpoint in ROUTES["GET"].items():
         app.add_api_route(path, endpoint, methods=["GET"])
+    if settings.ui:
+        app.add_api_route(PAGE, chat_page, methods=["GET"], response_class=HTMLResponse)
     for path, endpoint in ROUTES["POST"].items():
         app.add_api_route(path, endpoint, methods=["POST"])
     return app
@@ -146,6 +159,12 @@ async def detokenize(request: Request):
     tokenizer, settings = request.app.state.tokenizer, request.app.state.settings
     tokens = wire.token_ids((await read_body(request)).get("tokens"), settings, "tokens")
     return {"prompt": tokenizer.decode(tokens)}
+
+
+async def chat_page():
+    """The chat page, read from the package (pyproject ships static/ as package data)."""
+    page = files("attnlab.serve").joinpath("static", "chat.html").read_text(encoding="utf-8")
+    return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
 
 # --- the two generating routes --------------------------------------------------------------------

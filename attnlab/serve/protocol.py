@@ -58,6 +58,7 @@ class Settings:
         stop_timeout: seconds running requests get when the server stops.
         adapters: {model id: adapter directory} of the LoRA adapters served beside the base
             (`--lora NAME=DIR`); the i-th named is the engine's adapter i + 1 (0: the base).
+        ui: serve the chat page (static/chat.html) at `/` (`--no-ui`: off).
     """
 
     model_name: str
@@ -67,6 +68,7 @@ class Settings:
     stop_timeout: float = 10.0
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: dict[str, str] = field(default_factory=dict)
+    ui: bool = True
 
 
 # --- reading a request ----------------------------------------------------------------------------

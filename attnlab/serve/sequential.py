@@ -7,6 +7,9 @@ step per token, `sample` for the choice), reporting each token as it comes.
 
     submit ─> waiting queue (bounded) ─> thread: prefill ─> sample ─> on_event ─> decode_step ─> ...
 
+With a `Speculative` (`attnlab serve --speculative`), tokens come from drafting and verifying
+instead (inference/speculative.py): batch 1, which is what this engine runs anyway.
+
 Log-probabilities are those of the model itself (log-softmax of its logits), whatever the
 temperature or top-p the token was drawn with: what a scorer such as lm-eval asks for.
 A request may ask for max_tokens=0 when it wants only its prompt's log-probabilities.
@@ -15,15 +18,17 @@ A request may ask for max_tokens=0 when it wants only its prompt's log-probabili
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
+from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Matcher
 from attnlab.inference.generate import context_window
 from attnlab.inference.sampling import SamplingRows, TokenCounts, sample
+from attnlab.inference.speculative import Speculative
 from attnlab.inference.steps import decode_step, decoder_of, fill_cache
 from attnlab.serve.types import (
     DEFAULT_ENGINE,
@@ -87,10 +92,18 @@ class SequentialEngine:
             beyond it make `submit` raise QueueFull) and max_context (the most prompt +
             generated tokens of a request; default the model's). The others are the batched
             engine's.
+        speculative: decode by drafting and verifying (inference/speculative.py, batch 1,
+            which is why it lives in this engine); its counts go to `stats`.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig = DEFAULT_ENGINE):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        config: EngineConfig = DEFAULT_ENGINE,
+        speculative: Speculative | None = None,
+    ):
+        self.model, self.tokenizer, self.speculative = model, tokenizer, speculative
         self.max_queue = config.max_queue
         self.context = context_length(model, config.max_context)
         self.vocab_size = decoder_of(model).head.out_features
@@ -128,6 +141,8 @@ class SequentialEngine:
             raise ValueError(
                 f"adapter {request.adapter} is not one of the {self.n_adapters} served"
             )
+        if self.speculative is not None and request.params.constraint is not None:
+            raise ValueError("this server decodes speculatively, which takes no constraint")
         with self._cond:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -174,7 +189,20 @@ class SequentialEngine:
                 "kv_blocks_total": 0.0,
                 "prefix_cache_hits_total": 0.0,
                 **self._stats,
+                **self._speculative_stats(),
             }
+
+    def _speculative_stats(self) -> dict[str, float]:
+        if self.speculative is None:
+            return {}
+        s = self.speculative.stats
+        return {
+            "speculative_rounds_total": float(s.rounds),
+            "speculative_draft_tokens_total": float(s.drafted),
+            "speculative_accepted_tokens_total": float(s.accepted),
+            "speculative_acceptance_rate": s.acceptance_rate,
+            "speculative_tokens_per_second": s.tokens_per_second,
+        }
 
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -216,33 +244,11 @@ class SequentialEngine:
             final = TokenEvent(rid, None, None, None, "length", prompt_lp, prompt_top=prompt_top)
             on_event(final)
             return _NO_FINAL
-        rows = SamplingRows.stack([p.sampling()], self.vocab_size, self.device)
-        counts = TokenCounts.of_prompts(ids, self.vocab_size) if rows.needs_counts else None
-        stop_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-        stop_mask[list(p.stop_token_ids)] = True
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(p.seed)
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
         text_ids = []
-        matcher = None
-        if p.constraint is not None:
-            matcher = Matcher(p.constraint, self.tokenizer, p.stop_token_ids, self.vocab_size)
-        for i in range(p.max_tokens):
+        for i, (t, logits) in enumerate(self._tokens(ids, p)):
             if rid in self._cancelled:
                 return "cancelled"
-            banned = stop_mask if i < p.min_tokens else None
-            if matcher is not None:
-                allowed = matcher.mask().to(self.device)
-                banned = ~allowed if banned is None else banned | ~allowed
-            token = sample(logits, rows, counts, gen, banned)  # (1,)
-            if matcher is not None:
-                matcher.advance(int(token))
-            if counts is not None:
-                counts.add(token)
-            t = int(token)
-            lp, top = token_logprobs(logits[0], t, p.logprobs)
+            lp, top = token_logprobs(logits, t, p.logprobs)
             text_ids.append(t)
             reason = self._finish_reason(t, text_ids, p, i)
             if i == 0:
@@ -254,11 +260,48 @@ class SequentialEngine:
             on_event(TokenEvent(rid, t, lp, top, reason, scored[0], prompt_top=scored[1]))
             if reason is not None:
                 return _NO_FINAL
-            logits = decode_step(
-                self.model, token[:, None], torch.tensor([slot], device=self.device), cache
-            )
-            slot += 1
         return _NO_FINAL  # unreachable: the last token carries "length"
+
+    def _tokens(self, ids: Tensor, p) -> Iterator[tuple[int, Tensor]]:
+        """Each new token of prompt ids (1, T0) with the logits (V,) it was chosen from: plain
+        decoding, or speculative (drafted and verified: inference/speculative.py). A decode
+        step runs only when the caller asks for the token after."""
+        if self.speculative is not None:
+            config = GenerationConfig(
+                p.max_tokens,
+                p.sampling(),
+                stop_tokens=p.stop_token_ids,
+                seed=p.seed,
+                min_new_tokens=p.min_tokens,
+            )
+            yield from self.speculative.steps(self.model, ids[0].tolist(), config)
+            return
+        rows = SamplingRows.stack([p.sampling()], self.vocab_size, self.device)
+        counts = TokenCounts.of_prompts(ids, self.vocab_size) if rows.needs_counts else None
+        stop_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        stop_mask[list(p.stop_token_ids)] = True
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
+        matcher = None
+        if p.constraint is not None:
+            matcher = Matcher(p.constraint, self.tokenizer, p.stop_token_ids, self.vocab_size)
+        for i in range(p.max_tokens):
+            banned = stop_mask if i < p.min_tokens else None
+            if matcher is not None:
+                allowed = matcher.mask().to(self.device)
+                banned = ~allowed if banned is None else banned | ~allowed
+            token = sample(logits, rows, counts, gen, banned)  # (1,)
+            if matcher is not None:
+                matcher.advance(int(token))
+            if counts is not None:
+                counts.add(token)
+            yield int(token), logits[0]
+            at = torch.tensor([slot], device=self.device)
+            logits = decode_step(self.model, token[:, None], at, cache)
+            slot += 1
 
     def _finish_reason(self, token: int, text_ids: list[int], p, i: int) -> str | None:
         if token in p.stop_token_ids:

@@ -325,3 +325,28 @@ def test_constraint_flags(run_dir, tmp_path, capsys):
     assert json.loads(output("--json-schema", str(tmp_path / "s.json"))) in (True, False)
     code, _, err = cli(capsys, *base, "--regex", "[0-9]{3}")  # no digit in its vocabulary
     assert code == 2 and "no token of the vocabulary" in err, err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--speculative", "ngram"], ["--speculative", "draft", "--draft-quantize", "int8"]],
+    ids=["ngram", "int8-self"],
+)
+def test_speculative_prints_the_greedy_text_and_its_acceptance(run_dir, capsys, flags):
+    args = ["--ckpt", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12"]
+    args += ["--temperature", "0", "--verbose"]
+    code, plain, err = cli(capsys, *args)
+    assert code == 0 and err.splitlines()[-1].startswith("generated in ")
+    code, out, err = cli(capsys, *args, *flags, "--num-draft-tokens", "3")
+    assert code == 0 and out == plain
+    last = err.splitlines()[-1]
+    assert last.startswith("speculative: ") and "drafts accepted" in last and "tokens/s" in last
+
+
+def test_speculative_draft_without_a_draft_model_is_one_line(run_dir, capsys):
+    code, _, err = cli(capsys, "--ckpt", str(run_dir), "--prompt", PROMPT, "--speculative", "draft")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "attnlab generate: error: --speculative draft needs a smaller model: --draft-ckpt DIR, "
+        "or --draft-quantize int4 for the model's own int4 copy"
+    )

@@ -38,6 +38,21 @@ def write_checkpoint(path: Path) -> Path:
     return save_pretrained(path, build_model(config).eval(), config, tokenizer)
 
 
+class SlowEngine(SequentialEngine):
+    """A SequentialEngine that takes DELAY s (10 ms) per token and ignores <eos>: a request of
+    100 tokens lasts over a second."""
+
+    DELAY = 0.01
+
+    def _run(self, request, on_event, arrived):
+        def slow(event):
+            time.sleep(self.DELAY)
+            on_event(event)
+
+        request = replace(request, params=replace(request.params, stop_token_ids=()))
+        return super()._run(request, slow, arrived)
+
+
 class Server:
     """The app on 127.0.0.1:<free port> in a thread (uvicorn), until `close()`."""
 
@@ -48,6 +63,7 @@ class Server:
         api_key=None,
         model_name="tiny",
         lora=(),
+        ui=True,
         **engine_kw,
     ):
         import uvicorn
@@ -66,6 +82,7 @@ class Server:
             api_key,
             stop_timeout=5,
             adapters=adapters,
+            ui=ui,
         )
         self.app = create_app(self.engine, self.tokenizer, settings)
         sock = bind("127.0.0.1", 0)

@@ -4,14 +4,13 @@ request that fails inside the engine is an error for that client only."""
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import httpx
 import openai
 import pytest
 
 from attnlab.serve.sequential import SequentialEngine
-from tests.serve.server_helpers import Server, write_checkpoint
+from tests.serve.server_helpers import Server, SlowEngine, write_checkpoint
 
 BOOM = 5  # a prompt starting with this token id fails inside the engine
 
@@ -23,19 +22,6 @@ class FaultyEngine(SequentialEngine):
         if request.prompt_ids[0] == BOOM:
             raise RuntimeError("planted fault")
         return super()._run(request, on_event, arrived)
-
-
-class SlowEngine(SequentialEngine):
-    """A SequentialEngine that takes 10 ms per token and ignores <eos>: a request of 100
-    tokens lasts over a second."""
-
-    def _run(self, request, on_event, arrived):
-        def slow(event):
-            time.sleep(0.01)
-            on_event(event)
-
-        request = replace(request, params=replace(request.params, stop_token_ids=()))
-        return super()._run(request, slow, arrived)
 
 
 @pytest.fixture(scope="module")
