@@ -134,3 +134,12 @@ def test_regex_mask_is_the_reference_partial_match(lm):
             break
         matcher.advance(token)
         text += lt.decode_bytes([token]).decode("latin-1")
+
+
+def test_speculative_decoding_takes_no_constraint():
+    from attnlab.inference.generate import token_stream
+    from attnlab.inference.speculative import NgramDrafter, Speculative
+
+    config = GenerationConfig(4, stop_tokens=(0,), constraint=Constraint.regex("a+"))
+    with pytest.raises(ValueError, match="speculative decoding takes no constraint"):
+        token_stream(None, [[1]], config, Speculative(NgramDrafter()))
