@@ -151,8 +151,8 @@ def stream_tokens(
         if constrained is not None:
             banned = constrained if banned is None else constrained | banned
         token = sample(logits, rows, counts, gen, banned)  # (B,)
-        for m, t in zip(matchers, token.tolist()):
-            if m is not None:
+        if config.constraint is not None:
+            for m, t in zip(matchers, token.tolist()):
                 m.advance(t)
         if counts is not None:
             counts.add(token)

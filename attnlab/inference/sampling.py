@@ -133,6 +133,7 @@ class SamplingRows:
             return torch.tensor(values, dtype=dtype, device=device)[:, None]  # (B, 1)
 
         used = {
+            "temperature": any(c.temperature not in (0, 1) for c in configs),  # t=1: logits as is
             "top_k": any(c.top_k is not None for c in configs),
             "top_p": any(c.top_p is not None and c.top_p < 1 for c in configs),
             "min_p": any(c.min_p for c in configs),
@@ -306,7 +307,8 @@ def filter_logits(
         logits = apply_presence_frequency_penalties(
             logits, counts.generated, rows.presence_penalty, rows.frequency_penalty
         )
-    logits = apply_temperature(logits, rows.temperature)
+    if "temperature" in rows.used:
+        logits = apply_temperature(logits, rows.temperature)
     if "top_k" in rows.used:
         logits = top_k_filter(logits, rows.top_k, rows.top_k_max)
     if "top_p" in rows.used:
