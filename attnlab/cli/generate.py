@@ -147,39 +147,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is required (or --scene S for a vqa/vla checkpoint)")
     loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
-    kind = task_head_kind(loaded.config)  # a task head (attnlab finetune --task classify|tag, HF)
-    if kind is not None:
-        raise ValueError(
-            f"checkpoint {args.ckpt!r} is {kind} with no LM head to generate "
-            "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
-        )
-    if loaded.config.arch == "encoder":  # an MLM head fills masks; it does not continue text
-        raise ValueError(
-            f"{args.ckpt!r} holds an encoder model; attnlab generate needs a decoder-only or "
-            "encoder-decoder language model checkpoint"
-        )
-    task = saved.get("data", {}).get("task")
-    if task in ("vqa", "vla"):
-        raise ValueError(
-            f"checkpoint {args.ckpt!r} answers generated scenes (task {task!r}), not prompts: "
-            "pass --scene S instead of --prompt"
-        )
-    if tokenizer is None:
-        raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer.json to read the prompt with")
+    refuse_non_generators(args.ckpt, loaded)
     decoder_only = not hasattr(model, "encode")
     prompt, stop_tokens, stop = args.prompt, [], list(args.stop)
     if args.chat:
         prompt, stop_tokens, stop = chat_prompt(tokenizer, args.prompt, args.ckpt, decoder_only)
         stop += args.stop
-    trained = saved.get("train", {}).get("context")
-    total = len(tokenizer.encode(prompt)) + args.max_new_tokens
-    if decoder_only and trained and total > trained:
-        print(
-            f"note: this model was trained on windows of {trained} tokens; prompt + "
-            f"--max-new-tokens is {total}, so text past token {trained} is extrapolation "
-            "(it may lose coherence)",
-            file=sys.stderr,
-        )
+    note_extrapolation(saved, len(tokenizer.encode(prompt)) + args.max_new_tokens, decoder_only)
 
     def show(text: str) -> None:
         print(text, end="", flush=True)
@@ -219,6 +193,43 @@ def run(args: argparse.Namespace) -> int:
         line = f"generated in {seconds:.2f} s"  # the prefill and the text's decoding included
         print(line if speculative is None else speculative.stats.line(), file=sys.stderr)
     return 0
+
+
+def refuse_non_generators(ckpt: str, loaded) -> None:
+    """One line for a checkpoint `generate` cannot continue text with: a task head, an encoder
+    (MLM), a scene-answering vqa/vla model, or no tokenizer."""
+    saved, tokenizer = loaded.run, loaded.tokenizer
+    kind = task_head_kind(loaded.config)  # a task head (attnlab finetune --task classify|tag, HF)
+    if kind is not None:
+        raise ValueError(
+            f"checkpoint {ckpt!r} is {kind} with no LM head to generate "
+            "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
+        )
+    if loaded.config.arch == "encoder":  # an MLM head fills masks; it does not continue text
+        raise ValueError(
+            f"{ckpt!r} holds an encoder model; attnlab generate needs a decoder-only or "
+            "encoder-decoder language model checkpoint"
+        )
+    task = saved.get("data", {}).get("task")
+    if task in ("vqa", "vla"):
+        raise ValueError(
+            f"checkpoint {ckpt!r} answers generated scenes (task {task!r}), not prompts: "
+            "pass --scene S instead of --prompt"
+        )
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {ckpt!r} has no tokenizer.json to read the prompt with")
+
+
+def note_extrapolation(saved: dict, total: int, decoder_only: bool) -> None:
+    """A note on stderr when prompt + new tokens (`total`) pass the trained window."""
+    trained = saved.get("train", {}).get("context")
+    if decoder_only and trained and total > trained:
+        print(
+            f"note: this model was trained on windows of {trained} tokens; prompt + "
+            f"--max-new-tokens is {total}, so text past token {trained} is extrapolation "
+            "(it may lose coherence)",
+            file=sys.stderr,
+        )
 
 
 def constraint_of(args: argparse.Namespace) -> Constraint | None:
