@@ -18,7 +18,9 @@ Pairs (llama.cpp file type | attnlab model):
                 Q8_0's 32-weight blocks: the same format class and size)
   F32  | fp32   attnlab's F32 export | the dequantized model
   F16  | bf16   attnlab's F16 export | the dequantized model cast to bf16 (16-bit both)
-and `transformers` (its GGUF loader, fp32) as the third column of the decode table.
+and `transformers` (its GGUF loader, fp32) as the third column of the decode table, and
+attnlab's compiled decode step on the fp32 model (`compile_decode_step`: fused GEMVs over packed
+weights) against F32.
 
 Decode: a 32-token prompt, 128 new tokens (greedy, no stop), tokens/s = new tokens / wall time
 of the whole call, prefill included. Prefill: 512 prompt tokens, tokens/s = 512 / time to the
@@ -29,6 +31,7 @@ round): a fraction of what memory allows (weights only: the KV cache is small at
 """
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -41,8 +44,9 @@ from _timing import cpu_name
 from decode import _nbytes, _own_tensors, measure_bandwidth
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.inference.compiled_step import compile_decode_step
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.generate import generate
+from attnlab.inference.generate import generate, stream_tokens
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.gguf.writer import save_gguf
 from attnlab.interop.packaged import PACKAGED_MODELS, packaged_path
@@ -123,6 +127,20 @@ def attnlab_decode(model, prompt: list[int], n_new: int) -> list[int]:
         return generate(model, [prompt], GenerationConfig(n_new, GREEDY))[0]
 
 
+def attnlab_compiled(model):
+    """Greedy decoding through the compiled decode step (benchmarks/decode.py's (iii)), on a
+    copy: compile_decode_step packs the weights. It compiles on its first (warm-up) call."""
+    model = copy.deepcopy(model)
+    step = compile_decode_step(model)
+
+    def run(prompt: list[int], n_new: int) -> list[int]:
+        with torch.no_grad():
+            config = GenerationConfig(n_new, GREEDY)
+            return [int(t) for t in stream_tokens(model, [prompt], config, step_fn=step)]
+
+    return run
+
+
 def llama_decode(llm, prompt: list[int], n_new: int) -> list[int]:
     out = []
     for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # never stops by itself
@@ -186,6 +204,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; quick 2)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers column")
     parser.add_argument(
+        "--no-compile", action="store_true", help="skip attnlab's compiled fp32 decode step"
+    )
+    parser.add_argument(
         "--extra-bufts", action="store_true", help="llama.cpp's AMX/repacked buffers (default off)"
     )
     args = parser.parse_args()
@@ -237,6 +258,9 @@ def main() -> None:
     for kind, ours in PAIRS:
         decode_fns[kind] = lambda llm=llms[kind]: llama_decode(llm, prompt, n_new)
         decode_fns[ours] = lambda m=models[ours]: attnlab_decode(m, prompt, n_new)
+    if not args.no_compile:
+        compiled = attnlab_compiled(models["fp32"])
+        decode_fns["fp32 compiled"] = lambda: compiled(prompt, n_new)
     if hf is not None:
         decode_fns["transformers fp32"] = lambda: hf_decode(hf, prompt, n_new)
     print(f"\n1. decode: {len(prompt)}-token prompt, {n_new} new tokens, greedy, batch 1")
@@ -277,6 +301,15 @@ def print_tables(decode, prefill, bytes_of, bandwidth, n_new, n_prefill, with_hf
             f"{roof(l_tok, bytes_of[kind]):>6.0%}/{roof(a_tok, bytes_of[ours]):<5.0%}"
             f"{same:>6}/{n_new:<6}" + (f"  {a_tok / hf_tok_s:.2f}x" if with_hf else "")
         )
+    if "fp32 compiled" in decode:
+        c_s, c_out = decode["fp32 compiled"]
+        c_tok, l_tok = n_new / c_s, n_new / decode["F32"][0]
+        ratios["fp32 compiled"] = c_tok / l_tok
+        same = sum(x == y for x, y in zip(decode["F32"][1], c_out))
+        print(
+            f"{'F32 | fp32 compiled':<24}{c_tok:>10.1f}{c_tok / l_tok:>7.2f}"
+            f"{'':>14}{c_tok * bytes_of['fp32'] / bandwidth:>11.0%}{same:>7}/{n_new:<6}"
+        )
     if with_hf:
         print(f"{'transformers fp32':<24}{hf_tok_s:>10.1f}")
     print(f"\nprefill tokens/s at {n_prefill} prompt tokens")
@@ -287,6 +320,12 @@ def print_tables(decode, prefill, bytes_of, bandwidth, n_new, n_prefill, with_hf
         pre[ours] = a_tok / l_tok
         print(f"{kind + ' | ' + ours:<14}{l_tok:>11.1f}{a_tok:>10.1f}{a_tok / l_tok:>7.2f}")
     print("\nTargets (ratios measured in this run)")
+    if "fp32 compiled" in ratios:
+        r = ratios["fp32 compiled"]
+        print(
+            f"   attnlab fp32 compiled / llama.cpp F32 decode {r:>6.2f}  >= 1.00  "
+            f"{'PASS' if r >= 1.0 else 'MISS'}"
+        )
     for ours, kind in TARGETS.items():
         for what, r in (("decode", ratios[ours]), (f"prefill {n_prefill}", pre[ours])):
             verdict = "PASS" if r >= 1.0 else "MISS"
