@@ -261,3 +261,33 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", max_tokens=4, **fields)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_a_template_that_reads_tools_gets_them_and_others_get_the_fallback():
+    from attnlab.serve.app import chat_prompt
+    from attnlab.tokenizer import Tokenizer
+    from tests.test_tokenizer_chat import TOOLS_TEMPLATE
+
+    plain = train_bpe_tokenizer([TEXT], 320, CHAT_TOKENS)
+    reads = Tokenizer(plain.backend, TOOLS_TEMPLATE)
+    tools = T.requested_tools({"tools": TOOLS})
+    assert chat_prompt(reads, ASK, tools) == reads.apply_chat_template(ASK, tools=TOOLS)
+    fallback = chat_prompt(plain, ASK, tools)
+    assert fallback == plain.apply_chat_template(T.fallback_messages(ASK, tools))
+    assert fallback.startswith("<|system|>\nYou may call these functions.")
+
+
+@pytest.mark.slow
+def test_auto_reads_a_call_the_model_wrote(client):
+    """An untrained model writes no <tool_call> by itself: guided_choice makes it write one."""
+    wrote = 'Sure.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    fields = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80)
+    fields |= dict(extra_body={"guided_choice": [wrote]})
+    out = client.chat.completions.create(**fields).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == "Sure."
+    assert json.loads(out.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    chunks = list(client.chat.completions.create(stream=True, **fields))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sure."
+    (call,) = [t for d in deltas for t in d.tool_calls or ()]
+    assert call.function.name == "weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
