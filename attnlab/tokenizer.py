@@ -155,7 +155,10 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------------------
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
         """The text of a conversation in this tokenizer's chat format, rendered as
         `transformers`' `apply_chat_template(..., tokenize=False)` renders the same template
@@ -167,6 +170,10 @@ class Tokenizer:
             messages: [{"role": "user" | "assistant" | "system", "content": str}, ...].
             add_generation_prompt: end with the assistant's opening marker, so that what the
                 model writes next is the reply.
+            tools: the functions the model may call, as JSON schemas (OpenAI's
+                {"type": "function", "function": {...}}), passed to the template as
+                transformers passes them; only templates that read `tools` show them
+                (`takes_tools`).
 
         Returns:
             the rendered text (encode it with `encode`: the markers are single ids).
@@ -182,11 +189,22 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
         return _compile_template(self.chat_template).render(
             messages=messages,
-            tools=None,  # as transformers passes them when none are given
+            tools=tools,  # None when none are given, as transformers passes them
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self._template_specials(),
         )
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable (Qwen's, Llama 3's, Hermes'
+        do; attnlab's DEFAULT_CHAT_TEMPLATE does not)."""
+        if self.chat_template is None:
+            return False
+        import jinja2.meta
+
+        env = _compile_template(self.chat_template).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
 
     def _template_specials(self) -> dict[str, str]:
         """{"bos_token": "<bos>", ...}: our specials under HF's names."""

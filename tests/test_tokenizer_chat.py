@@ -187,3 +187,61 @@ def test_training_checkpoint_keeps_the_chat_template(tmp_path, chat_bpe):
     )
     assert (path / "tokenizer_config.json").is_file()
     assert open_checkpoint(path).tokenizer.chat_template == CHATML
+
+
+# A template that reads `tools`, after Qwen2.5's (a system block listing them, earlier calls as
+# <tool_call> JSON, tool results as user turns inside <tool_response>).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "<|im_start|>assistant\n{{ message.content }}"
+    "{%- for call in message.tool_calls %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The forecast.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+]
+
+
+@pytest.mark.hf
+def test_tools_reach_the_template_as_transformers_passes_them(chat_bpe):
+    transformers = pytest.importorskip("transformers")
+    ours = Tokenizer(chat_bpe.backend, TOOLS_TEMPLATE)
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=chat_bpe.backend, chat_template=TOOLS_TEMPLATE
+    )
+    want = theirs.apply_chat_template(
+        TOOL_CHAT, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.apply_chat_template(TOOL_CHAT, tools=TOOLS) == want
+    assert '{"name": "weather", "arguments": {"city": "Paris"}}' in want and "<tools>" in want
+    assert ours.takes_tools and not chat_bpe.takes_tools  # DEFAULT_CHAT_TEMPLATE: no tools

@@ -46,6 +46,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from attnlab.serve import protocol as wire
 from attnlab.serve.choice import Choice
 from attnlab.serve.protocol import APIError, Settings
+from attnlab.serve.tools import (
+    ToolError,
+    Tools,
+    call_constraint,
+    fallback_messages,
+    parsed_reply,
+    requested_tools,
+)
 from attnlab.serve.types import EngineStopped, QueueFull, SamplingParams
 from attnlab.serve.types import Request as EngineRequest
 
@@ -196,9 +204,10 @@ async def chat(request: Request):
     body = await read_body(request)
     model, adapter = wire.requested_model(body, settings)
     try:
-        text = tokenizer.apply_chat_template(wire.chat_messages(body))
-    except ValueError as e:  # no chat template
-        raise APIError(400, str(e), "messages") from None
+        tools = requested_tools(body)
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    text = chat_prompt(tokenizer, wire.chat_messages(body), tools)
     prompts = [wire.check_prompt_length(await encode(tokenizer, text), settings, "messages")]
     want = wire.field_of(body, "logprobs", bool, False, rule="a boolean")
     rule = f"in [0, {wire.MAX_LOGPROBS}]"
@@ -207,15 +216,34 @@ async def chat(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     k = k if want else None
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+    if tools is not None and tools.forced:
+        if params.constraint is not None:
+            message = f"tool_choice {tools.mode} constrains the reply already: drop the other"
+            raise APIError(400, message, "tool_choice")
+        params = replace(params, constraint=call_constraint(tools))
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, False, chat=True, adapter=adapter)
     if stream:
-        return sse(stream_chat(app, rid, choices, body, want), app, choices)
+        return sse(stream_chat(app, rid, choices, body, want, tools), app, choices)
     if not await wait_all(request, app, choices):
         return Response(status_code=GONE)
-    out = [wire.chat_choice(tokenizer, c, want) for c in choices]
+    out = [wire.chat_choice(tokenizer, c, want, tools) for c in choices]
     return wire.envelope(rid, "chat.completion", model, out, usage_of(choices, prompts))
+
+
+def chat_prompt(tokenizer, messages: list[dict], tools: Tools | None) -> str:
+    """The conversation rendered by the chat template, with the tools passed to a template
+    that reads them, else shown by tools.py's fallback system message."""
+    specs = None
+    if tools is not None and tokenizer.takes_tools:
+        specs = list(tools.specs)
+    elif tools is not None:
+        messages = fallback_messages(messages, tools)
+    try:
+        return tokenizer.apply_chat_template(messages, tools=specs)
+    except ValueError as e:  # no chat template
+        raise APIError(400, str(e), "messages") from None
 
 
 ROUTES = {
@@ -447,7 +475,10 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
 
 
 # --- chat -----------------------------------------------------------------------------------------
-async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
+async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterator[dict]:
+    """A chat reply as chunks of text; a reply that may hold tool calls (tools given, and
+    tool_choice not "none") is held back and sent whole at its end, as `delta.tool_calls`
+    (each call in one delta: id, name and all its arguments) or as content."""
     tokenizer = app.state.tokenizer
     model, _ = wire.requested_model(body, app.state.settings)
 
@@ -456,6 +487,7 @@ async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
         return wire.envelope(rid, "chat.completion.chunk", model, [choice])
 
     try:
+        held = tools is not None and tools.mode != "none"
         for c in choices:
             yield chunk(c, {"role": "assistant", "content": ""})
         async for c in merged(choices):
@@ -465,14 +497,31 @@ async def stream_chat(app, rid, choices, body, want) -> AsyncIterator[dict]:
             new, logprobs = c.new_tokens(), None
             if want and c.tokens[new]:
                 logprobs = wire.chat_logprobs(tokenizer, c.tokens[new], c.logprobs[new], c.top[new])
-            text = c.delta()
-            if text or logprobs or c.finish_reason:
-                yield chunk(c, {"content": text} if text else {}, logprobs, c.finish_reason)
+            if held and not c.finish_reason:
+                if logprobs:
+                    yield chunk(c, {}, logprobs)
+                continue
+            delta, finish = chat_delta(c, tools if held else None)
+            if delta or logprobs or finish:
+                yield chunk(c, delta, logprobs, finish)
         if include_usage(body):
             prompts = [c.request.prompt_ids for c in choices]
             yield wire.envelope(rid, "chat.completion.chunk", model, [], usage_of(choices, prompts))
     finally:
         cancel_unfinished(app, choices)
+
+
+def chat_delta(c: Choice, tools: Tools | None) -> tuple[dict, str | None]:
+    """The delta of a chat chunk and its finish_reason: the new text, or (tools: the choice
+    is finished) the calls of the whole reply, each with its index, or its text."""
+    if tools is None:
+        text = c.delta()
+        return ({"content": text} if text else {}), c.finish_reason
+    content, calls = parsed_reply(c.delta(), tools)
+    delta = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(calls)]
+    return delta, "tool_calls" if calls else c.finish_reason
 
 
 # --- running it -----------------------------------------------------------------------------------

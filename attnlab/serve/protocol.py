@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.sampling import MAX_PENALTY, bias_pairs
 from attnlab.serve.choice import Choice
+from attnlab.serve.tools import parsed_reply
 from attnlab.serve.types import SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20  # a request body beyond this is refused before it is parsed
@@ -158,8 +159,11 @@ def raw_prompts(body: dict) -> list[str | list[int]]:
     return prompt
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The messages of a chat request, with text content (OpenAI's list of parts joined)."""
+def chat_messages(body: dict) -> list[dict]:
+    """The messages of a chat request, with text content (OpenAI's list of parts joined).
+    An assistant message may carry `tool_calls` instead of content (their arguments, JSON
+    text on the wire, become objects, as templates read them and vLLM passes them); a
+    `role: "tool"` message needs the `tool_call_id` it answers."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of messages", "messages")
@@ -167,12 +171,44 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must have a role and content", "messages")
+        calls = tool_calls_of(m, i) if m["role"] == "assistant" else []
         content = m.get("content")
         if isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be text", "messages")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                text = f"messages[{i}] (role tool) needs the tool_call_id it answers"
+                raise APIError(400, text, "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def tool_calls_of(message: dict, i: int) -> list[dict]:
+    """An assistant message's earlier tool calls, each {"id", "type": "function", "function":
+    {"name", "arguments"}}, with the arguments read from JSON text where they are some."""
+    calls = message.get("tool_calls") or []
+    out = []
+    for call in calls if isinstance(calls, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            text = f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}"
+            raise APIError(400, text, "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # left as the text the client sent
+        function = {"name": function["name"], "arguments": arguments}
+        out.append({"id": call.get("id"), "type": "function", "function": function})
     return out
 
 
@@ -413,14 +449,19 @@ def completion_choice(tokenizer, c: Choice, k: int | None) -> dict:
     return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def chat_choice(tokenizer, c: Choice, want: bool) -> dict:
+def chat_choice(tokenizer, c: Choice, want: bool, tools=None) -> dict:
+    """A chat choice; with tools, the calls read from the reply (tools.py) are its
+    `tool_calls` and its finish_reason is "tool_calls"."""
     logprobs = chat_logprobs(tokenizer, c.tokens, c.logprobs, c.top) if want else None
-    message = {"role": "assistant", "content": c.text}
+    content, calls = parsed_reply(c.text, tools)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
     return {
         "index": c.index,
         "message": message,
         "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
+        "finish_reason": "tool_calls" if calls else c.finish_reason,
     }
 
 
