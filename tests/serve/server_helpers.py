@@ -10,6 +10,9 @@ import torch
 
 from attnlab.checkpoint import open_checkpoint, save_pretrained
 from attnlab.cli.serve import add_served_adapters
+from attnlab.inference.config import GenerationConfig
+from attnlab.inference.generate import generate
+from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import llama_tiny
 from attnlab.serve.app import bind, create_app
@@ -101,3 +104,22 @@ class Server:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def reference(
+    server,
+    ids,
+    n,
+    sampling=None,
+    seed=None,
+    stops=("<eos>",),
+    min_new_tokens=0,
+) -> list[int]:
+    """attnlab's own generation for one prompt (greedy unless `sampling` says otherwise): the
+    tokens the server must return."""
+    sampling = SamplingConfig(temperature=0) if sampling is None else sampling
+    stop_ids = [i for i in map(server.tokenizer.token_id, stops) if i is not None]
+    config = GenerationConfig(
+        n, sampling, stop_tokens=stop_ids, seed=seed, min_new_tokens=min_new_tokens
+    )
+    return generate(server.model, [ids], config)[0]

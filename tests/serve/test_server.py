@@ -9,11 +9,9 @@ import openai
 import pytest
 import torch
 
-from attnlab.inference.config import GenerationConfig
-from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.serve.types import QueueFull
-from tests.serve.server_helpers import Server, engines, write_checkpoint
+from tests.serve.server_helpers import Server, engines, reference, write_checkpoint
 
 GREEDY = SamplingConfig(temperature=0)
 
@@ -33,18 +31,6 @@ def server(request, ckpt):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def reference(server, ids, n, sampling=GREEDY, seed=None, stops=("<eos>",)) -> list[int]:
-    """attnlab's own generation for one prompt: the tokens the server must return."""
-    stop_ids = [server.tokenizer.token_id(s) for s in stops]
-    return generate(
-        server.model,
-        [ids],
-        GenerationConfig(
-            n, sampling, stop_tokens=[i for i in stop_ids if i is not None], seed=seed
-        ),
-    )[0]
 
 
 def model_logprobs(server, ids: list[int]) -> torch.Tensor:

@@ -12,11 +12,9 @@ import openai
 import pytest
 import torch
 
-from attnlab.inference.config import GenerationConfig
-from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.serve.protocol import token_text
-from tests.serve.server_helpers import Server, engines, write_checkpoint
+from tests.serve.server_helpers import Server, engines, reference, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +32,6 @@ def server(request, ckpt):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def reference(server, ids, n, sampling, seed=None, stops=("<eos>",), min_new_tokens=0):
-    """attnlab's own generation for one prompt: the tokens the server must return."""
-    stop_ids = [i for i in map(server.tokenizer.token_id, stops) if i is not None]
-    config = GenerationConfig(
-        n, sampling, stop_tokens=stop_ids, seed=seed, min_new_tokens=min_new_tokens
-    )
-    return generate(server.model, [ids], config)[0]
 
 
 # Each request body's sampler fields, and the SamplingConfig they must mean.
