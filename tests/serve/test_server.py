@@ -13,8 +13,6 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.serve.types import QueueFull
 from tests.serve.server_helpers import Server, engines, reference, write_checkpoint
 
-GREEDY = SamplingConfig(temperature=0)
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
