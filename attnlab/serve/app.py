@@ -8,8 +8,12 @@
                                 the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
+    POST /v1/attention          a chat reply's (or a text's) attention maps as the viewer's
+                                HTML page (attention.py: the fields, and why the forward runs
+                                as a job on the engine's thread)
     GET  /                      the chat page (static/chat.html; off with `--no-ui`): plain
-                                HTML/JS that streams /v1/chat/completions, fetching nothing else
+                                HTML/JS that streams /v1/chat/completions and opens a reply's
+                                /v1/attention page, fetching nothing else
 
 Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
 the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
@@ -30,6 +34,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from importlib.resources import files
 
 from fastapi import FastAPI, Request
@@ -44,6 +49,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab.serve import protocol as wire
+from attnlab.serve.attention import attention_ask, page_data
 from attnlab.serve.choice import Choice
 from attnlab.serve.protocol import APIError, Settings
 from attnlab.serve.tools import (
@@ -56,6 +62,7 @@ from attnlab.serve.tools import (
 )
 from attnlab.serve.types import EngineStopped, QueueFull, SamplingParams
 from attnlab.serve.types import Request as EngineRequest
+from attnlab.viz.viewer import viewer_html
 
 POLL_S = 0.5  # how often a plain (non-streaming) request checks that its client is still there
 OPEN_PATHS = ("/health", "/metrics")  # need no API key (probes and scrapers on loopback)
@@ -246,6 +253,44 @@ def chat_prompt(tokenizer, messages: list[dict], tools: Tools | None) -> str:
         raise APIError(400, str(e), "messages") from None
 
 
+# --- attention maps -------------------------------------------------------------------------------
+async def attention(request: Request):
+    """The viewer page of a chat reply's (or a text's) attention maps: attention.py checks the
+    request and makes the page's data in a job on the engine's thread."""
+    app = request.app
+    tokenizer, engine, settings = app.state.tokenizer, app.state.engine, app.state.settings
+    body = await read_body(request)
+    ids, param = await attention_ids(body, tokenizer)
+    ask = attention_ask(body, ids, param, engine.model, settings)
+    try:
+        data = await asyncio.wrap_future(
+            engine.run_job(partial(page_data, engine.model, tokenizer, ask, settings.model_name))
+        )
+    except EngineStopped as e:
+        raise APIError(503, str(e)) from None
+    except Exception as e:
+        line = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise APIError(500, f"the attention forward failed: {line}", code="engine_error") from None
+    page = await asyncio.to_thread(viewer_html, data)  # JSON of up to ~1M weights: off the loop
+    return HTMLResponse(page)
+
+
+async def attention_ids(body: dict, tokenizer) -> tuple[list[int], str]:
+    """The token ids /v1/attention runs, and the field they come from: `messages` rendered as
+    `chat` renders them (so these are the ids the reply was generated after), then the reply's
+    text encoded (the page keeps the reply as text); or a plain `prompt`."""
+    if "messages" in body:
+        if "prompt" in body:
+            raise APIError(400, "give messages (with a reply) or a prompt, not both", "prompt")
+        text = chat_prompt(tokenizer, wire.chat_messages(body), None)
+        reply = wire.field_of(body, "reply", str, "", rule="text")
+        return await encode(tokenizer, text) + await encode(tokenizer, reply), "messages"
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(400, "give a prompt (text), or messages and a reply", "prompt")
+    return await encode(tokenizer, prompt), "prompt"
+
+
 ROUTES = {
     "GET": {
         "/health": health,
@@ -258,6 +303,7 @@ ROUTES = {
         "/detokenize": detokenize,
         "/v1/completions": completions,
         "/v1/chat/completions": chat,
+        "/v1/attention": attention,
     },
 }
 
