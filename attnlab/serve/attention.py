@@ -13,7 +13,7 @@ Why `last`: the whole text runs through one forward, so every query attends to a
 before it, as in generation; the page then shows the last N queries over the last N keys only.
 The viewer embeds every map as JSON, and a served model is large: SmolLM2-135M has 30 layers x
 9 heads, so a 1000-token conversation would be 270 million weights, where N = 64 keeps it to
-about a million (a few MB of page). A shown row then sums to at most 1: the rest of its weight
+about a million (under 10 MB of page). A shown row then sums to at most 1: the rest of its weight
 went to earlier tokens.
 
 Where it runs: the forward needs capture hooks (viz/capture.py) on the model the engine serves,
