@@ -43,6 +43,7 @@ from fastapi.responses import (
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from attnlab.inference.constraints import check_room
 from attnlab.serve import protocol as wire
 from attnlab.serve.choice import Choice
 from attnlab.serve.protocol import APIError, Settings
@@ -188,6 +189,7 @@ async def completions(request: Request):
     scored = echo and k is not None  # the prompt's log-probs come back too
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=scored, chat=False)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+    check_constraint_room(app, params, prompts, wire.constraint_field(body), chat=False)
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, echo, chat=False, adapter=adapter)
     if stream:
@@ -216,11 +218,13 @@ async def chat(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     k = k if want else None
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+    field = wire.constraint_field(body)
     if tools is not None and tools.forced:
         if params.constraint is not None:
             message = f"tool_choice {tools.mode} constrains the reply already: drop the other"
             raise APIError(400, message, "tool_choice")
-        params = replace(params, constraint=call_constraint(tools))
+        params, field = replace(params, constraint=call_constraint(tools)), "tools"
+    check_constraint_room(app, params, prompts, field, chat=True)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, False, chat=True, adapter=adapter)
@@ -244,6 +248,21 @@ def chat_prompt(tokenizer, messages: list[dict], tools: Tools | None) -> str:
         return tokenizer.apply_chat_template(messages, tools=specs)
     except ValueError as e:  # no chat template
         raise APIError(400, str(e), "messages") from None
+
+
+def check_constraint_room(app, params: SamplingParams, prompts, field: str | None, chat: bool):
+    """A 400 naming `field` (what set the constraint: response_format, a guided_* field, or
+    tools for a forced call) when no text the constraint accepts fits in the tokens a prompt
+    may have (max_tokens, or the server's default for it): constraints.check_room."""
+    if params.constraint is None:
+        return
+    tokenizer, settings = app.state.tokenizer, app.state.settings
+    for ids in prompts:
+        n = wire.max_tokens_for(params, len(ids), settings, chat)
+        try:
+            check_room(params.constraint, tokenizer, n, "max_tokens")
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", field) from None
 
 
 ROUTES = {
