@@ -48,6 +48,7 @@ from attnlab.serve import protocol as wire
 from attnlab.serve.choice import Choice
 from attnlab.serve.protocol import APIError, Settings
 from attnlab.serve.tools import (
+    CallSplitter,
     ToolError,
     Tools,
     call_constraint,
@@ -495,18 +496,20 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
 
 # --- chat -----------------------------------------------------------------------------------------
 async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterator[dict]:
-    """A chat reply as chunks of text; a reply that may hold tool calls (tools given, and
-    tool_choice not "none") is held back and sent whole at its end, as `delta.tool_calls`
-    (each call in one delta: id, name and all its arguments) or as content."""
+    """A chat reply as chunks of text. With tools in "auto", the text streams as it comes
+    but for what may still be a call (tools.CallSplitter), and each call goes out as one
+    `delta.tool_calls` entry (index, id, name and all its arguments) once its block closes. A
+    forced call (required, named) is one JSON object: it goes out whole at the end."""
     tokenizer = app.state.tokenizer
     model, _ = wire.requested_model(body, app.state.settings)
+    auto = tools is not None and tools.mode == "auto"
+    splitters = {c.index: CallSplitter(tools) for c in choices} if auto else {}
 
     def chunk(c: Choice, delta: dict, logprobs=None, finish=None) -> dict:
         choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return wire.envelope(rid, "chat.completion.chunk", model, [choice])
 
     try:
-        held = tools is not None and tools.mode != "none"
         for c in choices:
             yield chunk(c, {"role": "assistant", "content": ""})
         async for c in merged(choices):
@@ -516,11 +519,7 @@ async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterato
             new, logprobs = c.new_tokens(), None
             if want and c.tokens[new]:
                 logprobs = wire.chat_logprobs(tokenizer, c.tokens[new], c.logprobs[new], c.top[new])
-            if held and not c.finish_reason:
-                if logprobs:
-                    yield chunk(c, {}, logprobs)
-                continue
-            delta, finish = chat_delta(c, tools if held else None)
+            delta, finish = chat_delta(c, tools, splitters.get(c.index))
             if delta or logprobs or finish:
                 yield chunk(c, delta, logprobs, finish)
         if include_usage(body):
@@ -530,17 +529,31 @@ async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterato
         cancel_unfinished(app, choices)
 
 
-def chat_delta(c: Choice, tools: Tools | None) -> tuple[dict, str | None]:
-    """The delta of a chat chunk and its finish_reason: the new text, or (tools: the choice
-    is finished) the calls of the whole reply, each with its index, or its text."""
-    if tools is None:
+def chat_delta(
+    c: Choice, tools: Tools | None, splitter: CallSplitter | None
+) -> tuple[dict, str | None]:
+    """The delta of a chat chunk and its finish_reason ("tool_calls" once a call was made):
+    the new text; in "auto" (`splitter`), the content and calls it lets out; in a forced
+    mode, nothing until the choice is finished, then its call (or its text, cut short)."""
+    if tools is None or tools.mode == "none":
         text = c.delta()
         return ({"content": text} if text else {}), c.finish_reason
-    content, calls = parsed_reply(c.delta(), tools)
+    if splitter is None:  # forced
+        if c.finish_reason is None:
+            return {}, None
+        content, calls = parsed_reply(c.delta(), tools)
+        made, first = calls, 0
+    else:
+        first = len(splitter.calls)
+        content, calls = splitter.push(c.delta())
+        if c.finish_reason is not None:
+            content += splitter.finish()
+        made = splitter.calls
     delta = {"content": content} if content else {}
     if calls:
-        delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(calls)]
-    return delta, "tool_calls" if calls else c.finish_reason
+        delta["tool_calls"] = [{"index": first + i} | call for i, call in enumerate(calls)]
+    finish = c.finish_reason and ("tool_calls" if made else c.finish_reason)
+    return delta, finish
 
 
 # --- running it -----------------------------------------------------------------------------------
