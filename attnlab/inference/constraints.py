@@ -33,6 +33,11 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+try:
+    from re import _parser as regex_parser  # Python's own regex parser (3.11+)
+except ImportError:  # Python 3.10 names it sre_parse
+    import sre_parse as regex_parser
+
 KINDS = ("json_schema", "json_object", "regex", "choice")
 # Compact JSON (no free whitespace between tokens): a model, small or untrained, otherwise may
 # write whitespace forever where the grammar allows it.
@@ -124,8 +129,8 @@ def check_room(constraint: Constraint, tokenizer, max_tokens: int, name: str) ->
         raise ValueError(
             f"the {constraint.kind} constraint cannot be finished within {name}={max_tokens}: "
             f"any text it accepts has at least {constraint.min_bytes()} bytes and this "
-            f"vocabulary's longest token has {longest_token(tokenizer)}, so it needs at least "
-            f"{need} tokens: raise {name} or relax the constraint"
+            f"vocabulary's longest token is {longest_token(tokenizer)} bytes, so it needs at "
+            f"least {need} tokens: raise {name} or relax the constraint"
         )
 
 
@@ -151,7 +156,7 @@ def regex_min_chars(pattern: str) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
-            return re._parser.parse(pattern).getwidth()[0]
+            return regex_parser.parse(pattern).getwidth()[0]
     except (re.error, FutureWarning, RecursionError, OverflowError):
         return 0
 
