@@ -48,11 +48,13 @@ from fastapi.responses import (
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from attnlab.inference.constraints import check_room
 from attnlab.serve import protocol as wire
 from attnlab.serve.attention import attention_ask, page_data
 from attnlab.serve.choice import Choice
 from attnlab.serve.protocol import APIError, Settings
 from attnlab.serve.tools import (
+    CallSplitter,
     ToolError,
     Tools,
     call_constraint,
@@ -195,6 +197,7 @@ async def completions(request: Request):
     scored = echo and k is not None  # the prompt's log-probs come back too
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=scored, chat=False)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+    check_constraint_room(app, params, prompts, wire.constraint_field(body), chat=False)
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, echo, chat=False, adapter=adapter)
     if stream:
@@ -223,11 +226,13 @@ async def chat(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     k = k if want else None
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+    field = wire.constraint_field(body)
     if tools is not None and tools.forced:
         if params.constraint is not None:
             message = f"tool_choice {tools.mode} constrains the reply already: drop the other"
             raise APIError(400, message, "tool_choice")
-        params = replace(params, constraint=call_constraint(tools))
+        params, field = replace(params, constraint=call_constraint(tools)), "tools"
+    check_constraint_room(app, params, prompts, field, chat=True)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, False, chat=True, adapter=adapter)
@@ -289,6 +294,21 @@ async def attention_ids(body: dict, tokenizer) -> tuple[list[int], str]:
     if not isinstance(prompt, str):
         raise APIError(400, "give a prompt (text), or messages and a reply", "prompt")
     return await encode(tokenizer, prompt), "prompt"
+
+
+def check_constraint_room(app, params: SamplingParams, prompts, field: str | None, chat: bool):
+    """A 400 naming `field` (what set the constraint: response_format, a guided_* field, or
+    tools for a forced call) when no text the constraint accepts fits in the tokens a prompt
+    may have (max_tokens, or the server's default for it): constraints.check_room."""
+    if params.constraint is None:
+        return
+    tokenizer, settings = app.state.tokenizer, app.state.settings
+    for ids in prompts:
+        n = wire.max_tokens_for(params, len(ids), settings, chat)
+        try:
+            check_room(params.constraint, tokenizer, n, "max_tokens")
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", field) from None
 
 
 ROUTES = {
@@ -522,18 +542,20 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
 
 # --- chat -----------------------------------------------------------------------------------------
 async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterator[dict]:
-    """A chat reply as chunks of text; a reply that may hold tool calls (tools given, and
-    tool_choice not "none") is held back and sent whole at its end, as `delta.tool_calls`
-    (each call in one delta: id, name and all its arguments) or as content."""
+    """A chat reply as chunks of text. With tools in "auto", the text streams as it comes
+    but for what may still be a call (tools.CallSplitter), and each call goes out as one
+    `delta.tool_calls` entry (index, id, name and all its arguments) once its block closes. A
+    forced call (required, named) is one JSON object: it goes out whole at the end."""
     tokenizer = app.state.tokenizer
     model, _ = wire.requested_model(body, app.state.settings)
+    auto = tools is not None and tools.mode == "auto"
+    splitters = {c.index: CallSplitter(tools) for c in choices} if auto else {}
 
     def chunk(c: Choice, delta: dict, logprobs=None, finish=None) -> dict:
         choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return wire.envelope(rid, "chat.completion.chunk", model, [choice])
 
     try:
-        held = tools is not None and tools.mode != "none"
         for c in choices:
             yield chunk(c, {"role": "assistant", "content": ""})
         async for c in merged(choices):
@@ -543,11 +565,7 @@ async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterato
             new, logprobs = c.new_tokens(), None
             if want and c.tokens[new]:
                 logprobs = wire.chat_logprobs(tokenizer, c.tokens[new], c.logprobs[new], c.top[new])
-            if held and not c.finish_reason:
-                if logprobs:
-                    yield chunk(c, {}, logprobs)
-                continue
-            delta, finish = chat_delta(c, tools if held else None)
+            delta, finish = chat_delta(c, tools, splitters.get(c.index))
             if delta or logprobs or finish:
                 yield chunk(c, delta, logprobs, finish)
         if include_usage(body):
@@ -557,17 +575,31 @@ async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterato
         cancel_unfinished(app, choices)
 
 
-def chat_delta(c: Choice, tools: Tools | None) -> tuple[dict, str | None]:
-    """The delta of a chat chunk and its finish_reason: the new text, or (tools: the choice
-    is finished) the calls of the whole reply, each with its index, or its text."""
-    if tools is None:
+def chat_delta(
+    c: Choice, tools: Tools | None, splitter: CallSplitter | None
+) -> tuple[dict, str | None]:
+    """The delta of a chat chunk and its finish_reason ("tool_calls" once a call was made):
+    the new text; in "auto" (`splitter`), the content and calls it lets out; in a forced
+    mode, nothing until the choice is finished, then its call (or its text, cut short)."""
+    if tools is None or tools.mode == "none":
         text = c.delta()
         return ({"content": text} if text else {}), c.finish_reason
-    content, calls = parsed_reply(c.delta(), tools)
+    if splitter is None:  # forced
+        if c.finish_reason is None:
+            return {}, None
+        content, calls = parsed_reply(c.delta(), tools)
+        made, first = calls, 0
+    else:
+        first = len(splitter.calls)
+        content, calls = splitter.push(c.delta())
+        if c.finish_reason is not None:
+            content += splitter.finish()
+        made = splitter.calls
     delta = {"content": content} if content else {}
     if calls:
-        delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(calls)]
-    return delta, "tool_calls" if calls else c.finish_reason
+        delta["tool_calls"] = [{"index": first + i} | call for i, call in enumerate(calls)]
+    finish = c.finish_reason and ("tool_calls" if made else c.finish_reason)
+    return delta, finish
 
 
 # --- running it -----------------------------------------------------------------------------------
