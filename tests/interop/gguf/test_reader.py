@@ -306,3 +306,17 @@ def test_every_ckpt_takes_a_gguf(tmp_path, tokenizer, hf_model, capsys):
     args = ["generate", "--ckpt", str(path), "--prompt", "The quick", "--max-new-tokens", "4"]
     assert main(args) == 0
     assert capsys.readouterr().out.startswith("The quick")
+
+
+def test_kept_int4_saves_and_opens_with_its_int8_head(tmp_path, tokenizer, hf_model):
+    """save_quantized of such a model records the int8 head; open_checkpoint rebuilds it."""
+    from attnlab.inference.quantized import save_quantized
+
+    path = write_gguf(tmp_path / "q41.gguf", hf_model, tokenizer, quant="Q4_1", embedding="Q8_0")
+    kept = open_checkpoint(path, scheme="int4")
+    out = save_quantized(kept.model, tmp_path / "ckpt", "int4", 32, kept.run, kept.tokenizer)
+    back = open_checkpoint(out, scheme="int4")
+    assert isinstance(back.model.head, Int8Linear)
+    a, b = kept.model.state_dict(), back.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(logits(kept), logits(back))
