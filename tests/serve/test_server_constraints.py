@@ -17,7 +17,7 @@ from tests.serve.server_helpers import Server, engines, write_checkpoint
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-N, SEEDS = 10, (0, 100, 200)  # 30 replies per constraint (n choices draw with seed + j)
+N, SEEDS = 10, tuple(range(0, 1000, 100))  # 100 replies per constraint (choice j: seed + j)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ TOOLS = [
 ]
 SCHEMAS = {"weather": WEATHER, "person": SCHEMA}
 ASK = [{"role": "user", "content": "the weather in Paris?"}]
-N, SEEDS = 10, (0, 100)  # 20 replies per tool_choice (n choices draw with seed + j)
+N, SEEDS = 10, tuple(range(0, 1000, 100))  # 100 replies per tool_choice (choice j: seed + j)
 
 
 # --- the pieces, without a server -----------------------------------------------------------------
@@ -163,8 +163,8 @@ def test_forced_calls_always_parse_and_validate(client, choice):
     for seed in SEEDS:
         out = client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-            max_tokens=80, n=N, seed=seed, temperature=1.5,
-        )  # fmt: skip
+            max_tokens=200, n=N, seed=seed, temperature=1.5,
+        )  # fmt: skip  (200: the longest call, one byte a token and \uXXXX escapes, fits)
         for c in out.choices:
             assert c.finish_reason == "tool_calls" and c.message.content is None
             assert len(c.message.tool_calls) == 1
