@@ -106,15 +106,29 @@ def workspace(tmp_path_factory) -> Path:
     return ws
 
 
+def written_by(argv: list[str]) -> set[str]:
+    """The runs a line writes: its --train.out_dir or --out, or what `convert` writes (its last
+    word: `convert --from attnlab runs/default --to hf runs/default-hf`)."""
+    pairs = zip(argv, argv[1:])
+    written = {value for flag, value in pairs if flag in ("--train.out_dir", "--out")}
+    return written | ({argv[-1]} if argv[0] == "convert" else set())
+
+
 def _maker(run: str) -> list[str]:
     """The README line that writes `run`: the one naming it as its output, else the first
     line, `attnlab train`, which writes runs/default."""
     for argv in COMMANDS:
-        pairs = zip(argv, argv[1:])
-        if any(flag in ("--train.out_dir", "--out") and value == run for flag, value in pairs):
+        if run in written_by(argv):
             return argv
     assert run == "runs/default", run
     return ["train"]
+
+
+def runs_read(argv: list[str]) -> list[str]:
+    """The runs a line reads: every word that names a run some line writes (--ckpt, --model,
+    a reward model's directory, ...), but for the ones the line writes itself."""
+    made = {"runs/default"}.union(*map(written_by, COMMANDS))
+    return [word for word in argv if word in made and word not in written_by(argv)]
 
 
 # Lines that setup_for already ran to make a run another line reads: their own test passes.
@@ -131,12 +145,14 @@ def setup_for(argv: list[str], ws: Path, monkeypatch) -> None:
             datasets.DATASETS[argv[2]], url=fixture.as_uri(), sha256=datasets.sha256_of(fixture)
         )
         monkeypatch.setitem(datasets.DATASETS, argv[2], local)
-    if "--ckpt" in argv and not (ws / argv[argv.index("--ckpt") + 1]).exists():
-        # A run that a line of the other tier makes (`-m slow` alone skips `attnlab train`).
-        maker = _maker(argv[argv.index("--ckpt") + 1])
-        setup_for(maker, ws, monkeypatch)
-        assert main(overridden(maker)) == 0
-        MADE.add(tuple(maker))
+    for run in runs_read(argv):
+        if not (ws / run).exists():
+            # A run that a line of the other tier makes (`-m slow` alone skips `attnlab
+            # train`), or that another pytest-xdist worker ran (each has its own folder).
+            maker = _maker(run)
+            setup_for(maker, ws, monkeypatch)
+            assert main(overridden(maker)) == 0
+            MADE.add(tuple(maker))
     if argv[0] == "train" and "--resume" in argv:
         # --resume continues a run: the first time, there is none to continue, so start it.
         plain = [a for a in overridden(argv) if a != "--resume"]

@@ -162,8 +162,14 @@ def test_forced_calls_always_parse_and_validate(client, choice):
     seen = set()
     for seed in SEEDS:
         out = client.chat.completions.create(
-            model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-            max_tokens=200, n=N, seed=seed, temperature=1.5,
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=200,
+            n=N,
+            seed=seed,
+            temperature=1.5,
         )  # fmt: skip  (200: the longest call, one byte a token and \uXXXX escapes, fits)
         for c in out.choices:
             assert c.finish_reason == "tool_calls" and c.message.content is None
