@@ -49,10 +49,11 @@ from attnlab.models.heads import config_with_head
 from attnlab.models.weights import load_weights, with_tied_names, without_tied_names
 from attnlab.quantize.handler import (
     QuantScheme,
+    head_names,
     linear_names,
     make_scheme,
     quantized_like,
-    read_heads_quantized,
+    read_heads,
     read_scheme,
     swap_modules,
 )
@@ -636,9 +637,11 @@ def _open_attnlab(
     with torch.device("meta"):
         model = build_model(cfg)
     if scheme is not None:  # the same Linears as when it was quantized, still empty
-        heads = read_heads_quantized(path / WEIGHTS)
-        names = linear_names(model, heads, scheme.group_size)
+        heads = read_heads(path / WEIGHTS)
+        names = linear_names(model, heads == "quantized", scheme.group_size)
         swap_modules(model, scheme.name, scheme.group_size, names)
+        if heads == "int8":  # an int4 model with int8 heads (a Q4_1 GGUF's)
+            swap_modules(model, "int8", None, head_names(model))
     load_weights(model, load_file(str(path / WEIGHTS), device=str(device)))
     if dtype is not None:
         model = model.to(dtype)

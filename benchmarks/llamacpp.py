@@ -12,15 +12,15 @@ prompt tokens, the same thread count, greedy, batch 1.
 Pairs (llama.cpp file type | attnlab model):
   Q4_1 | int4   the file as shipped | open_checkpoint(scheme="int4"): its Q4_1 matrices kept as
                 Int4Linear (w = d*q + m in 32-weight groups: the same numbers), the Q8_0
-                embedding dequantized
+                embedding dequantized for lookups and read by the head as per-row int8
   Q8_0 | int8   attnlab's Q8_0 export of the dequantized model (convert --to gguf) |
                 quantize_model(fp32 model, "int8"): per-row int8 (not the same rounding as
                 Q8_0's 32-weight blocks: the same format class and size)
   F32  | fp32   attnlab's F32 export | the dequantized model
   F16  | bf16   attnlab's F16 export | the dequantized model cast to bf16 (16-bit both)
 and `transformers` (its GGUF loader, fp32) as the third column of the decode table, and
-attnlab's compiled decode step on the fp32 model (`compile_decode_step`: fused GEMVs over packed
-weights) against F32.
+attnlab's compiled decode step (`compile_decode_step`: fused GEMVs over packed weights, the int4
+kernel and int8 GEMVs inside one graph) on the fp32, int4 and int8 models against F32, Q4_1, Q8_0.
 
 Decode: a 32-token prompt, 128 new tokens (greedy, no stop), tokens/s = new tokens / wall time
 of the whole call, prefill included. Prefill: 512 prompt tokens, tokens/s = 512 / time to the
@@ -56,6 +56,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 GiB = 2**30
 PAIRS = (("Q4_1", "int4"), ("Q8_0", "int8"), ("F32", "fp32"), ("F16", "bf16"))
 TARGETS = {"int4": "Q4_1", "fp32": "F32"}  # the issue's goals: attnlab >= 1.0x llama.cpp
+COMPILED = (("F32", "fp32"), ("Q4_1", "int4"), ("Q8_0", "int8"))  # compiled decode rows
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -204,7 +205,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; quick 2)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers column")
     parser.add_argument(
-        "--no-compile", action="store_true", help="skip attnlab's compiled fp32 decode step"
+        "--no-compile", action="store_true", help="skip attnlab's compiled decode steps"
     )
     parser.add_argument(
         "--extra-bufts", action="store_true", help="llama.cpp's AMX/repacked buffers (default off)"
@@ -258,9 +259,9 @@ def main() -> None:
     for kind, ours in PAIRS:
         decode_fns[kind] = lambda llm=llms[kind]: llama_decode(llm, prompt, n_new)
         decode_fns[ours] = lambda m=models[ours]: attnlab_decode(m, prompt, n_new)
-    if not args.no_compile:
-        compiled = attnlab_compiled(models["fp32"])
-        decode_fns["fp32 compiled"] = lambda: compiled(prompt, n_new)
+    for _, ours in () if args.no_compile else COMPILED:
+        step = attnlab_compiled(models[ours])
+        decode_fns[f"{ours} compiled"] = lambda step=step: step(prompt, n_new)
     if hf is not None:
         decode_fns["transformers fp32"] = lambda: hf_decode(hf, prompt, n_new)
     print(f"\n1. decode: {len(prompt)}-token prompt, {n_new} new tokens, greedy, batch 1")
@@ -301,14 +302,17 @@ def print_tables(decode, prefill, bytes_of, bandwidth, n_new, n_prefill, with_hf
             f"{roof(l_tok, bytes_of[kind]):>6.0%}/{roof(a_tok, bytes_of[ours]):<5.0%}"
             f"{same:>6}/{n_new:<6}" + (f"  {a_tok / hf_tok_s:.2f}x" if with_hf else "")
         )
-    if "fp32 compiled" in decode:
-        c_s, c_out = decode["fp32 compiled"]
-        c_tok, l_tok = n_new / c_s, n_new / decode["F32"][0]
-        ratios["fp32 compiled"] = c_tok / l_tok
-        same = sum(x == y for x, y in zip(decode["F32"][1], c_out))
+    for kind, ours in COMPILED:
+        if f"{ours} compiled" not in decode:
+            continue
+        c_s, c_out = decode[f"{ours} compiled"]
+        c_tok, l_tok = n_new / c_s, n_new / decode[kind][0]
+        ratios[f"{ours} compiled"] = c_tok / l_tok
+        same = sum(x == y for x, y in zip(decode[kind][1], c_out))
         print(
-            f"{'F32 | fp32 compiled':<24}{c_tok:>10.1f}{c_tok / l_tok:>7.2f}"
-            f"{'':>14}{c_tok * bytes_of['fp32'] / bandwidth:>11.0%}{same:>7}/{n_new:<6}"
+            f"{kind + ' | ' + ours + ' compiled':<24}{c_tok:>10.1f}{c_tok / l_tok:>7.2f}"
+            f"{'':>14}{c_tok * bytes_of[ours] / bandwidth:>11.0%}{same:>7}/{n_new:<6}"
+            + (f"  {c_tok / hf_tok_s:.2f}x" if with_hf else "")
         )
     if with_hf:
         print(f"{'transformers fp32':<24}{hf_tok_s:>10.1f}")
@@ -320,22 +324,21 @@ def print_tables(decode, prefill, bytes_of, bandwidth, n_new, n_prefill, with_hf
         pre[ours] = a_tok / l_tok
         print(f"{kind + ' | ' + ours:<14}{l_tok:>11.1f}{a_tok:>10.1f}{a_tok / l_tok:>7.2f}")
     print("\nTargets (ratios measured in this run)")
-    if "fp32 compiled" in ratios:
-        r = ratios["fp32 compiled"]
-        print(
-            f"   attnlab fp32 compiled / llama.cpp F32 decode {r:>6.2f}  >= 1.00  "
-            f"{'PASS' if r >= 1.0 else 'MISS'}"
-        )
+    for kind, ours in COMPILED:
+        if f"{ours} compiled" in ratios:
+            r = ratios[f"{ours} compiled"]
+            verdict = "PASS" if r >= 1.0 else "MISS"
+            what = f"{ours} compiled / llama.cpp {kind} decode"
+            print(f"   attnlab {what} {r:>6.2f}  >= 1.00  {verdict}")
     for ours, kind in TARGETS.items():
         for what, r in (("decode", ratios[ours]), (f"prefill {n_prefill}", pre[ours])):
             verdict = "PASS" if r >= 1.0 else "MISS"
             print(f"   attnlab {ours} / llama.cpp {kind} {what:<12}{r:>6.2f}  >= 1.00  {verdict}")
-    if with_hf:
-        r = n_new / decode["fp32"][0] / hf_tok_s
-        print(
-            f"   attnlab fp32 / transformers fp32 decode    {r:>6.2f}  >= 2.50  "
-            f"{'PASS' if r >= 2.5 else 'MISS'}"
-        )
+    for name in ("fp32", "fp32 compiled", "int4 compiled") if with_hf else ():
+        if name in decode:
+            r = n_new / decode[name][0] / hf_tok_s
+            verdict = "PASS" if r >= 2.5 else "MISS"
+            print(f"   attnlab {name} / transformers fp32 decode {r:>6.2f}  >= 2.50  {verdict}")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ llama.cpp, ...: --rounds each), and the table gives the medians over rounds of
   out tok/s       streamed tokens (one per chunk) / wall time of the round
   TTFT p50 / p99  from sending a request to its first token, over every request of the rounds
 
-llama-cpp-python's server runs one completion at a time (it holds a lock around the model);
-attnlab's batches every request in flight into one decode step. llama.cpp's extra buffer types
-(AMX, repacked weights) are off, as in benchmarks/llamacpp.py.
+llama-cpp-python's server runs one completion at a time (it holds a lock around the model; it
+is started with `--interrupt_requests False`, else each new request cuts the running stream
+short); attnlab's batches every request in flight into one decode step. `tokens` is what each
+server streamed in a round (the same work: a reply ends at max_tokens or at the model's EOS).
+llama.cpp's extra buffer types (AMX, repacked weights) are off, as in benchmarks/llamacpp.py.
 """
 
 import argparse
@@ -102,6 +104,9 @@ def start_llamacpp(path: Path, threads: int, n_ctx: int) -> tuple:
     cmd = [sys.executable, "-c", code, "--model", str(path), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads)]
     cmd += ["--n_ctx", str(n_ctx), "--model_alias", "bench"]
+    # By default a request that arrives while another streams ends that stream at once
+    # (`interrupt_requests`): with more clients than one, most replies would be cut short.
+    cmd += ["--interrupt_requests", "False"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
@@ -197,27 +202,35 @@ def main() -> None:
     warmup = make_requests(tokenizer, 2, args.seed, prompt_len, output_len)
     for _, url in servers.values():  # first-request costs (allocations, lazy set-up) untimed
         asyncio.run(load(url, warmup, 1))
-    print(f"\n{'clients':>7} {'server':<10}{'out tok/s':>10}{'TTFT p50':>10}{'p99':>8}  ms")
+    print(
+        f"\n{'clients':>7} {'server':<10}{'out tok/s':>10}{'TTFT p50':>10}{'p99':>8}  ms"
+        f"{'tokens':>9}"
+    )
     try:
         for n in clients:
             requests = make_requests(
                 tokenizer, args.requests or max(8, 2 * n), args.seed + n, prompt_len, output_len
             )
-            stats = {name: ([], []) for name in servers}  # tok/s per round, every TTFT
+            stats = {name: ([], [], []) for name in servers}  # tok/s, TTFTs, tokens per round
             for r in range(args.rounds):
                 for name, (_, url) in servers.items():
                     results, wall = asyncio.run(load(url, requests, n))
                     errors = [x.error for x in results if x.error]
                     if errors:
                         raise SystemExit(f"{name}: {len(errors)} failed requests: {errors[0]}")
-                    stats[name][0].append(sum(len(x.arrivals) for x in results) / wall)
+                    tokens = sum(len(x.arrivals) for x in results)
+                    stats[name][0].append(tokens / wall)
+                    stats[name][2].append(tokens)
                     stats[name][1].extend(x.arrivals[0] - x.sent for x in results if x.arrivals)
                     print(f"   round {r + 1}: {name} {wall:.1f} s", file=sys.stderr, flush=True)
             rates = {}
-            for name, (tps, ttft) in stats.items():
+            for name, (tps, ttft, tokens) in stats.items():
                 rates[name] = statistics.median(tps)
                 p50, p99 = ms(ttft, 0.5), ms(ttft, 0.99)
-                print(f"{n:>7} {name:<10}{rates[name]:>10.1f}{p50:>10.0f}{p99:>8.0f}")
+                print(
+                    f"{n:>7} {name:<10}{rates[name]:>10.1f}{p50:>10.0f}{p99:>8.0f}"
+                    f"{'':>4}{statistics.median(tokens):>9.0f}"
+                )
             print(f"{'':>7} {'ratio':<10}{rates['attnlab'] / rates['llama.cpp']:>10.2f}")
     finally:
         for proc, _ in servers.values():

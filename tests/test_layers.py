@@ -38,7 +38,9 @@ LAYERS = {
     "attnlab.training": 8,
     "attnlab.interop": 8,  # whole-directory conversion and the reference checker, over the loader
     "attnlab.viz": 8,
-    "attnlab.serve": 8,  # the HTTP server and its engines, over inference
+    # the HTTP server and its engines, over inference; its attention page (/v1/attention) is
+    # viz's viewer over viz.capture, so it sits above viz
+    "attnlab.serve": 9,
     "attnlab.analysis": 9,  # measures attention with viz.capture, so it sits above viz
     "attnlab.finetune": 9,  # fine-tuning runs through training's loop, so it sits above it
     "attnlab.lab": 9,  # experiments train (training) and draw (viz), so they sit above both

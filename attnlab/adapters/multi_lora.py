@@ -101,12 +101,14 @@ def multi_lora_modules(model: nn.Module) -> list[MultiLoRALinear]:
 @contextmanager
 def adapter_rows(model: nn.Module, rows: Tensor | None) -> Iterator[None]:
     """Run the forwards inside the block with row b of each batch through adapter rows[b]
-    (0: the base alone; None: every row the base), then forget the rows."""
+    (0: the base alone; None: every row the base), then put back the rows set before (none,
+    or those of an enclosing block: an engine's job runs the base inside a request's block)."""
     modules = multi_lora_modules(model)
+    before = [m.rows for m in modules]
     for m in modules:
         m.rows = rows
     try:
         yield
     finally:
-        for m in modules:
-            m.rows = None
+        for m, r in zip(modules, before):
+            m.rows = r

@@ -38,7 +38,8 @@ class GenerationConfig:
         num_return_sequences: beam hypotheses returned per prompt (<= num_beams).
         constraint: every row's text must be JSON of a schema, match a regex or be one of some
             choices (constraints.py); needs the tokenizer (`generate(..., tokenizer=)`) and a
-            stop token, and ends the row only where the text is complete.
+            stop token, and ends the row only where the text is complete. One that no text
+            of max_new_tokens tokens can finish is refused (a ValueError) before generating.
     """
 
     max_new_tokens: int = 200

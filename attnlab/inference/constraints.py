@@ -16,15 +16,27 @@ tokens allowed once the grammar can take nothing more.
 
 The library is llguidance (docs/generation.md, "Constrained decoding", says why and what it
 costs per token).
+
+A constraint that cannot be finished within max_new_tokens is refused before generating
+(`check_room`): a sound lower bound on the tokens of any accepted text is its fewest bytes
+(`Constraint.min_bytes`) over the most bytes one token of the vocabulary writes, rounded up.
 """
 
 import json
+import math
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import Tensor
+
+try:
+    from re import _parser as regex_parser  # Python's own regex parser (3.11+)
+except ImportError:  # Python 3.10 names it sre_parse
+    import sre_parse as regex_parser
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
 # Compact JSON (no free whitespace between tokens): a model, small or untrained, otherwise may
@@ -68,6 +80,17 @@ class Constraint:
             )
         grammar(self)  # compile once here, so a bad schema or regex fails when it is given
 
+    def min_bytes(self) -> int:
+        """A lower bound on the UTF-8 bytes of any text the constraint accepts (0 where it
+        knows nothing: still a bound)."""
+        if self.kind == "choice":
+            return min(len(c.encode()) for c in self.value)
+        if self.kind == "regex":
+            return regex_min_chars(self.value)  # each character is at least one byte
+        if self.kind == "json_object":
+            return 2  # {}
+        return json_min_bytes(json.loads(self.value))
+
 
 @lru_cache(maxsize=256)
 def grammar(constraint: Constraint) -> str:
@@ -89,6 +112,156 @@ def grammar(constraint: Constraint) -> str:
     if failed:
         raise ValueError(f"invalid {kind}: {one_line(messages[0])}")
     return text
+
+
+# --- the fewest tokens a constraint needs -----------------------------------------------------
+def min_tokens(constraint: Constraint, tokenizer) -> int:
+    """A lower bound on the tokens of any text `constraint` accepts, written with `tokenizer`:
+    its fewest bytes over the longest token's bytes, rounded up."""
+    return math.ceil(constraint.min_bytes() / longest_token(tokenizer))
+
+
+def check_room(constraint: Constraint, tokenizer, max_tokens: int, name: str) -> None:
+    """A one-line ValueError when no text the constraint accepts fits in `max_tokens` tokens
+    (`name`: the setting the caller calls it, e.g. max_new_tokens)."""
+    need = min_tokens(constraint, tokenizer)
+    if max_tokens < need:
+        raise ValueError(
+            f"the {constraint.kind} constraint cannot be finished within {name}={max_tokens}: "
+            f"any text it accepts has at least {constraint.min_bytes()} bytes and this "
+            f"vocabulary's longest token is {longest_token(tokenizer)} bytes, so it needs at "
+            f"least {need} tokens: raise {name} or relax the constraint"
+        )
+
+
+@lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """The most bytes one token of the vocabulary writes (at least 1). Special tokens are left
+    out: no constraint's text holds them. Cached per tokenizer object."""
+    vocab = vocabulary(tokenizer)
+    texts = [vocab.decode_bytes([i]) for i in range(vocab.vocab_size)]
+    sizes = [
+        len(b)
+        for i, b in enumerate(texts)
+        if not (vocab.is_special_token(i) or b.startswith(b"\xff"))  # 0xFF: _TokenTexts' mark
+    ]
+    return max(sizes, default=1) or 1
+
+
+def regex_min_chars(pattern: str) -> int:
+    """The fewest characters a full match of `pattern` has, as Python's own parser counts it
+    (`getwidth`); 0 for a pattern Python reads otherwise than llguidance (Rust's syntax): one
+    it cannot parse, or one it warns about (a nested set such as [[:alpha:]], or &&, whose
+    meaning differs)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            return regex_parser.parse(pattern).getwidth()[0]
+    except (re.error, FutureWarning, RecursionError, OverflowError):
+        return 0
+
+
+TYPE_BYTES = {"boolean": 4, "null": 4, "number": 1, "integer": 1}  # true, null, a digit
+
+
+def json_min_bytes(schema, root=None, refs: tuple[str, ...] = ()) -> int:
+    """A lower bound on the bytes of compact JSON (as JSON_OPTIONS writes it: {"a":1}) valid
+    for `schema`. Read: type (a list: the least of its types), a string's minLength, an
+    array's minItems (items, prefixItems), an object's required properties, const, enum,
+    anyOf / oneOf (the least), allOf (the most), and $ref inside the schema (a cycle counts 0);
+    every other keyword only makes texts longer, so leaving it out keeps the bound.
+    `root`: the whole schema, for $ref; `refs`: the $refs being followed."""
+    if schema is True:
+        return 1  # any JSON value: a digit at least
+    if not isinstance(schema, dict):
+        return 0  # false accepts nothing; anything unread counts 0
+    root = schema if root is None else root
+    bounds = [type_min_bytes(schema, root, refs)]  # every keyword holds: the most of them
+    if "const" in schema:
+        bounds.append(value_min_bytes(schema["const"]))
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        bounds.append(min(map(value_min_bytes, schema["enum"])))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            bounds.append(min(json_min_bytes(s, root, refs) for s in schema[key]))
+    if isinstance(schema.get("allOf"), list):
+        bounds += [json_min_bytes(s, root, refs) for s in schema["allOf"]]
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in refs:
+        bounds.append(json_min_bytes(resolved(root, ref), root, (*refs, ref)))
+    return max(bounds)
+
+
+def type_min_bytes(schema: dict, root, refs: tuple[str, ...]) -> int:
+    """The bound `type` alone gives (1 without one: any JSON value)."""
+    types = schema.get("type")
+    if types is None:
+        return 1
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types:
+        return 0
+    bounds = []
+    for kind in types:
+        if kind == "string":
+            bounds.append(2 + whole(schema.get("minLength")))  # each character: >= 1 byte
+        elif kind == "array":
+            n, first = whole(schema.get("minItems")), schema.get("prefixItems") or []
+            first = first if isinstance(first, list) else []
+            items = [first[i] if i < len(first) else schema.get("items", True) for i in range(n)]
+            bounds.append(2 + sum(json_min_bytes(s, root, refs) for s in items) + max(n - 1, 0))
+        elif kind == "object":
+            names = schema.get("required") or []
+            names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+            properties = schema.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            fields = sum(
+                value_min_bytes(n) + 1 + json_min_bytes(properties.get(n, True), root, refs)
+                for n in set(names)
+            )
+            bounds.append(2 + fields + max(len(set(names)) - 1, 0))  # {"a":1,"b":2}
+        else:
+            bounds.append(TYPE_BYTES.get(kind, 0))
+    return min(bounds)
+
+
+def value_min_bytes(value) -> int:
+    """The fewest bytes of a JSON value written compactly: a string as json.dumps writes it
+    (raw UTF-8, the shortest escapes), a number 1 (1.0 may be written 1, 100 as 1e2)."""
+    if isinstance(value, bool):
+        return 4 if value else 5
+    if value is None:
+        return 4
+    if isinstance(value, (int, float)):
+        return 1
+    if isinstance(value, str):
+        return len(json.dumps(value, ensure_ascii=False).encode())
+    if isinstance(value, list):
+        return 2 + sum(map(value_min_bytes, value)) + max(len(value) - 1, 0)
+    if isinstance(value, dict):
+        fields = sum(value_min_bytes(k) + 1 + value_min_bytes(v) for k, v in value.items())
+        return 2 + fields + max(len(value) - 1, 0)
+    return 0
+
+
+def resolved(root, ref: str):
+    """The part of the schema a local $ref ("#", "#/$defs/a") points to; None for another."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def whole(value) -> int:
+    """A count keyword (minLength, minItems) as a non-negative int; 0 when malformed."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def library():

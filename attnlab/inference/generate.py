@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.beam import beam_search
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.constraints import Matcher, banned_by
+from attnlab.inference.constraints import Matcher, banned_by, check_room
 from attnlab.inference.sampling import SamplingConfig, SamplingRows, TokenCounts, sample
 from attnlab.inference.speculative import Speculative
 from attnlab.inference.steps import (
@@ -128,6 +128,8 @@ def stream_tokens(
     n_new = config.new_tokens_for(T0)
     window, keep, notice = plan_crop(model, T0, n_new, config.max_context, config.crop_to)
     notice = _Notice(notice, on_notice)
+    V = decoder.head.out_features
+    matchers = row_matchers(config, tokenizer, B, V, n_new)  # before the prefill: may refuse
     memory = encode_source(model, source, source_mask)  # (B, M, C) or None
     history = torch.where(mask, ids, ids[:, -1:])  # (B, T0) padding -> a token already there
     seen = mask  # (B, T) False = left padding
@@ -138,13 +140,11 @@ def stream_tokens(
     logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
-    V = decoder.head.out_features
     rows = SamplingRows.stack([config.sampling] * B, V, device)
     counts = TokenCounts.of_prompts(history, V) if rows.needs_counts else None
     stop_mask = torch.zeros(V, dtype=torch.bool, device=device).index_fill(0, stops, True)
     gen = None if config.seed is None else torch.Generator(device=device).manual_seed(config.seed)
     step = step_fn or decode_step
-    matchers = row_matchers(config, tokenizer, B, V)
     for i in range(n_new):
         banned = stop_mask if i < config.min_new_tokens else None
         constrained = banned_by(matchers, device)  # (B, V) or None
@@ -175,12 +175,16 @@ def stream_tokens(
             )
 
 
-def row_matchers(config: GenerationConfig, tokenizer, B: int, V: int) -> list[Matcher | None]:
-    """One Matcher per row for `config.constraint` (None per row without one)."""
+def row_matchers(
+    config: GenerationConfig, tokenizer, B: int, V: int, n_new: int
+) -> list[Matcher | None]:
+    """One Matcher per row for `config.constraint` (None per row without one); a ValueError
+    when no text the constraint accepts fits in the `n_new` tokens (constraints.check_room)."""
     if config.constraint is None:
         return [None] * B
     if tokenizer is None:
         raise ValueError("a constraint needs the tokenizer: pass tokenizer= to generate")
+    check_room(config.constraint, tokenizer, n_new, "max_new_tokens")
     return [Matcher(config.constraint, tokenizer, config.stop_tokens, V) for _ in range(B)]
 
 

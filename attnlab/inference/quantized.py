@@ -29,6 +29,7 @@ from attnlab.quantize.handler import (
     LogitError,
     Scheme,
     float_misfits,
+    head_names,
     linear_names,
     logit_error,
     make_scheme,
@@ -37,6 +38,7 @@ from attnlab.quantize.handler import (
     read_scheme,
     scheme_metadata,
 )
+from attnlab.quantize.int8 import Int8Linear
 from attnlab.tokenizer import Tokenizer
 
 
@@ -55,8 +57,12 @@ def save_quantized(
         tokenizer: saved beside the weights as tokenizer.json, or None.
     """
     s = make_scheme(scheme, group_size)
-    # A float Linear the scheme could have quantized is a head kept in float (heads=False).
+    # A float Linear the scheme could have quantized is a head kept in float (heads=False);
+    # an int4 model may hold int8 heads (a Q4_1 GGUF opened with scheme="int4").
     heads = not linear_names(model, group_size=s.group_size)
+    int8_heads = [isinstance(model.get_submodule(n), Int8Linear) for n in head_names(model)]
+    if s.name == "int4" and int8_heads and all(int8_heads):
+        heads = "int8"
     config = from_dict(ModelConfig, run["model"])
     return save_pretrained(path, model, config, tokenizer, run, scheme_metadata(s, heads))
 

@@ -23,7 +23,9 @@ A quantized checkpoint is a directory like a training checkpoint, loadable on it
     tokenizer.json      the float checkpoint's tokenizer, when it has one
     model.safetensors   quantized tensors; the scheme lives in the file's metadata:
                         {"quantization": "int8"} or {"quantization": "int4", "group_size": "32"},
-                        and {"heads": "quantized"} or {"heads": "float"} (absent: float)
+                        and {"heads": "quantized"} or {"heads": "float"} (absent: float),
+                        or {"heads": "int8"}: an int4 model whose heads are int8 (a Q4_1
+                        GGUF's, interop/gguf/reader.py, saved with save_quantized)
 
 The file name is the same as a float checkpoint's: the metadata, not the name, says what is
 inside, and `open_checkpoint(path, scheme=...)` refuses a file whose scheme is not the one asked
@@ -229,10 +231,11 @@ def without_kernels(*models: nn.Module | None) -> Iterator[None]:
             m.use_kernel = use
 
 
-def scheme_metadata(scheme: QuantScheme, heads: bool = True) -> dict[str, str]:
+def scheme_metadata(scheme: QuantScheme, heads: bool | str = True) -> dict[str, str]:
     """The safetensors metadata recording `scheme` and whether the heads are quantized
-    (values must be strings)."""
-    meta = {METADATA_KEY: scheme.name, HEADS_KEY: "quantized" if heads else "float"}
+    (heads: True, False, or "int8" for int8 heads on an int4 model; values must be strings)."""
+    heads = heads if isinstance(heads, str) else "quantized" if heads else "float"
+    meta = {METADATA_KEY: scheme.name, HEADS_KEY: heads}
     if scheme.group_size is not None:
         meta["group_size"] = str(scheme.group_size)
     return meta
@@ -247,10 +250,18 @@ def read_scheme(path: str | Path) -> QuantScheme | None:
     return make_scheme(meta[METADATA_KEY], meta.get("group_size"))
 
 
-def read_heads_quantized(path: str | Path) -> bool:
-    """Whether a quantized .safetensors file holds quantized LM heads (see HEADS_KEY)."""
+def read_heads(path: str | Path) -> str:
+    """What a quantized .safetensors file holds as LM heads (see HEADS_KEY): "quantized" (in
+    the file's scheme), "float", or "int8" (on an int4 model)."""
     with safe_open(str(path), framework="pt") as f:
-        return (f.metadata() or {}).get(HEADS_KEY) == "quantized"
+        heads = (f.metadata() or {}).get(HEADS_KEY, "float")
+    return heads if heads in ("quantized", "int8") else "float"
+
+
+def head_names(model: nn.Module) -> list[str]:
+    """Names of the LM heads (each DecoderLM's `head`) in `model`."""
+    heads = {id(m.head) for m in model.modules() if isinstance(m, DecoderLM)}
+    return [name for name, m in model.named_modules() if id(m) in heads]
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,12 @@
                                 the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
+    POST /v1/attention          a chat reply's (or a text's) attention maps as the viewer's
+                                HTML page (attention.py: the fields, and why the forward runs
+                                as a job on the engine's thread)
     GET  /                      the chat page (static/chat.html; off with `--no-ui`): plain
-                                HTML/JS that streams /v1/chat/completions, fetching nothing else
+                                HTML/JS that streams /v1/chat/completions and opens a reply's
+                                /v1/attention page, fetching nothing else
 
 Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
 the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
@@ -30,6 +34,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from importlib.resources import files
 
 from fastapi import FastAPI, Request
@@ -43,10 +48,13 @@ from fastapi.responses import (
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from attnlab.inference.constraints import check_room
 from attnlab.serve import protocol as wire
+from attnlab.serve.attention import attention_ask, page_data
 from attnlab.serve.choice import Choice
 from attnlab.serve.protocol import APIError, Settings
 from attnlab.serve.tools import (
+    CallSplitter,
     ToolError,
     Tools,
     call_constraint,
@@ -56,6 +64,7 @@ from attnlab.serve.tools import (
 )
 from attnlab.serve.types import EngineStopped, QueueFull, SamplingParams
 from attnlab.serve.types import Request as EngineRequest
+from attnlab.viz.viewer import viewer_html
 
 POLL_S = 0.5  # how often a plain (non-streaming) request checks that its client is still there
 OPEN_PATHS = ("/health", "/metrics")  # need no API key (probes and scrapers on loopback)
@@ -188,6 +197,7 @@ async def completions(request: Request):
     scored = echo and k is not None  # the prompt's log-probs come back too
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=scored, chat=False)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
+    check_constraint_room(app, params, prompts, wire.constraint_field(body), chat=False)
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, echo, chat=False, adapter=adapter)
     if stream:
@@ -216,11 +226,13 @@ async def chat(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     k = k if want else None
     params = wire.sampling_params(body, settings, logprobs=k, prompt_logprobs=False, chat=True)
+    field = wire.constraint_field(body)
     if tools is not None and tools.forced:
         if params.constraint is not None:
             message = f"tool_choice {tools.mode} constrains the reply already: drop the other"
             raise APIError(400, message, "tool_choice")
-        params = replace(params, constraint=call_constraint(tools))
+        params, field = replace(params, constraint=call_constraint(tools)), "tools"
+    check_constraint_room(app, params, prompts, field, chat=True)
     n, stream = wire.choices_per_prompt(body), wire.streamed(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = submit(app, rid, prompts, params, n, False, chat=True, adapter=adapter)
@@ -246,6 +258,59 @@ def chat_prompt(tokenizer, messages: list[dict], tools: Tools | None) -> str:
         raise APIError(400, str(e), "messages") from None
 
 
+# --- attention maps -------------------------------------------------------------------------------
+async def attention(request: Request):
+    """The viewer page of a chat reply's (or a text's) attention maps: attention.py checks the
+    request and makes the page's data in a job on the engine's thread."""
+    app = request.app
+    tokenizer, engine, settings = app.state.tokenizer, app.state.engine, app.state.settings
+    body = await read_body(request)
+    ids, param = await attention_ids(body, tokenizer)
+    ask = attention_ask(body, ids, param, engine.model, settings)
+    try:
+        data = await asyncio.wrap_future(
+            engine.run_job(partial(page_data, engine.model, tokenizer, ask, settings.model_name))
+        )
+    except EngineStopped as e:
+        raise APIError(503, str(e)) from None
+    except Exception as e:
+        line = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise APIError(500, f"the attention forward failed: {line}", code="engine_error") from None
+    page = await asyncio.to_thread(viewer_html, data)  # JSON of up to ~1M weights: off the loop
+    return HTMLResponse(page)
+
+
+async def attention_ids(body: dict, tokenizer) -> tuple[list[int], str]:
+    """The token ids /v1/attention runs, and the field they come from: `messages` rendered as
+    `chat` renders them (so these are the ids the reply was generated after), then the reply's
+    text encoded (the page keeps the reply as text); or a plain `prompt`."""
+    if "messages" in body:
+        if "prompt" in body:
+            raise APIError(400, "give messages (with a reply) or a prompt, not both", "prompt")
+        text = chat_prompt(tokenizer, wire.chat_messages(body), None)
+        reply = wire.field_of(body, "reply", str, "", rule="text")
+        return await encode(tokenizer, text) + await encode(tokenizer, reply), "messages"
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(400, "give a prompt (text), or messages and a reply", "prompt")
+    return await encode(tokenizer, prompt), "prompt"
+
+
+def check_constraint_room(app, params: SamplingParams, prompts, field: str | None, chat: bool):
+    """A 400 naming `field` (what set the constraint: response_format, a guided_* field, or
+    tools for a forced call) when no text the constraint accepts fits in the tokens a prompt
+    may have (max_tokens, or the server's default for it): constraints.check_room."""
+    if params.constraint is None:
+        return
+    tokenizer, settings = app.state.tokenizer, app.state.settings
+    for ids in prompts:
+        n = wire.max_tokens_for(params, len(ids), settings, chat)
+        try:
+            check_room(params.constraint, tokenizer, n, "max_tokens")
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", field) from None
+
+
 ROUTES = {
     "GET": {
         "/health": health,
@@ -258,6 +323,7 @@ ROUTES = {
         "/detokenize": detokenize,
         "/v1/completions": completions,
         "/v1/chat/completions": chat,
+        "/v1/attention": attention,
     },
 }
 
@@ -476,18 +542,20 @@ async def stream_completion(app, rid, choices, body, k, echo) -> AsyncIterator[d
 
 # --- chat -----------------------------------------------------------------------------------------
 async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterator[dict]:
-    """A chat reply as chunks of text; a reply that may hold tool calls (tools given, and
-    tool_choice not "none") is held back and sent whole at its end, as `delta.tool_calls`
-    (each call in one delta: id, name and all its arguments) or as content."""
+    """A chat reply as chunks of text. With tools in "auto", the text streams as it comes
+    but for what may still be a call (tools.CallSplitter), and each call goes out as one
+    `delta.tool_calls` entry (index, id, name and all its arguments) once its block closes. A
+    forced call (required, named) is one JSON object: it goes out whole at the end."""
     tokenizer = app.state.tokenizer
     model, _ = wire.requested_model(body, app.state.settings)
+    auto = tools is not None and tools.mode == "auto"
+    splitters = {c.index: CallSplitter(tools) for c in choices} if auto else {}
 
     def chunk(c: Choice, delta: dict, logprobs=None, finish=None) -> dict:
         choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return wire.envelope(rid, "chat.completion.chunk", model, [choice])
 
     try:
-        held = tools is not None and tools.mode != "none"
         for c in choices:
             yield chunk(c, {"role": "assistant", "content": ""})
         async for c in merged(choices):
@@ -497,11 +565,7 @@ async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterato
             new, logprobs = c.new_tokens(), None
             if want and c.tokens[new]:
                 logprobs = wire.chat_logprobs(tokenizer, c.tokens[new], c.logprobs[new], c.top[new])
-            if held and not c.finish_reason:
-                if logprobs:
-                    yield chunk(c, {}, logprobs)
-                continue
-            delta, finish = chat_delta(c, tools if held else None)
+            delta, finish = chat_delta(c, tools, splitters.get(c.index))
             if delta or logprobs or finish:
                 yield chunk(c, delta, logprobs, finish)
         if include_usage(body):
@@ -511,17 +575,31 @@ async def stream_chat(app, rid, choices, body, want, tools=None) -> AsyncIterato
         cancel_unfinished(app, choices)
 
 
-def chat_delta(c: Choice, tools: Tools | None) -> tuple[dict, str | None]:
-    """The delta of a chat chunk and its finish_reason: the new text, or (tools: the choice
-    is finished) the calls of the whole reply, each with its index, or its text."""
-    if tools is None:
+def chat_delta(
+    c: Choice, tools: Tools | None, splitter: CallSplitter | None
+) -> tuple[dict, str | None]:
+    """The delta of a chat chunk and its finish_reason ("tool_calls" once a call was made):
+    the new text; in "auto" (`splitter`), the content and calls it lets out; in a forced
+    mode, nothing until the choice is finished, then its call (or its text, cut short)."""
+    if tools is None or tools.mode == "none":
         text = c.delta()
         return ({"content": text} if text else {}), c.finish_reason
-    content, calls = parsed_reply(c.delta(), tools)
+    if splitter is None:  # forced
+        if c.finish_reason is None:
+            return {}, None
+        content, calls = parsed_reply(c.delta(), tools)
+        made, first = calls, 0
+    else:
+        first = len(splitter.calls)
+        content, calls = splitter.push(c.delta())
+        if c.finish_reason is not None:
+            content += splitter.finish()
+        made = splitter.calls
     delta = {"content": content} if content else {}
     if calls:
-        delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(calls)]
-    return delta, "tool_calls" if calls else c.finish_reason
+        delta["tool_calls"] = [{"index": first + i} | call for i, call in enumerate(calls)]
+    finish = c.finish_reason and ("tool_calls" if made else c.finish_reason)
+    return delta, finish
 
 
 # --- running it -----------------------------------------------------------------------------------

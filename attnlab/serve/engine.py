@@ -37,6 +37,9 @@ prefix cache keeps their blocks apart (the same tokens have other keys under ano
 A prefix- or prompt-tuned model (adapters/prompt_learning.py) has its learned prefix written
 into each sequence's first positions before its prompt (`Sequence.offset`).
 
+Work that must not run beside a forward (`run_job`, types.py's Jobs: app.py's /v1/attention
+captures attention maps on the shared model) runs on the engine's thread between two steps.
+
 Shapes: B running sequences, T tokens per row of a step, V vocab_size.
 """
 
@@ -44,6 +47,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +66,7 @@ from attnlab.serve.types import (
     DEFAULT_ENGINE,
     EngineConfig,
     EngineStopped,
+    Jobs,
     Request,
     TokenEvent,
     check_params,
@@ -118,6 +124,7 @@ class Engine:
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
         self._cancels: set[str] = set()
         self._cond = threading.Condition()
+        self._jobs = Jobs(self._cond, model)  # run_job's, run between two steps
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._counters = dict.fromkeys(
@@ -210,13 +217,30 @@ class Engine:
                 self._cancels.add(request_id)
                 self._cond.notify()
 
+    def run_job(self, fn: Callable[[], Any]) -> Future:
+        """Run fn() on the engine's thread between two steps, while no forward runs (types.py's
+        Jobs: e.g. a forward with capture hooks on the shared model, app.py's /v1/attention).
+
+        Returns:
+            a Future of fn's value (or of the exception it raised); an engine never started
+            runs fn at once on the caller's thread (the one that drives `step`).
+
+        Raises:
+            EngineStopped: stop() has begun (and fails the jobs still waiting).
+        """
+        future = self._jobs.add(fn)
+        if self._thread is None:
+            self._jobs.run()
+        return future
+
     def stop(self, timeout: float) -> None:
         """Stop admitting; let the running requests finish for up to `timeout` seconds, cancel
-        the rest (and every waiting one), and join the loop."""
+        the rest (and every waiting one), and join the loop. Waiting jobs fail at once."""
         with self._cond:
             self._stopping = True
             self._cancels.update(s.id for s in self.scheduler.waiting)
             self._cond.notify()
+        self._jobs.close()
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cond:
@@ -245,10 +269,11 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._active and not self._stopping:
+                while not self._active and not self._jobs and not self._stopping:
                     self._cond.wait()
                 if self._stopping and not self._active:
                     return
+            self._jobs.run()  # run_job's work, between two steps
             try:
                 self.step()
             except Exception as err:  # a fault of the engine itself: fail what runs, go on

@@ -278,17 +278,24 @@ def sampler_fields(body: dict, settings: Settings) -> dict:
 GUIDED = ("guided_json", "guided_regex", "guided_choice")  # vLLM's extra fields
 
 
+def constraint_field(body: dict) -> str | None:
+    """The field that constrains the output (response_format or a guided_* one), None when
+    none does; a 400 when two are given."""
+    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give one of {given} (each constrains the whole output)", given[1])
+    return given[0] if given else None
+
+
 def constraint(body: dict) -> Constraint | None:
     """What the output must be: OpenAI's response_format ({"type": "json_object"} or
     {"type": "json_schema", "json_schema": {"schema": ...}}) or one of vLLM's guided_json /
     guided_regex / guided_choice; a 400 naming the field when it is malformed or does not
     compile, or when two are given."""
-    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
-    if len(given) > 1:
-        raise APIError(400, f"give one of {given} (each constrains the whole output)", given[1])
-    if not given:
+    name = constraint_field(body)
+    if name is None:
         return None
-    name, value = given[0], body[given[0]]
+    value = body[name]
     try:
         if name == "guided_json":
             schema = json.loads(value) if isinstance(value, str) else value

@@ -13,12 +13,16 @@ instead (inference/speculative.py): batch 1, which is what this engine runs anyw
 Log-probabilities are those of the model itself (log-softmax of its logits), whatever the
 temperature or top-p the token was drawn with: what a scorer such as lm-eval asks for.
 A request may ask for max_tokens=0 when it wants only its prompt's log-probabilities.
+Work that must not run beside a forward (`run_job`, types.py's Jobs) runs on the thread between
+two tokens of the running request, or between two requests.
 """
 
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +38,7 @@ from attnlab.serve.types import (
     DEFAULT_ENGINE,
     EngineConfig,
     EngineStopped,
+    Jobs,
     QueueFull,
     Request,
     TokenEvent,
@@ -114,6 +119,7 @@ class SequentialEngine:
         self._cancelled: set[str] = set()
         self._running: str | None = None
         self._cond = threading.Condition()
+        self._jobs = Jobs(self._cond, model)  # run_job's, run between two tokens
         self._stopping = False
         self._deadline_passed = False
         self._thread: threading.Thread | None = None
@@ -162,11 +168,23 @@ class SequentialEngine:
             if self._running == request_id:
                 self._cancelled.add(request_id)
 
+    def run_job(self, fn: Callable[[], Any]) -> Future:
+        """Run fn() on the engine's thread between two tokens (or two requests), while no
+        forward runs (types.py's Jobs; app.py's /v1/attention). Returns a Future of fn's value;
+        an engine never started runs fn at once on the caller's thread. EngineStopped once
+        stop() has begun (which fails the jobs still waiting)."""
+        future = self._jobs.add(fn)
+        if self._thread is None:
+            self._jobs.run()
+        return future
+
     def stop(self, timeout: float) -> None:
-        """Stop admitting, let the queue run for up to `timeout` s, cancel the rest, join."""
+        """Stop admitting, let the queue run for up to `timeout` s, cancel the rest, join.
+        Waiting jobs fail at once."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._jobs.close()
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cond:
@@ -208,25 +226,31 @@ class SequentialEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopping:
+                while not self._waiting and not self._jobs and not self._stopping:
                     self._cond.wait()
-                if not self._waiting or self._deadline_passed:
+                if self._deadline_passed or not (self._waiting or self._jobs):
                     return
-                request, on_event, arrived = self._waiting.popleft()
-                self._running = request.request_id
-            try:
-                rows = torch.tensor([request.adapter], device=self.device)
-                with adapter_rows(self.model, rows if self.n_adapters else None):
-                    reason = self._run(request, on_event, arrived)
-                if reason != _NO_FINAL:
-                    on_event(TokenEvent(request.request_id, None, None, None, reason))
-            except Exception as e:  # the request fails; the engine keeps serving
-                line = f"{type(e).__name__}: {e}".splitlines()[0]
-                on_event(TokenEvent(request.request_id, None, None, None, "error", error=line))
-            with self._cond:
-                self._running = None
-                self._cancelled.discard(request.request_id)
-                self._stats["requests_finished_total"] += 1
+                item = self._waiting.popleft() if self._waiting else None
+                self._running = None if item is None else item[0].request_id
+            self._jobs.run()  # run_job's work first (and between the request's tokens)
+            if item is not None:
+                self._serve(*item)
+
+    def _serve(self, request: Request, on_event: OnEvent, arrived: float) -> None:
+        """Run one request to its end through its LoRA adapter; a failure ends it alone."""
+        try:
+            rows = torch.tensor([request.adapter], device=self.device)
+            with adapter_rows(self.model, rows if self.n_adapters else None):
+                reason = self._run(request, on_event, arrived)
+            if reason != _NO_FINAL:
+                on_event(TokenEvent(request.request_id, None, None, None, reason))
+        except Exception as e:  # the request fails; the engine keeps serving
+            line = f"{type(e).__name__}: {e}".splitlines()[0]
+            on_event(TokenEvent(request.request_id, None, None, None, "error", error=line))
+        with self._cond:
+            self._running = None
+            self._cancelled.discard(request.request_id)
+            self._stats["requests_finished_total"] += 1
 
     @torch.no_grad()
     def _run(self, request: Request, on_event: OnEvent, arrived: float) -> str:
@@ -260,6 +284,7 @@ class SequentialEngine:
             on_event(TokenEvent(rid, t, lp, top, reason, scored[0], prompt_top=scored[1]))
             if reason is not None:
                 return _NO_FINAL
+            self._jobs.run()  # between this token and the decode step of the next
         return _NO_FINAL  # unreachable: the last token carries "length"
 
     def _tokens(self, ids: Tensor, p) -> Iterator[tuple[int, Tensor]]:

@@ -16,9 +16,16 @@ How a call is read back:
   the JSON object {"name": <a tool's name>, "arguments": <valid for that tool's parameters>}
   (one schema, anyOf over the tools), so it always parses; cut by max_tokens it is returned as
   text with finish_reason "length".
-- "auto": every `<tool_call>{json}</tool_call>` in the free reply whose JSON names a tool
-  (Qwen's and Hermes' format) is a call; the text around them stays the content.
+- "auto": every `<tool_call>{json}</tool_call>` block of the free reply whose JSON names a
+  tool (Qwen's and Hermes' format) is a call; a block that does not parse as one stays text,
+  and the text around the calls is the content (see `parsed_reply` for the whitespace).
+  Streamed, `CallSplitter` reads the same calls and content as the text comes.
 - "none": the tools are shown but no call is read.
+
+parallel_tool_calls (OpenAI's field, default true): false allows at most one call. In "auto"
+that is the first block that parses; later blocks that parse are dropped, neither calls nor
+content, as vLLM filters them (OpenAI promises at most one call and says nothing of the rest).
+The forced modes make exactly one call either way.
 """
 
 import json
@@ -30,7 +37,8 @@ from attnlab.inference.constraints import Constraint
 
 MODES = ("none", "auto", "required")
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL = re.compile(rf"{OPEN}\s*(.*?)\s*{CLOSE}", re.S)  # the first CLOSE ends a block
 ANY_OBJECT = {"type": "object"}
 
 
@@ -46,12 +54,14 @@ class ToolError(ValueError):
 class Tools:
     """A request's tools. specs: the tools as the client sent them (what a template reads);
     schemas: {name: parameters JSON schema}; mode: "none", "auto", "required" or "named";
-    name: the function tool_choice names (mode "named")."""
+    name: the function tool_choice names (mode "named"); parallel: more than one call may be
+    made (parallel_tool_calls)."""
 
     specs: tuple[dict, ...]
     schemas: dict[str, dict]
     mode: str
     name: str | None = None
+    parallel: bool = True
 
     @property
     def forced(self) -> bool:
@@ -63,6 +73,10 @@ def requested_tools(body: dict) -> Tools | None:
     """The request's tools and tool_choice, checked; None when it gives no tools (and
     tool_choice is absent or "none"). A ToolError names the field that is wrong."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        message = f"parallel_tool_calls must be a boolean, got {parallel!r}"
+        raise ToolError(message, "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise ToolError(
@@ -78,7 +92,7 @@ def requested_tools(body: dict) -> Tools | None:
             raise ToolError(f"tools[{i}]: the name {name!r} is given twice", "tools")
         schemas[name] = schema
     mode, name = tool_mode(choice, schemas)
-    return Tools(tuple(tools), schemas, mode, name)
+    return Tools(tuple(tools), schemas, mode, name, parallel is not False)
 
 
 def function_of(tool, i: int) -> tuple[str, dict]:
@@ -174,19 +188,107 @@ def written(message: dict) -> str:
 
 # --- reading the calls back -----------------------------------------------------------------------
 def parsed_reply(text: str, tools: Tools | None) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a reply: the calls in OpenAI's shape ({"id", "type":
+    """(content, tool_calls) of a whole reply: the calls in OpenAI's shape ({"id", "type":
     "function", "function": {"name", "arguments": JSON text}}), and the text left (None when
-    only calls were written). Without calls: (text, [])."""
+    only calls were written). Without calls: (text, []).
+
+    In "auto", each <tool_call> block is read by `call_of`. One that parses is a call (only
+    the first, with tools.parallel false) and leaves the text with the whitespace just before
+    it; one that does not stays in the text as written. A reply that made a call loses its
+    trailing whitespace too: "I'll look.\n<tool_call>...</tool_call>\n" has content
+    "I'll look."."""
     if tools is None or tools.mode == "none":
         return text, []
     if tools.forced:
         call = call_of(text, tools)
         return (None, [call]) if call is not None else (text, [])
-    calls = [call_of(m.group(1), tools) for m in TOOL_CALL.finditer(text)]
-    if not calls or None in calls:
-        return text, []
-    rest = TOOL_CALL.sub("", text).strip()
-    return rest or None, calls
+    content, calls, at = "", [], 0
+    for block in TOOL_CALL.finditer(text):
+        before = text[at : block.start()]
+        call = call_of(block.group(1), tools)
+        if call is None:
+            content += before + block.group(0)
+        else:
+            content = (content + before).rstrip()
+            calls += [call] if tools.parallel or not calls else []
+        at = block.end()
+    content += text[at:]
+    return (content.rstrip() or None, calls) if calls else (content, [])
+
+
+class CallSplitter:
+    """A reply of tool_choice "auto" split into content and calls as its text comes: pieces
+    of text in (`push`), the content that can go out now and the calls just completed out.
+    All the content pieces, `finish()` included, and all the calls are those `parsed_reply`
+    reads from the whole text (the calls' ids aside: each call gets a new one).
+
+    What is held back, and why:
+    - outside a block, a tail that could still begin one: the longest suffix that is a prefix
+      of "<tool_call>", and the whitespace before it (whitespace before a call is dropped, so
+      it waits to see what follows it);
+    - a block, from its "<tool_call>" until its "</tool_call>": then it is a call (if
+      `call_of` reads one; with tools.parallel false, only the first is kept) or goes out as
+      the text it was.
+    `finish()` gives what is still held once the reply has ended: an unfinished block is
+    text, and trailing whitespace is dropped if a call was made.
+
+    The forced modes (required, a named function) do not use it: their reply is one JSON
+    object, the call, sent in one delta at its end.
+    """
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self.calls: list[dict] = []  # every call made so far (a stream's tool_calls index)
+        self._held = ""  # the text not yet decided on
+        self._inside = False  # _held is a block's text after its <tool_call>
+        self._space = ""  # inside a block: the whitespace before its <tool_call>
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        """Take the next piece of the reply: (content to send now, calls completed by it)."""
+        self._held += text
+        content, calls = "", []
+        while True:
+            if self._inside:
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    return content, calls
+                body, self._held = self._held[:end], self._held[end + len(CLOSE) :]
+                content += self._close(body, calls)
+                continue
+            start = self._held.find(OPEN)
+            if start < 0:
+                return content + self._release(), calls
+            before = self._held[:start]
+            content += before.rstrip()
+            self._space = before[len(before.rstrip()) :]
+            self._held, self._inside = self._held[start + len(OPEN) :], True
+
+    def finish(self) -> str:
+        """The content still held, at the end of the reply."""
+        text = self._space + OPEN + self._held if self._inside else self._held
+        self._held, self._inside, self._space = "", False, ""
+        return text.rstrip() if self.calls else text
+
+    def _close(self, body: str, calls: list[dict]) -> str:
+        """End the block of text `body`: a call (appended to `calls`; nothing goes out, not
+        even the whitespace before it), or its text."""
+        self._inside, space, self._space = False, self._space, ""
+        call = call_of(body.strip(), self.tools)
+        if call is None:
+            return space + OPEN + body + CLOSE
+        if self.tools.parallel or not self.calls:
+            calls.append(call)
+            self.calls.append(call)
+        return ""
+
+    def _release(self) -> str:
+        """The held text outside a block that can go out: all but a tail that may begin a
+        <tool_call>, and the whitespace before that tail."""
+        held = self._held
+        keep = next((n for n in range(len(OPEN) - 1, 0, -1) if held.endswith(OPEN[:n])), 0)
+        out = held[: len(held) - keep].rstrip()
+        self._held = held[len(out) :]
+        return out
 
 
 def call_of(text: str, tools: Tools) -> dict | None:

@@ -1,11 +1,17 @@
 """The engine interface shared by the continuous-batching `Engine` (engine.py), the one-at-a-time
 `SequentialEngine` (sequential.py) and the HTTP server (app.py)."""
 
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from attnlab.adapters.multi_lora import adapter_rows
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.sampling import SamplingConfig
 
@@ -133,6 +139,68 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """submit() after stop() began -> HTTP 503."""
+
+
+class Jobs:
+    """Work handed to an engine's thread, run there between two of its steps (`run_job`).
+
+    The model is shared: the engine's thread runs its forwards, and anything else that runs the
+    model, or changes it for a while, must not do so beside a step. Capture hooks installed from
+    an HTTP handler's thread, say, would fire inside the live batch's forwards (wrong maps, a
+    slower step) and race with them. A job runs on the engine's thread instead, where no step
+    runs at the same time, with the engine's thread count, and sees the base model: no LoRA
+    adapter rows set (adapters/multi_lora.py), whatever request it runs between.
+
+        future = engine.run_job(fn)     # any thread: queued under the engine's lock
+        ...                             # engine thread, between two steps: fn() runs
+        future.result()                 # fn's value, or the exception it raised
+
+    `close` (the engine's stop) fails the jobs still waiting with EngineStopped and refuses
+    new ones, so no caller waits for a job that will never run.
+    """
+
+    def __init__(self, lock: threading.Condition, model: nn.Module):
+        self.lock, self.model = lock, model  # the engine's condition (an RLock inside)
+        self._waiting: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._closed = False
+
+    def __bool__(self) -> bool:
+        """Whether jobs are waiting (read it under the lock)."""
+        return bool(self._waiting)
+
+    def add(self, fn: Callable[[], Any]) -> Future:
+        """Queue fn and wake the engine; EngineStopped once the engine is stopping."""
+        future: Future = Future()
+        with self.lock:
+            if self._closed:
+                raise EngineStopped("the engine is shutting down: it runs no more jobs")
+            self._waiting.append((fn, future))
+            self.lock.notify()
+        return future
+
+    def run(self) -> None:
+        """Run every waiting job, in order, on this thread (the engine's), each on the base."""
+        with self.lock:
+            jobs, self._waiting = list(self._waiting), deque()
+        for fn, future in jobs:
+            if not future.set_running_or_notify_cancel():
+                continue  # the caller cancelled it before it ran
+            try:
+                with adapter_rows(self.model, None):
+                    result = fn()
+            except Exception as err:  # the caller's to handle, not the engine's
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+    def close(self) -> None:
+        """Fail the waiting jobs (EngineStopped) and refuse new ones."""
+        with self.lock:
+            self._closed = True
+            jobs, self._waiting = list(self._waiting), deque()
+        for _, future in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped("the engine stopped before the job ran"))
 
 
 def prompt_scores(

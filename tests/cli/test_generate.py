@@ -192,6 +192,7 @@ def test_the_full_sampler_flags_are_the_librarys(run_dir, capsys):
         (["--num-beams", "0"], "num_beams must be >= 1, got 0"),
         (["--num-beams", "2", "--stream"], "no streaming"),
         (["--regex", "(cat"], "--regex: invalid regex"),
+        (["--regex", "a{900}"], "regex constraint cannot be finished within max_new_tokens=200"),
         (["--json-schema", "/nonexistent.json"], "--json-schema /nonexistent.json: No such"),
     ],
 )

@@ -36,7 +36,7 @@ SCHEMA = {
 }
 REGEX = r"(cat|dog)-[0-9]{2,4}( [a-z]{1,8})?"
 CHOICES = ("the cat", "the dog", 'a "quoted" one', "hello")
-SEEDS = 40
+SEEDS = 100  # the issue's acceptance: 100 seeds, each a row of one batch
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +143,122 @@ def test_speculative_decoding_takes_no_constraint():
     config = GenerationConfig(4, stop_tokens=(0,), constraint=Constraint.regex("a+"))
     with pytest.raises(ValueError, match="speculative decoding takes no constraint"):
         token_stream(None, [[1]], config, Speculative(NgramDrafter()))
+
+
+# --- the fewest tokens a constraint needs -------------------------------------------------------
+def compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+ITEM = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+# (schema, a shortest valid instance written by hand, whether the bound is exact for it)
+SCHEMAS = [
+    (SCHEMA, {"name": "", "age": 0, "pet": "cat", "ok": True}, True),
+    ({"type": "string", "minLength": 5}, "aaaaa", True),
+    ({"type": "array", "items": ITEM, "minItems": 3}, [{"id": 0}] * 3, True),
+    ({"type": "array", "prefixItems": [{"const": "ab"}], "minItems": 2}, ["ab", 0], True),
+    ({"type": ["null", "boolean", "string"]}, "", True),
+    ({"enum": ["long one", 7, None]}, 7, True),
+    ({"anyOf": [{"type": "boolean"}, {"type": "string", "minLength": 1}]}, "a", True),
+    ({"allOf": [{"type": "string"}, {"type": "string", "minLength": 3}]}, "aaa", True),
+    (
+        {
+            "$defs": {"pet": {"enum": ["dog", "cat"]}},
+            "type": "object",
+            "properties": {"p": {"$ref": "#/$defs/pet"}, "q": {"type": "number"}},
+            "required": ["p"],
+        },
+        {"p": "dog"},
+        True,
+    ),
+    (  # a list of any length: the $ref cycle counts 0 where it repeats
+        {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+            },
+            "required": ["v", "next"],
+        },
+        {"v": 0, "next": None},
+        True,
+    ),
+    ({"type": "object", "properties": {"ü": {"const": "é"}}, "required": ["ü"]}, {"ü": "é"}, True),
+    ({"type": "integer", "minimum": 1000}, 1000, False),  # the bound: a digit
+    ({"type": "string", "pattern": "^[a-z]{4}$"}, "abcd", False),  # pattern: not read
+]
+
+
+def accepts(constraint: Constraint, tok, text: str) -> bool:
+    """Whether llguidance's matcher, fed `text`'s tokens, ends on a complete text."""
+    matcher = Matcher(constraint, tok, [tok.token_id("<eos>")], tok.vocab_size)
+    return all(matcher.matcher.consume_token(t) for t in tok.encode(text)) and (
+        matcher.matcher.is_accepting()
+    )
+
+
+@pytest.mark.parametrize("schema, shortest, exact", SCHEMAS)
+def test_json_min_bytes_is_a_lower_bound(lm, schema, shortest, exact):
+    """The instance is valid (jsonschema) and accepted by the constraint (llguidance), so no
+    bound may pass its compact length; where the bound reads every keyword, it is that."""
+    _, tok = lm
+    jsonschema.validate(shortest, schema)
+    constraint = Constraint.json_schema(schema)
+    text = compact(shortest)
+    assert accepts(constraint, tok, text)
+    bound = constraint.min_bytes()
+    assert bound == len(text.encode()) if exact else 0 < bound < len(text.encode())
+
+
+def test_json_object_and_choices_bounds():
+    assert Constraint.json_object().min_bytes() == len("{}")
+    assert Constraint.choice(["hello", "né", "a long choice"]).min_bytes() == len("né".encode())
+
+
+@pytest.mark.parametrize(
+    "pattern, alphabet",
+    [
+        (REGEX, "cato-01 "),
+        (r"(ab|c)+d?", "abcd"),
+        (r"a{3,}|b{2}c", "abc"),
+        (r"(x|yy)(x|yy)z*", "xyz"),
+        (r"[0-9]{2}-?[0-9]", "0-"),
+    ],
+)
+def test_regex_min_chars_is_the_shortest_full_match(pattern, alphabet):
+    """Brute force: the shortest string over `alphabet` that fully matches (Python's re)."""
+    import itertools
+
+    shortest = next(
+        n
+        for n in range(12)
+        if any(re.fullmatch(pattern, "".join(s)) for s in itertools.product(alphabet, repeat=n))
+    )
+    assert Constraint.regex(pattern).min_bytes() == shortest
+
+
+@pytest.mark.parametrize("pattern", [r"[[:alpha:]]{3}", r"[a-z&&[^aeiou]]x", r"\p{L}{4}"])
+def test_regexes_python_reads_otherwise_count_zero(pattern):
+    assert Constraint.regex(pattern).min_bytes() == 0
+
+
+def test_min_tokens_divides_by_the_longest_token(lm):
+    from attnlab.inference.constraints import longest_token, min_tokens
+
+    _, tok = lm
+    special = set(tok.backend.get_added_tokens_decoder())
+    longest = max(len(tok.decode([i]).encode()) for i in range(tok.vocab_size) if i not in special)
+    assert longest_token(tok) == longest > 1
+    constraint = Constraint.regex(f"a{{{3 * longest + 1}}}")
+    assert min_tokens(constraint, tok) == 4
+
+
+def test_generate_refuses_a_constraint_it_cannot_finish(lm):
+    model, tok = lm
+    config = GenerationConfig(
+        16, constraint=Constraint.json_schema({"type": "string", "minLength": 2000})
+    )
+    with pytest.raises(ValueError, match="cannot be finished within max_new_tokens=16") as err:
+        generate(model, [tok.encode("the cat")], config, tokenizer=tok)
+    assert "\n" not in str(err.value) and "2002 bytes" in str(err.value)
+    assert "raise max_new_tokens or relax the constraint" in str(err.value)

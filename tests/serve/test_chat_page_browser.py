@@ -1,10 +1,16 @@
 """The chat page of `attnlab serve` in a real headless Chromium (the viewer test's browser and
 flags): a reply streams in, Stop ends it and frees its engine request, the next turn sends the
-whole conversation, which the server renders through the chat template, and New chat starts over.
-Every request the page makes goes to the test server on 127.0.0.1."""
+whole conversation, which the server renders through the chat template, a reply's "attention"
+button opens the viewer on that reply's tokens in a new tab, and New chat starts over. Every
+request the pages make goes to the test server on 127.0.0.1 (the viewer is a blob: of it)."""
+
+import json
 
 import pytest
 
+from attnlab.serve.attention import DEFAULT_LAST
+from attnlab.serve.protocol import token_text
+from attnlab.viz.attention_maps import display_token
 from tests.serve.server_helpers import Server, SlowEngine, write_checkpoint
 from tests.serve.test_server_faults import eventually, idle, spy_cancels
 from tests.viz.test_viewer_browser import FLAGS, find_browser
@@ -59,7 +65,20 @@ def say(page, text: str, max_tokens: int) -> None:
 def last_reply(page, state: str) -> str:
     """The text of the last reply once it reaches `state` (done, stopped)."""
     page.wait_for_selector(f"#log .assistant:last-child[data-state={state}]", timeout=20000)
-    return page.eval_on_selector("#log .assistant:last-child", "e => e.textContent")
+    return page.eval_on_selector("#log .assistant:last-child .text", "e => e.textContent")
+
+
+def attention_tokens(page) -> list[str]:
+    """Click the last reply's "attention" button: the query tokens of the viewer page that
+    opens in a new tab (read from the data it embeds), once its script has drawn it."""
+    with page.expect_popup() as popup:
+        page.click("#log .assistant:last-child .attn")
+    viewer = popup.value
+    viewer.wait_for_url(lambda url: url.startswith("blob:"), timeout=20000)
+    viewer.wait_for_selector("#queries .tok")  # the viewer's own script ran
+    data = json.loads(viewer.eval_on_selector("#attn-data", "e => e.textContent"))
+    viewer.close()
+    return data["kinds"]["decoder_self"]["q_tokens"]
 
 
 def sent_messages(bodies: list[dict]) -> list[dict]:
@@ -72,6 +91,8 @@ def test_stream_stop_and_the_whole_history(server, page):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("request", lambda r: urls.append(r.url))
     page.on("request", lambda r: bodies.append(r.post_data_json) if r.method == "POST" else None)
+    every = []  # the requests of every tab, the viewer's included
+    page.context.on("request", lambda r: every.append(r.url))
     cancelled = spy_cancels(server)
     page.goto(server.url + "/")
     page.fill("#system", "be brief")
@@ -80,6 +101,14 @@ def test_stream_stop_and_the_whole_history(server, page):
     say(page, "hello cat", 6)  # a whole reply
     first = last_reply(page, "done")
     assert first
+
+    shown = attention_tokens(page)  # the viewer of this reply: the chat as rendered, the reply
+    tokenizer = server.tokenizer
+    asked = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello cat"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(asked))
+    assert server.prompts[-1] == prompt  # what the reply was generated after
+    ids = (prompt + tokenizer.encode(first))[-DEFAULT_LAST:]
+    assert shown == [display_token(token_text(tokenizer, t)) for t in ids]
 
     say(page, "the dog", 60)  # tokens stream in; Stop ends the reply mid-way
     streaming = "#log .assistant:last-child[data-state=streaming]"
@@ -105,7 +134,6 @@ def test_stream_stop_and_the_whole_history(server, page):
     ]
     assert sent_messages(bodies) == history
     assert bodies[-1]["stream"] is True and bodies[-1]["max_tokens"] == 4
-    tokenizer = server.tokenizer
     assert server.prompts[-1] == tokenizer.encode(tokenizer.apply_chat_template(history))
 
     page.click("#new")  # a new chat: the system prompt and the new message only
@@ -116,3 +144,4 @@ def test_stream_stop_and_the_whole_history(server, page):
 
     assert errors == []
     assert urls and all(u.startswith(server.url + "/") for u in urls), urls
+    assert all(u.startswith((server.url + "/", "blob:" + server.url + "/")) for u in every), every

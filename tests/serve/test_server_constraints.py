@@ -17,7 +17,7 @@ from tests.serve.server_helpers import Server, engines, write_checkpoint
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-N, SEEDS = 10, (0, 100, 200)  # 30 replies per constraint (n choices draw with seed + j)
+N, SEEDS = 10, tuple(range(0, 1000, 100))  # 100 replies per constraint (choice j: seed + j)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,55 @@ def test_bad_constraints_are_400s_naming_the_field(client, fields, param):
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **fields
         )
     assert err.value.body["param"] == param, err.value.body
+
+
+LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2000}}}
+LONG |= {"required": ["s"]}  # {"s":"...2000 characters..."}: 2008 bytes at least
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": LONG}}},
+            "response_format",
+        ),
+        ({"max_completion_tokens": 16, "extra_body": {"guided_json": LONG}}, "guided_json"),
+        ({"extra_body": {"guided_regex": "(cat|dog){600}"}}, "guided_regex"),
+        ({"extra_body": {"guided_choice": ["x" * 300, "y" * 400]}}, "guided_choice"),
+    ],
+)
+def test_a_constraint_max_tokens_cannot_finish_is_a_400_naming_it(client, fields, param):
+    """The fewest bytes any accepted text has, over the longest token's bytes (6 for this
+    vocabulary), is more than 16 tokens: refused before generating."""
+    fields = {"max_tokens": 16} | fields if "max_completion_tokens" not in fields else fields
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], **fields
+        )
+    body = err.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error", body
+    assert "max_tokens=16" in body["message"] and "raise max_tokens" in body["message"]
+    assert body["message"].startswith(f"{param}: ")
+
+
+def test_the_completions_default_max_tokens_counts_too(client):
+    """A completion's default max_tokens is 16: a constraint that needs more is refused unless
+    the request raises it; one that fits runs."""
+    fields = dict(model="tiny", prompt="the cat", extra_body={"guided_regex": "(cat){40}"})
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**fields)
+    assert err.value.body["param"] == "guided_regex"
+    assert "max_tokens=16" in err.value.body["message"]
+    out = client.completions.create(max_tokens=100, temperature=0, **fields)
+    assert ("cat" * 40).startswith(out.choices[0].text)  # all of it, or cut by max_tokens
+    ok = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    ok |= {"additionalProperties": False}  # {"ok":true}: 11 bytes, at most 11 tokens
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=16,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": ok}},
+    )
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)

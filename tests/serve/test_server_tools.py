@@ -41,7 +41,7 @@ TOOLS = [
 ]
 SCHEMAS = {"weather": WEATHER, "person": SCHEMA}
 ASK = [{"role": "user", "content": "the weather in Paris?"}]
-N, SEEDS = 10, (0, 100)  # 20 replies per tool_choice (n choices draw with seed + j)
+N, SEEDS = 10, tuple(range(0, 1000, 100))  # 100 replies per tool_choice (choice j: seed + j)
 
 
 # --- the pieces, without a server -----------------------------------------------------------------
@@ -163,8 +163,8 @@ def test_forced_calls_always_parse_and_validate(client, choice):
     for seed in SEEDS:
         out = client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-            max_tokens=80, n=N, seed=seed, temperature=1.5,
-        )  # fmt: skip
+            max_tokens=200, n=N, seed=seed, temperature=1.5,
+        )  # fmt: skip  (200: the longest call, one byte a token and \uXXXX escapes, fits)
         for c in out.choices:
             assert c.finish_reason == "tool_calls" and c.message.content is None
             assert len(c.message.tool_calls) == 1
@@ -291,3 +291,108 @@ def test_auto_reads_a_call_the_model_wrote(client):
     assert "".join(d.content or "" for d in deltas) == "Sure."
     (call,) = [t for d in deltas for t in d.tool_calls or ()]
     assert call.function.name == "weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# --- tool_choice "auto", streamed token by token ---------------------------------------------
+def escaped(literal: str) -> str:
+    """`literal` as a regular expression (llguidance reads Rust's syntax)."""
+    return "".join("\\" + ch if ch in "\\.+*?()|[]{}^$" else ch for ch in literal)
+
+
+PIECES = [  # what guided_regex lets the untrained model write, in any order, 1 to 6 of them
+    escaped("Sure. "),
+    "\n",
+    escaped('<tool_call>{"name": "weather", "arguments": {"city": "')
+    + "(Oslo|Rome)"
+    + escaped('", "unit": "c", "days": ')
+    + "[1-7]"
+    + escaped("}}</tool_call>"),
+    escaped('<tool_call>{"name":"person","arguments":{}}</tool_call>'),
+    escaped('<tool_call>{"name": "rm"}</tool_call>'),  # no such tool: text
+    escaped("<tool_call>{oops</tool_call>"),  # not JSON: text
+]
+MIXED = "(" + "|".join(PIECES) + "){1,6}"
+
+
+def streamed_reply(client, **fields) -> tuple[str, list, str, list[str]]:
+    """(content, tool calls, finish_reason, what came in order) of a stream, put together as
+    OpenAI's function-calling guide does: the calls by their index, arguments appended."""
+    content, calls, finish, order = "", {}, None, []
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content += delta.content
+            order.append("content")
+        for call in delta.tool_calls or ():
+            if call.index not in calls:
+                calls[call.index] = call
+            else:
+                calls[call.index].function.arguments += call.function.arguments or ""
+            order.append("call")
+        finish = chunk.choices[0].finish_reason or finish
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], finish, order
+
+
+def written(calls) -> list[tuple[str, str]]:
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+@pytest.mark.slow
+def test_auto_streams_the_reply_the_plain_request_gets(client):
+    """Same seed, same tokens: the stream's content and calls are the plain reply's, with
+    parallel_tool_calls true and false (the first call of the parallel reply, or none)."""
+    seen = {"several calls": 0, "a block left as text": 0, "text after a streamed call": 0}
+    for seed in range(12):
+        fields = dict(
+            model="tiny", messages=ASK, tools=TOOLS, max_tokens=400, seed=seed, temperature=1.5
+        )
+        fields["extra_body"] = {"guided_regex": MIXED}
+        every = None
+        for parallel in (True, False):
+            plain = client.chat.completions.create(parallel_tool_calls=parallel, **fields)
+            plain = plain.choices[0]
+            content, calls, finish, order = streamed_reply(
+                client, parallel_tool_calls=parallel, **fields
+            )
+            assert content == (plain.message.content or "")
+            assert written(calls) == written(plain.message.tool_calls or [])
+            assert finish == plain.finish_reason
+            assert (finish == "tool_calls") == bool(calls)
+            if parallel:
+                every = written(calls)
+                seen["several calls"] += len(calls) > 1
+                seen["a block left as text"] += "<tool_call>" in content
+                seen["text after a streamed call"] += (
+                    "content" in order[order.index("call") :] if calls else 0
+                )
+            else:
+                assert written(calls) == every[:1]
+    assert all(seen.values()), seen
+
+
+@pytest.mark.slow
+def test_parallel_tool_calls_must_be_a_boolean(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, max_tokens=4,
+            extra_body={"parallel_tool_calls": "no"},
+        )  # fmt: skip
+    assert err.value.body["param"] == "parallel_tool_calls", err.value.body
+
+
+@pytest.mark.slow
+def test_a_forced_call_max_tokens_cannot_finish_is_a_400_naming_tools(client):
+    """The call {"name":"long","arguments":{"s":"<2000 characters>"}} needs more than 16
+    tokens of this vocabulary."""
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2000}}}
+    tools = [
+        {"type": "function", "function": {"name": "long", "parameters": long | {"required": ["s"]}}}
+    ]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=ASK, tools=tools, tool_choice="required", max_tokens=16
+        )
+    assert err.value.body["param"] == "tools" and "max_tokens=16" in err.value.body["message"]

@@ -25,6 +25,7 @@ from attnlab.interop.gguf.reader import BLOCK_NAMES, NAMES, import_gguf
 from attnlab.interop.gguf.tokenizer import CONTROL, PRE_SPLITS, SPECIAL_KEYS
 from attnlab.models.config import ModelConfig
 from attnlab.quantize.int4 import Int4Linear, unpack_int4
+from attnlab.quantize.int8 import Int8Linear
 from attnlab.tokenizer import Tokenizer
 
 TYPES = ("f32", "f16", "q8_0", "q4_1")
@@ -106,13 +107,20 @@ def _tensors(model: nn.Module, cfg: ModelConfig, arch: str, kind: str):
         )
     if kind != "q4_1" and int4:
         raise ValueError(f"this model holds int4 Linears: write it as q4_1, not {kind}")
-    names, tied = gguf_names(cfg), model.head.weight is model.embed.weight
+    # A quantized head of a tied model is a copy of the embedding (quantize/handler.py; the
+    # head of a Q4_1 file opened with scheme="int4", reader.py): llama.cpp ties it to token_embd
+    # again, which is written from an int4 head's Q4_1 rows (the very bytes such a file had).
+    copy = cfg.tie_embeddings and isinstance(model.head, (Int4Linear, Int8Linear))
+    names, tied = gguf_names(cfg), model.head.weight is model.embed.weight or copy
     qtype = {"f16": "F16", "q8_0": "Q8_0"}.get(kind)
     out = []
     for ours, theirs in names.items():
         module_name = ours.rpartition(".")[0]
         if ours == "head.weight" and tied:
             continue  # llama.cpp ties the head to token_embd when output.weight is absent
+        if ours == "embed.weight" and tied and "head" in int4:
+            out.append((theirs, int4_to_q4_1(model.head), gguf.GGMLQuantizationType.Q4_1))
+            continue
         if module_name in int4 and ours.endswith(".weight"):
             rows = int4_to_q4_1(model.get_submodule(module_name))
             rows = _rows_for_gguf(rows, ours, cfg, arch)

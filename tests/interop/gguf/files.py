@@ -164,9 +164,11 @@ def write_gguf(
     arch: str = "llama",
     tokenizer_meta: bool = True,
     pre: str = "gpt-2",
+    embedding: str | None = None,
 ) -> Path:
     """Write `hf_model` (+ `tokenizer`'s vocabulary and merges) as llama.cpp would: 2-D weights
-    in `quant` (F32, F16, Q8_0, Q4_0, Q4_1, ...), norms and biases in F32."""
+    in `quant` (F32, F16, Q8_0, Q4_0, Q4_1, ...), the token embedding in `embedding` if given
+    (llama.cpp's Q4_1 files keep it in Q8_0), norms and biases in F32."""
     import json
 
     import gguf
@@ -211,7 +213,6 @@ def write_gguf(
         w.add_chat_template(
             "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
         )
-    qtype = gguf.GGMLQuantizationType[quant]
     names = GEMMA_NAMES if arch.startswith("gemma") else GGUF_NAMES
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -222,8 +223,10 @@ def write_gguf(
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             x = _llama_cpp_permute(x, heads)
-        if x.ndim == 2 and quant != "F32":
-            w.add_tensor(gguf_name(name, names), gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        kind = embedding if embedding and name == "model.embed_tokens.weight" else quant
+        if x.ndim == 2 and kind != "F32":
+            q = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gguf_name(name, names), gguf.quants.quantize(x, q), raw_dtype=q)
         else:
             w.add_tensor(gguf_name(name, names), x)
     w.write_header_to_file()

@@ -9,6 +9,7 @@ import torch
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.quantize.int4 import Int4Linear
+from attnlab.quantize.int8 import Int8Linear
 from tests.interop.gguf.files import (
     TEXTS,
     byte_level_tokenizer,
@@ -138,7 +139,10 @@ def test_kept_int4_equals_the_dequantized_model(tmp_path, tokenizer, hf_model):
     path = write_gguf(tmp_path / "q41.gguf", hf_model, tokenizer, quant="Q4_1")
     dense, kept = open_checkpoint(path), open_checkpoint(path, scheme="int4")
     int4 = [m for m in kept.model.modules() if isinstance(m, Int4Linear)]
-    assert len(int4) == 2 * 7  # every block's q, k, v, o, gate, up, down; not the embedding
+    # every block's q, k, v, o, gate, up, down, and the tied head (from the Q4_1 embedding,
+    # which itself stays fp32 for its lookups)
+    assert len(int4) == 2 * 7 + 1 and isinstance(kept.model.head, Int4Linear)
+    assert isinstance(kept.model.embed.weight, torch.nn.Parameter)
     for m in int4:
         m.use_kernel = False  # the reference path: fp32 (the CPU kernel runs in bf16)
     assert (logits(kept) - logits(dense)).abs().max() < FP32_NOISE
@@ -148,6 +152,24 @@ def test_kept_int4_equals_the_dequantized_model(tmp_path, tokenizer, hf_model):
     )
     with pytest.raises(ValueError, match="group_size 32"):
         open_checkpoint(path, scheme="int4", group_size=64)
+
+
+def test_kept_int4_makes_a_q8_0_head_int8(tmp_path, tokenizer, hf_model):
+    """llama.cpp's Q4_1 files keep token_embd in Q8_0: the tied head becomes per-row int8 of
+    its values (the embedding keeps them in fp32), and the rest of the model is the file's."""
+    path = write_gguf(tmp_path / "q41.gguf", hf_model, tokenizer, quant="Q4_1", embedding="Q8_0")
+    dense, kept = open_checkpoint(path), open_checkpoint(path, scheme="int4")
+    assert isinstance(kept.model.head, Int8Linear)
+    w = dense.model.embed.weight.detach()  # the file's Q8_0 values
+    assert torch.equal(kept.model.embed.weight, w)
+    scales = w.abs().amax(dim=1, keepdim=True) / 127  # symmetric per row
+    rounded = (w / scales).round().clamp(-127, 127) * scales
+    for m in kept.model.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            m.use_kernel = False  # fp32 reference paths
+    dense.model.head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    dense.model.head.weight.data = rounded
+    assert (logits(kept) - logits(dense)).abs().max() < FP32_NOISE
 
 
 def test_kept_int4_refused_without_q4_1(tmp_path, tokenizer, hf_model):
@@ -284,3 +306,17 @@ def test_every_ckpt_takes_a_gguf(tmp_path, tokenizer, hf_model, capsys):
     args = ["generate", "--ckpt", str(path), "--prompt", "The quick", "--max-new-tokens", "4"]
     assert main(args) == 0
     assert capsys.readouterr().out.startswith("The quick")
+
+
+def test_kept_int4_saves_and_opens_with_its_int8_head(tmp_path, tokenizer, hf_model):
+    """save_quantized of such a model records the int8 head; open_checkpoint rebuilds it."""
+    from attnlab.inference.quantized import save_quantized
+
+    path = write_gguf(tmp_path / "q41.gguf", hf_model, tokenizer, quant="Q4_1", embedding="Q8_0")
+    kept = open_checkpoint(path, scheme="int4")
+    out = save_quantized(kept.model, tmp_path / "ckpt", "int4", 32, kept.run, kept.tokenizer)
+    back = open_checkpoint(out, scheme="int4")
+    assert isinstance(back.model.head, Int8Linear)
+    a, b = kept.model.state_dict(), back.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(logits(kept), logits(back))

@@ -4,6 +4,8 @@ Slow tier: the real file (tests/realmodel.py finds it; skipped when absent, fail
 One attnlab model and one transformers model per module. Figures: docs/real-models.md.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.quantize.int4 import Int4Linear
+from attnlab.quantize.int8 import Int8Linear
 from tests.realmodel import open_smollm2, smollm2_gguf
 
 T = pytest.importorskip("transformers")
@@ -45,10 +48,10 @@ def reference():
 
 @pytest.fixture(scope="module")
 def kept():
-    """The Q4_1 matrices kept as Int4Linear, on their fp32 reference path for the test (the
-    fused CPU kernel runs in bf16), restored afterwards: the model is shared."""
+    """The Q4_1 matrices kept as Int4Linear and the int8 head, on their fp32 reference paths
+    for the test (the fused CPU kernels run in bf16), restored afterwards: the model is shared."""
     loaded = open_smollm2(scheme="int4")
-    modules = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
+    modules = [m for m in loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     before = [m.use_kernel for m in modules]
     for m in modules:
         m.use_kernel = False
@@ -114,11 +117,19 @@ def test_greedy_generation_equals_transformers(dense, reference):
 
 
 def test_kept_int4_equals_its_dequantized_twin(dense, kept):
+    """The kept model is the file's weights: its 210 Q4_1 matrices, and the tied head (a Q8_0
+    embedding in this file) rounded per row to int8 (the embedding itself stays fp32)."""
     assert sum(isinstance(m, Int4Linear) for m in kept.model.modules()) == 210
+    assert isinstance(kept.model.head, Int8Linear)
+    twin = copy.deepcopy(dense)
+    w = dense.model.embed.weight.detach()
+    scales = w.abs().amax(dim=1, keepdim=True) / 127  # symmetric per row
+    twin.model.head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    twin.model.head.weight.data = (w / scales).round().clamp(-127, 127) * scales
     for text in PROMPTS:
         ids = ids_of(dense, text)
         with torch.no_grad():
-            assert (kept.model(ids) - dense.model(ids)).abs().max().item() < 1e-4, text
+            assert (kept.model(ids) - twin.model(ids)).abs().max().item() < 1e-4, text
     text = PROMPTS[1]  # the reference path dequantizes every matrix per token: one prompt
     ours = greedy(kept, text)
-    assert len(ours) == NEW_TOKENS and ours == dense_greedy(dense, text)
+    assert len(ours) == NEW_TOKENS and ours == greedy(twin, text)
