@@ -31,6 +31,7 @@ from attnlab.training.optim import build_optimizer
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
 RTOL = 1e-5  # fp32: max |difference| relative to max |reference|; only summation order differs
 IN, OUT = 24, 40
+PROPERTY_RTOL = 1e-4  # hypothesis's shapes (below); the fixed shapes keep RTOL
 
 
 def _rel_close(
@@ -161,13 +162,15 @@ def test_property_matches_f_linear(lead, n_in, n_out, bias, seed):
     b_ref = b.clone().requires_grad_() if bias else None
     y = fast_linear(*args, b_fast)
     y_ref = F.linear(*ref_args, b_ref)
-    _rel_close(y, y_ref)
+    # Random shapes give outputs that cancel (sums of n_in terms near 0): relative to the
+    # largest output, the summation-order difference reached 1.9e-5 once (a bare-copy run).
+    _rel_close(y, y_ref, PROPERTY_RTOL)
     g = torch.randn(y.shape, generator=gen)
     y.backward(g)
     y_ref.backward(g)
     for t, t_ref in zip(args + [b_fast], ref_args + [b_ref]):
         if t is not None:
-            _rel_close(t.grad, t_ref.grad)
+            _rel_close(t.grad, t_ref.grad, PROPERTY_RTOL)
 
 
 # --- the swap ---------------------------------------------------------------------------------
