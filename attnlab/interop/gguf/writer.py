@@ -107,6 +107,12 @@ def _tensors(model: nn.Module, cfg: ModelConfig, arch: str, kind: str):
         )
     if kind != "q4_1" and int4:
         raise ValueError(f"this model holds int4 Linears: write it as q4_1, not {kind}")
+    int8 = [n for n, m in model.named_modules() if isinstance(m, Int8Linear) and n != "head"]
+    if int8:  # (an int8 head is a tied embedding's copy: see below)
+        raise ValueError(
+            f"this model holds int8 Linears ({int8[0]}, ...), which GGUF export does not write: "
+            "export the float model with kind q8_0 instead"
+        )
     # A quantized head of a tied model is a copy of the embedding (quantize/handler.py; the
     # head of a Q4_1 file opened with scheme="int4", reader.py): llama.cpp ties it to token_embd
     # again, which is written from an int4 head's Q4_1 rows (the very bytes such a file had).

@@ -94,6 +94,14 @@ def test_q4_1_from_attnlab_quantize(tmp_path, source):
         save_gguf(source.model, source.config, tmp_path / "x.gguf", source.tokenizer, "q4_1")
 
 
+def test_an_int8_model_is_refused_not_written_without_its_linears(tmp_path, source):
+    import copy
+
+    model = quantize_model(copy.deepcopy(source.model), "int8")
+    with pytest.raises(ValueError, match="int8 Linears"):
+        save_gguf(model, source.config, tmp_path / "q.gguf", source.tokenizer, "q8_0")
+
+
 def test_transformers_opens_the_export_with_our_logits(tmp_path, source):
     out = save_gguf(source.model, source.config, tmp_path / "out.gguf", source.tokenizer)
     ref = T.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32)
