@@ -15,10 +15,10 @@ Shapes: B batch, T length.
 import torch
 
 from attnlab.finetune.objectives import IGNORE_INDEX
+from attnlab.inference.chat import end_of_turn
 
 SFT_FIELDS = ("prompt", "response")
 DPO_FIELDS = ("prompt", "chosen", "rejected")
-_PROBE = "RESPONSE"  # a stand-in response, to find what a chat template writes after one
 
 
 def check_example(example, fields: tuple[str, ...], where: str) -> None:
@@ -55,8 +55,7 @@ class ChatFormat:
         self.eos = tokenizer.token_id("<eos>")
         marker = ""
         if self.templated:  # the template's end of an assistant turn, e.g. "<|end|>"
-            after = self._response_text("p", _PROBE)
-            marker = after[after.find(_PROBE) + len(_PROBE) :].strip()
+            marker = end_of_turn(tokenizer)
         self.append_eos = not marker  # no template, or one that does not end a turn
         if self.append_eos:
             if self.eos is None:
