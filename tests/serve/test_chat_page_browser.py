@@ -13,7 +13,7 @@ from attnlab.serve.protocol import token_text
 from attnlab.viz.attention_maps import display_token
 from tests.serve.server_helpers import Server, SlowEngine, write_checkpoint
 from tests.serve.test_server_faults import eventually, idle, spy_cancels
-from tests.viz.test_viewer_browser import FLAGS, find_browser
+from tests.viz.test_viewer_browser import browser_page  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -40,20 +40,9 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
-    browser = find_browser()
-    if browser is None:
-        pytest.skip("no Chromium at /usr/bin/chromium: the chat page was not tested in a browser")
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    with sync_api.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(profile), executable_path=str(browser), headless=True, args=FLAGS
-        )
-        try:
-            yield context.new_page()
-        finally:
-            context.close()
+def page(browser_page):  # noqa: F811 (the fixture imported above)
+    """One headless Chromium page, as the viewer's browser test opens it."""
+    return browser_page
 
 
 def say(page, text: str, max_tokens: int) -> None:

@@ -55,7 +55,7 @@ def browser_page(tmp_path_factory):
     if browser is None:
         pytest.skip(
             f"no Chromium at {CHROMIUM} and {INSTALL.name} could not install one "
-            "(it needs root and Debian's apt); the viewer was not tested in a browser"
+            "(it needs root and Debian's apt); the page was not tested in a browser"
         )
     profile = tmp_path_factory.mktemp("chromium-profile")  # a fresh --user-data-dir
     with sync_api.sync_playwright() as pw:
