@@ -413,18 +413,21 @@ def build_preferences(
                 drawn.setdefault(rejected, kind)
                 if len(drawn) == per_prompt:
                     break
-            for rejected, kind in drawn.items():
-                pairs.append(
-                    {
-                        "prompt": ex["prompt"],
-                        "chosen": ex["response"],
-                        "rejected": rejected,
-                        "module": ex["module"],
-                        "corruption": kind,
-                    }
-                )
+            pairs += [preference_pair(ex, rejected, kind) for rejected, kind in drawn.items()]
         out[split] = pairs
     return TaskData("dpo", out)
+
+
+def preference_pair(example: dict, rejected: str, kind: str) -> dict:
+    """A DPO pair of an instruction example: its response chosen, `rejected` (broken by
+    `kind`) not."""
+    return {
+        "prompt": example["prompt"],
+        "chosen": example["response"],
+        "rejected": rejected,
+        "module": example["module"],
+        "corruption": kind,
+    }
 
 
 def build_spec_instructions(instructions: TaskData | None = None) -> TaskData:
@@ -487,15 +490,7 @@ def build_spec_preferences(spec: TaskData | None = None, seed: int = 0) -> TaskD
                 kind = min(("add", "drop"), key=lambda k: (counts[k], k != kind))
                 counts[kind] += 1
             _, rejected = corrupt_signature(ex["response"], names, arg_names, rng, (kind,))
-            pairs.append(
-                {
-                    "prompt": ex["prompt"],
-                    "chosen": ex["response"],
-                    "rejected": rejected,
-                    "module": ex["module"],
-                    "corruption": kind,
-                }
-            )
+            pairs.append(preference_pair(ex, rejected, kind))
         out[split] = pairs
     return TaskData("dpo", out)
 
