@@ -448,23 +448,28 @@ def usage_of(choices: list[Choice], prompts: list[list[int]]) -> dict:
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[Choice]:
-    """Each choice after each of its events, in the order the events come."""
+    """Each choice after each of its events, in the order the events come. A choice takes its
+    next event only once the caller is done with the last one: the caller sees each state of
+    it (the finishing event once), never one a later event has already changed."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: Choice):
         async for _ in c.events():
-            await queue.put(c)
-        await queue.put(None)
+            handled = asyncio.Event()
+            await queue.put((c, handled))
+            await handled.wait()
+        await queue.put((None, None))
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:
         running = len(choices)
         while running:
-            c = await queue.get()
+            c, handled = await queue.get()
             if c is None:
                 running -= 1
             else:
                 yield c
+                handled.set()
     finally:
         for t in tasks:
             t.cancel()

@@ -77,3 +77,27 @@ def test_events_end_with_the_finishing_one():
 
     seen, choice = asyncio.run(main())
     assert len(seen) == 3 and seen[-1] is None and choice.text == "ab"
+
+
+def test_merged_shows_each_event_once_even_when_all_have_come():
+    """All of a choice's events are in its queue before the stream reads any (a fast engine, a
+    slow client): the stream still sees the choice after each event in turn, so it sends the
+    finishing chunk once, after the last token (it once saw the finished choice again and
+    again, and a forced tool call's stream ended on a second, empty "stop")."""
+    from attnlab.serve.app import merged
+
+    async def main():
+        choices = []
+        for i in range(2):
+            request = Request(f"r{i}", (1,), SamplingParams(max_tokens=3))
+            c = Choice(i, request, TOKENIZER, lambda rid: None)
+            for k, word in enumerate(("a", "b", "c")):
+                finish = "length" if k == 2 else None
+                c.queue.put_nowait(TokenEvent(c.request.request_id, TOKENIZER.encode(word)[0],
+                                              None, None, finish))  # fmt: skip
+            choices.append(c)
+        return [(c.index, len(c.tokens), c.finish_reason) async for c in merged(choices)]
+
+    seen = asyncio.run(main())
+    for i in range(2):
+        assert [(n, f) for j, n, f in seen if j == i] == [(1, None), (2, None), (3, "length")]
