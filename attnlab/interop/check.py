@@ -11,10 +11,11 @@ difference; the first point beyond the tolerance is where the bug is.
 Then comes the diagnosis. The usual suspects of a port are each a small, reversible change
 to an attnlab model: RoPE layout (half vs interleaved without the q/k permutation), norm eps,
 GELU variant (exact vs tanh), mask polarity, the sqrt(d) embedding scale, the output head (tied vs
-untied) and T5's head rescale. The attnlab side is re-run with one suspect changed at a time;
-a suspect that makes the first divergent point match, and ideally every point, is the likely
-cause. Each model can be attnlab's or a `transformers` one (recognised by its `config.model_type`;
-transformers is never imported here).
+untied), T5's head rescale and, in an MoE, the experts per token and the top-k renormalisation.
+The attnlab side is re-run with one suspect changed at a time; a suspect that makes the first
+divergent point match, and ideally every point, is the likely cause. Each model can be
+attnlab's or a `transformers` one (recognised by its `config.model_type`; transformers is never
+imported here).
 
 Shapes: B batch, T tokens, C d_model, V vocab_size.
 """

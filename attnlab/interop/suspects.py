@@ -7,6 +7,8 @@
     embedding scale  the sqrt(d_model) multiplier on <-> off (Vaswani et al. 2017, §3.4)
     output head      the reference's head matrix swapped in (tied vs untied)
     head rescale     T5's d_model^-0.5 before a tied head on <-> off
+    experts per tok  every MoE layer routes to the reference's k experts per token
+    top-k renorm     the k chosen experts' gates renormalised to sum to 1 on <-> off
 
 `check` re-runs the attnlab side under each change; one that makes the first divergent point
 match names the likely cause.
@@ -22,6 +24,7 @@ from torch import nn
 
 from attnlab.components.embedding import TokenEmbedding
 from attnlab.components.ffn import ACTIVATIONS
+from attnlab.components.moe import moe_layers
 from attnlab.components.norms import LayerNorm, RMSNorm
 from attnlab.components.positions.rope import RoPE, rope_angles
 from attnlab.interop.sides import Inputs, Side
@@ -242,6 +245,51 @@ def _head_rescale(ours: Side, who: str, ref: str) -> Suspect | None:
     )
 
 
+def _experts_per_token(
+    model: nn.Module, reference: nn.Module, who: str, ref: str
+) -> Suspect | None:
+    """Every MoE layer routing to the reference's number of experts per token."""
+    layers = moe_layers(model)
+    ref_layers = moe_layers(reference)
+    config = getattr(reference, "config", None)  # transformers: num_experts_per_tok
+    ref_k = ref_layers[0].k if ref_layers else getattr(config, "num_experts_per_tok", None)
+    if not layers or not isinstance(ref_k, int) or ref_k == layers[0].k:
+        return None
+    if not 1 <= ref_k <= layers[0].n_experts:
+        return None
+    k = layers[0].k
+
+    def apply(_x):
+        return _setting([(m, "k", ref_k) for m in layers])
+
+    cause = (
+        f"experts per token: {who} routes each token to {k} experts, {ref} to {ref_k} "
+        "(check num_experts_per_tok / n_experts_per_token)."
+    )
+    return Suspect("moe_k", f"experts per token {k} -> {ref_k}", cause, apply)
+
+
+def _topk_renorm(model: nn.Module, who: str, ref: str) -> Suspect | None:
+    """The chosen experts' gates renormalised to sum to 1 (Mixtral) <-> left as scored (Qwen2-MoE
+    without norm_topk_prob)."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    on = layers[0].normalize
+
+    def apply(_x):
+        return _setting([(m, "normalize", not on) for m in layers])
+
+    cause = (
+        f"top-k renormalisation: {who} {'rescales' if on else 'does not rescale'} the chosen "
+        f"experts' gates to sum to 1 and {ref} {'does not' if on else 'does'} "
+        "(check norm_topk_prob / MoEConfig.normalize)."
+    )
+    return Suspect(
+        "moe_normalize", f"top-k renorm {'on -> off' if on else 'off -> on'}", cause, apply
+    )
+
+
 def suspects(ours: Side, reference: Side, x: Inputs, who: str, ref: str) -> list[Suspect]:
     """Every suspect that applies to the attnlab side `ours` (called `who` in messages)."""
     found = [
@@ -252,5 +300,7 @@ def suspects(ours: Side, reference: Side, x: Inputs, who: str, ref: str) -> list
         _embedding_scale(ours.model, who, ref),
         _head_weights(ours, reference, who, ref),
         _head_rescale(ours, who, ref),
+        _experts_per_token(ours.model, reference.model, who, ref),
+        _topk_renorm(ours.model, who, ref),
     ]
     return [s for s in found if s is not None]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from attnlab.components.ffn import ACTIVATIONS
+from attnlab.components.moe import moe_layers
 from attnlab.components.positions.rope import RoPE, rope_angles
 from attnlab.interop.check import check
 from attnlab.interop.hf import load_hf
@@ -138,3 +139,38 @@ def test_gpt2_and_t5_ports_match_and_a_missing_head_rescale_is_found(tmp_path):
     assert [p.name for p in report.points][-3:] == ["decoder.block.1", "decoder.norm", "logits"]
     assert report.first_divergence == "logits"
     assert report.cause.startswith("head rescale")
+
+
+def test_moe_ports_match_and_planted_routing_bugs_are_named(tmp_path):
+    """Mixtral (k = 2 of 4, gates renormalised) and Qwen2-MoE without norm_topk_prob: a faithful
+    load matches transformers; routing to one expert too many, or renormalising where the
+    reference does not, is found at block.0 and named."""
+    torch.manual_seed(0)
+    shapes = dict(TINY_LLAMA, num_local_experts=4, num_experts=4, num_experts_per_tok=2)
+    mixtral = T.MixtralForCausalLM(T.MixtralConfig(**shapes)).eval()
+    qwen = T.Qwen2MoeForCausalLM(
+        T.Qwen2MoeConfig(
+            **shapes,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+        )  # fmt: skip
+    ).eval()
+    for name, hf in (("mixtral", mixtral), ("qwen2_moe", qwen)):
+        hf.save_pretrained(tmp_path / name)
+        ours, _ = load_hf(tmp_path / name)
+        assert check(ours, hf, *BATCH).ok, name
+    ours, _ = load_hf(tmp_path / "mixtral")
+    for layer in moe_layers(ours):
+        layer.k = 3
+    report = check(ours, mixtral, *BATCH)
+    assert report.first_divergence == "block.0"
+    assert report.cause.startswith("experts per token: A routes each token to 3 experts, B to 2")
+    ours, _ = load_hf(tmp_path / "qwen2_moe")
+    assert not moe_layers(ours)[0].normalize  # read from norm_topk_prob
+    for layer in moe_layers(ours):
+        layer.normalize = True
+    report = check(ours, qwen, *BATCH)
+    assert report.first_divergence == "block.0"
+    assert report.cause.startswith("top-k renormalisation: A rescales")
