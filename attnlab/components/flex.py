@@ -40,6 +40,13 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from attnlab.components.flash import MaskMod, ScoreMod, flash_attention, score_mod_tensors
 
+# PyTorch 2.13's compiled CPU FlexAttention gives wrong rows for head dims under 32 at some
+# lengths on an AVX2-only CPU (AMD EPYC, measured: D 8 and 16 at T = S = 8, 24 or 56, rows of
+# the last batch and head off by up to 2, or NaN; D 32 and 64 right at every length tried; an
+# AVX-512 Xeon passed them all). The backend pads q, k and v with zero features up to 32, which
+# leaves every score, and so the output's first D features, as they were.
+CPU_MIN_HEAD_DIM = 32
+
 
 @lru_cache(maxsize=1)
 def compiled_flex_attention() -> Callable[..., Tensor]:
@@ -155,6 +162,10 @@ def flex_attention_backend(
     else:
         blocks = None
     score_mod = _dense_score_mod(bias) if isinstance(bias, Tensor) else bias
+    D = q.shape[-1]
+    if q.device.type == "cpu" and D < CPU_MIN_HEAD_DIM:  # see CPU_MIN_HEAD_DIM
+        scale = D**-0.5 if scale is None else scale
+        q, k, v = (torch.nn.functional.pad(t, (0, CPU_MIN_HEAD_DIM - D)) for t in (q, k, v))
     out = compiled_flex_attention()(
         q,
         k,
@@ -163,8 +174,8 @@ def flex_attention_backend(
         block_mask=blocks,
         scale=scale,
         enable_gqa=k.shape[1] != H,
-    )  # (B, H, T, D)
-    return out, None
+    )  # (B, H, T, D), or D padded
+    return out[..., :D], None
 
 
 def _needs_written_backward(q: Tensor, k: Tensor, v: Tensor, bias) -> bool:
