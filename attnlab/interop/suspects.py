@@ -249,15 +249,14 @@ def _experts_per_token(
     model: nn.Module, reference: nn.Module, who: str, ref: str
 ) -> Suspect | None:
     """Every MoE layer routing to the reference's number of experts per token."""
-    layers = moe_layers(model)
-    ref_layers = moe_layers(reference)
+    layers, ref_layers = moe_layers(model), moe_layers(reference)
     config = getattr(reference, "config", None)  # transformers: num_experts_per_tok
     ref_k = ref_layers[0].k if ref_layers else getattr(config, "num_experts_per_tok", None)
-    if not layers or not isinstance(ref_k, int) or ref_k == layers[0].k:
-        return None
-    if not 1 <= ref_k <= layers[0].n_experts:
+    if not layers or not isinstance(ref_k, int) or not 1 <= ref_k <= layers[0].n_experts:
         return None
     k = layers[0].k
+    if k == ref_k:
+        return None
 
     def apply(_x):
         return _setting([(m, "k", ref_k) for m in layers])
