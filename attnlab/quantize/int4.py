@@ -19,7 +19,10 @@ x @ ((q - 8) * scale + zero)^T with zero = min + 8 * scale, reading q from its o
 scales/zeros interleaved as (K/group_size, N, 2). That layout is a PyTorch implementation
 detail, so it is built from the plain one on the first kernel call and kept on the module as a
 plain attribute: never saved, rebuilt after a load (it costs another 0.5 byte per weight).
-Like the int8 kernel it is vectorised for bf16 activations only; see int8.py.
+Like the int8 kernel it is vectorised for bf16 activations only; see int8.py. On a CPU without
+bf16 hardware the layer runs attnlab/accel/qdot.py's integer kernel instead (llama.cpp's Q4_1
+method, on its own layout built the same lazy way), and more rows than that kernel is made for
+(a prefill) take the reference path: one dequantization, then the BLAS's fp32 GEMM.
 
 Shapes: N out_features, K in_features, G = K / group_size groups per row.
 """
@@ -27,6 +30,8 @@ Shapes: N out_features, K in_features, G = K / group_size groups per row.
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnlab.accel import qdot
 
 LEVELS = 15  # 4 bits: q in 0..15
 KERNEL_MIDPOINT = 8  # the kernel stores q - 8 around a per-group "zero" (the value at q = 8)
@@ -125,7 +130,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("mins", torch.zeros(out_features, G, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.use_kernel = int4_kernel_available()
+        self.use_qdot = qdot.choice() == "qdot"  # this CPU has no bf16 hardware (accel/qdot.py)
         self._kernel: tuple[Tensor, Tensor] | None = None  # to_kernel_layout(...), built lazily
+        self._blocks: Tensor | None = None  # qdot.q4_blocks(...), built lazily
 
     @classmethod
     @torch.no_grad()
@@ -141,7 +148,7 @@ class Int4Linear(nn.Module):
         return module
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._kernel = None  # new weights: rebuild the kernel layout on the next kernel call
+        self._kernel = self._blocks = None  # new weights: rebuild the kernel layouts when used
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -150,6 +157,8 @@ class Int4Linear(nn.Module):
         # this layer) takes the reference path, which autograd differentiates.
         needs_grad = x.requires_grad and torch.is_grad_enabled()
         if self.use_kernel and x.device.type == "cpu" and not needs_grad:
+            if self.use_qdot:  # no bf16 hardware: integer dot products
+                return self.qdot_forward(x)
             return self.kernel_forward(x)
         return self.reference_forward(x)
 
@@ -168,6 +177,18 @@ class Int4Linear(nn.Module):
             x2, packed, self.group_size, scales_and_zeros
         )  # (M, N_pad)
         y = y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def qdot_forward(self, x: Tensor) -> Tensor:
+        """attnlab/accel/qdot.py's int4 x int8 kernel (activations rounded to int8 per 32)."""
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if x2.shape[0] > qdot.MAX_ROWS or self.group_size % qdot.BLOCK:
+            return self.reference_forward(x)
+        if self._blocks is None:
+            q = unpack_int4(self.weight)  # (N, K)
+            self._blocks = qdot.q4_blocks(q, self.scales, self.mins)
+        y = qdot.q4_matmul(x2.float(), self._blocks, self.out_features).to(x.dtype)  # (M, N)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -25,12 +25,18 @@ without tails: it crashes or returns garbage unless in_features % 16 == 0, the a
 path, the activations are always a fresh copy, and weights loaded from a file (safetensors packs
 tensors at arbitrary offsets) are copied to an aligned buffer once, at load.
 
+On a CPU without bf16 hardware the kernel path is attnlab/accel/qdot.py's integer kernel
+instead (activations rounded to int8 in blocks of 32, as llama.cpp's Q8_0 x Q8_0), for the few
+rows it is made for; more rows (a prefill) take the reference path and the BLAS's fp32 GEMM.
+
 Shapes: N out_features, K in_features, (..., K) activations in, (..., N) out.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnlab.accel import qdot
 
 QMAX = 127  # symmetric: -127..127, so q and -q are both representable (-128 is unused)
 KERNEL_DTYPE = torch.bfloat16  # the dtype the CPU kernel is fast in (see the module docstring)
@@ -82,6 +88,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         # False: always the reference path (also for widths the kernel mishandles, see above)
         self.use_kernel = int8_kernel_available() and in_features % KERNEL_K_MULTIPLE == 0
+        # this CPU has no bf16 hardware: integer dot products (accel/qdot.py)
+        self.use_qdot = qdot.choice() == "qdot" and in_features % qdot.BLOCK == 0
 
     @classmethod
     @torch.no_grad()
@@ -100,15 +108,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N)."""
+        # The kernels have no backward: an input that needs a gradient (QLoRA's adapters below
+        # this layer) takes the reference path, which autograd differentiates.
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        fast = self.use_kernel and x.device.type == "cpu" and not needs_grad
+        if fast and self.use_qdot:
+            return self.qdot_forward(x)
         if torch.compiler.is_compiling():  # inductor 2.13 cannot lower the aten kernel
             one_token = x.shape[:-1].numel() == 1  # decode_step: the fused int8 GEMV
             return self.compiled_forward(x) if one_token else self.reference_forward(x)
-        # The kernel has no backward: an input that needs a gradient (QLoRA's adapters below
-        # this layer) takes the reference path, which autograd differentiates.
-        needs_grad = x.requires_grad and torch.is_grad_enabled()
-        if self.use_kernel and x.device.type == "cpu" and not needs_grad:
-            return self.kernel_forward(x)
-        return self.reference_forward(x)
+        return self.kernel_forward(x) if fast else self.reference_forward(x)
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """Dequantize, then an ordinary F.linear: the definition of this layer."""
@@ -120,6 +129,15 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(dtype, copy=True)  # (M, K), fresh: aligned
         y = int8_kernel_matmul(x2, self.weight, self.scales).to(x.dtype)  # (M, N)
         y = y.view(*x.shape[:-1], self.out_features)  # (..., N)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def qdot_forward(self, x: Tensor) -> Tensor:
+        """attnlab/accel/qdot.py's int8 x int8 kernel (activations rounded to int8 per 32)."""
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if x2.shape[0] > qdot.MAX_ROWS:
+            return self.reference_forward(x)
+        y = qdot.q8_matmul(x2.float(), self.weight, self.scales).to(x.dtype)  # (M, N)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def compiled_forward(self, x: Tensor) -> Tensor:
