@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.options import add_sampling_flags, sampling_and_device
+from attnlab.cli.options import add_ckpt_flag, add_sampling_flags, sampling_and_device
 from attnlab.inference.chat import Chat
 from attnlab.inference.config import GenerationConfig
 
@@ -23,7 +23,7 @@ RESET = "/reset"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH", help="a checkpoint (any --ckpt kind)")
+    add_ckpt_flag(p, "the decoder to chat with")
     p.add_argument("--system", metavar="TEXT", help="a system message that opens the chat")
     p.add_argument(
         "--max-new-tokens",

@@ -11,6 +11,7 @@ the user's: the loss and perplexity of its tokens (training.perplexity):
 import argparse
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.options import add_ckpt_flag
 from attnlab.configs import from_dict
 from attnlab.finetune.run import evaluate_finetuned, is_finetune_run
 from attnlab.models.heads import task_head_kind
@@ -21,11 +22,7 @@ from attnlab.training.tasks import build_task
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        help="checkpoint directory (e.g. runs/x/checkpoints/best), or a run's out_dir (its latest)",
-    )
+    add_ckpt_flag(p, "what to evaluate (e.g. runs/x/checkpoints/best)")
     p.add_argument(
         "--batches",
         type=int,

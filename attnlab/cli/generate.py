@@ -29,6 +29,7 @@ from pathlib import Path
 
 from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.options import (
+    add_ckpt_flag,
     add_sampling_flags,
     add_speculative_flags,
     add_steer_flag,
@@ -46,12 +47,7 @@ DEFAULTS = GenerationConfig()  # the defaults of the flags that are not Sampling
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        metavar="DIR",
-        help="a checkpoint directory, or a run's out_dir or checkpoints/ (its latest)",
-    )
+    add_ckpt_flag(p)
     p.add_argument(
         "--prompt",
         metavar="TEXT",

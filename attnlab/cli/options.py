@@ -164,6 +164,30 @@ def require_device(device: str, flag: str) -> None:
         raise ValueError(f"{flag}={device}: {why}; use {flag}=cpu (or auto)")
 
 
+CKPT_KINDS = (
+    "a checkpoint directory (attnlab or HF), a run's out_dir or checkpoints/ (its latest), "
+    "a .gguf file, or hf:ORG/NAME[@REV] (a Hub model, fetched once)"
+)  # what open_checkpoint opens: every --ckpt that goes through it says so in these words
+
+
+def add_ckpt_flag(p: argparse.ArgumentParser, what: str = "") -> None:
+    """`--ckpt PATH` (required), its help naming every kind open_checkpoint reads.
+
+    Args:
+        what: what the checkpoint is for, said first (e.g. "the decoder to serve").
+    """
+    p.add_argument(
+        "--ckpt", required=True, metavar="PATH", help=(f"{what}: " if what else "") + CKPT_KINDS
+    )
+
+
+def freeze_usage(p: argparse.ArgumentParser, tail: str = "[--SECTION.FIELD=V ...]") -> None:
+    """Write the usage line from the flags added so far, then `tail` for the config flags that
+    come next (too many to list): a flag added before this call is in the usage line, always."""
+    usage = " ".join(p.format_usage().removeprefix("usage:").split())
+    p.usage = usage.replace(p.prog, "%(prog)s", 1) + " " + tail
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One `--field-name` flag per field of `cls`; defaults stay in the dataclass (None here)."""
     hints = typing.get_type_hints(cls)

@@ -42,7 +42,12 @@ from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
-from attnlab.cli.options import add_speculative_flags, add_steer_flag, speculative_from_args
+from attnlab.cli.options import (
+    add_ckpt_flag,
+    add_speculative_flags,
+    add_steer_flag,
+    speculative_from_args,
+)
 from attnlab.configs import from_dict
 from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.steering import steering, text_steers
@@ -71,7 +76,7 @@ def port_number(text: str) -> int:
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="a decoder checkpoint directory")
+    add_ckpt_flag(p, "the decoder to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument(
         "--port", type=port_number, default=8000, help="port (default %(default)s; 0: any free)"
