@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.kinds import require
 from attnlab.cli.options import add_ckpt_flag, add_sampling_flags, sampling_and_device
 from attnlab.inference.chat import Chat
 from attnlab.inference.config import GenerationConfig
@@ -39,6 +40,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     sampling, device = sampling_and_device(args)
     loaded = open_checkpoint(args.ckpt, device=device)
+    require(args.ckpt, loaded, "attnlab chat", ("decoder",), "a decoder LM with a chat template")
     if loaded.tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer to chat with")
     config = GenerationConfig(args.max_new_tokens, sampling, seed=args.seed)

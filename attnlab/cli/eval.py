@@ -11,6 +11,7 @@ the user's: the loss and perplexity of its tokens (training.perplexity):
 import argparse
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.kinds import require
 from attnlab.cli.options import add_ckpt_flag
 from attnlab.configs import from_dict
 from attnlab.finetune.run import evaluate_finetuned, is_finetune_run
@@ -72,8 +73,10 @@ def evaluate_text(path: str, text: str, context: int | None = None, device: str 
     """A decoder checkpoint's loss and perplexity on the text file `text`."""
     device = resolve_device(device)
     loaded = open_checkpoint(path, str(device))  # a LoRA run's adapters merged
-    if hasattr(loaded.model, "encode") or loaded.tokenizer is None:
-        raise ValueError(f"--text scores a decoder LM with a tokenizer; {str(path)!r} is not one")
+    needs = "a decoder LM (a next-token perplexity means nothing for another kind)"
+    require(str(path), loaded, "attnlab eval --text", ("decoder",), needs)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--text needs a tokenizer; {str(path)!r} has no tokenizer.json")
     context = context or min(loaded.config.max_seq_len, 2048)
     return text_perplexity(loaded.model, loaded.tokenizer, text, context, device)
 

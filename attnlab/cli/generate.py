@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
     add_sampling_flags,
@@ -41,8 +42,8 @@ from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.generate import generate_text
 from attnlab.inference.steering import steering, text_steers
-from attnlab.models.heads import task_head_kind
 
+GENERATORS = ("decoder", "encoder_decoder")  # cli/kinds.py
 DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
 
 
@@ -193,26 +194,11 @@ def run(args: argparse.Namespace) -> int:
 
 def refuse_non_generators(ckpt: str, loaded) -> None:
     """One line for a checkpoint `generate` cannot continue text with: a task head, an encoder
-    (MLM), a scene-answering vqa/vla model, or no tokenizer."""
-    saved, tokenizer = loaded.run, loaded.tokenizer
-    kind = task_head_kind(loaded.config)  # a task head (attnlab finetune --task classify|tag, HF)
-    if kind is not None:
-        raise ValueError(
-            f"checkpoint {ckpt!r} is {kind} with no LM head to generate "
-            "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
-        )
-    if loaded.config.arch == "encoder":  # an MLM head fills masks; it does not continue text
-        raise ValueError(
-            f"{ckpt!r} holds an encoder model; attnlab generate needs a decoder-only or "
-            "encoder-decoder language model checkpoint"
-        )
-    task = saved.get("data", {}).get("task")
-    if task in ("vqa", "vla"):
-        raise ValueError(
-            f"checkpoint {ckpt!r} answers generated scenes (task {task!r}), not prompts: "
-            "pass --scene S instead of --prompt"
-        )
-    if tokenizer is None:
+    (MLM), a scene-answering vqa/vla model (cli/kinds.py), or no tokenizer."""
+    require(
+        ckpt, loaded, "attnlab generate --prompt", GENERATORS, "a decoder or encoder-decoder LM"
+    )
+    if loaded.tokenizer is None:
         raise ValueError(f"checkpoint {ckpt!r} has no tokenizer.json to read the prompt with")
 
 

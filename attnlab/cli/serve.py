@@ -42,6 +42,7 @@ from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
     add_speculative_flags,
@@ -53,7 +54,6 @@ from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.config import ModelConfig
-from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
@@ -263,13 +263,9 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     loaded = open_checkpoint(ckpt, device)
     model = loaded.model
     image = prefix_length(model) and not isinstance(model, PromptLearningLM)
-    if loaded.config.arch != "decoder" or hasattr(model, "encode") or image:
-        raise ValueError(
-            f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
-            "language model checkpoint"
-        )
-    if (kind := task_head_kind(loaded.config)) is not None:
-        raise ValueError(f"{ckpt!r} is {kind}: it has no LM head to serve")
+    require(ckpt, loaded, "attnlab serve", ("decoder",), "a decoder-only LM")
+    if image:
+        raise ValueError(f"{ckpt!r} reads images: attnlab serve needs a text-only decoder LM")
     if loaded.tokenizer is None:
         raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
     return loaded
