@@ -11,7 +11,8 @@ fine-tuning checkpoint opens with its adapters merged (`open_checkpoint`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
 `--top-k`; `--logit-bias '{"5": -100}'` reads JSON); their defaults live in the dataclass, the
-others in GenerationConfig's.
+others in GenerationConfig's. With --chat the flags not given take the checkpoint's own
+defaults, else llama.cpp's (inference.sampling.chat_sampling).
 An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint trained on
 generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
@@ -34,13 +35,15 @@ from attnlab.cli.options import (
     add_sampling_flags,
     add_speculative_flags,
     add_steer_flag,
-    sampling_and_device,
+    device_from_args,
+    sampling_from_args,
     speculative_from_args,
 )
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.generate import generate_text
+from attnlab.inference.sampling import chat_sampling
 from attnlab.inference.steering import steering, text_steers
 
 GENERATORS = ("decoder", "encoder_decoder")  # cli/kinds.py
@@ -134,7 +137,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sampling, device = sampling_and_device(args)
+    device = device_from_args(args)
     if args.scene is not None:
         from attnlab.lab.embodied import answer_scene  # (imports matplotlib)
 
@@ -145,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
     refuse_non_generators(args.ckpt, loaded)
+    base = chat_sampling(loaded.sampling) if args.chat else None  # None: SamplingConfig()
+    sampling = sampling_from_args(args, base)
     decoder_only = not hasattr(model, "encode")
     prompt, stop_tokens, stop = args.prompt, [], list(args.stop)
     if args.chat:

@@ -237,16 +237,33 @@ def options_from_args(cls: type, args: argparse.Namespace):
 SAMPLING = "sampling"  # the flags' section: --sampling.top_p, also spelled --top-p
 
 
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """`--device` and one flag per SamplingConfig field (`generate` and `chat` share them)."""
-    from attnlab.inference.sampling import SamplingConfig
+def add_sampling_flags(p: argparse.ArgumentParser, chat: str = "--chat") -> None:
+    """`--device` and one flag per SamplingConfig field (`generate` and `chat` share them).
+
+    Args:
+        chat: when a reply samples at the chat defaults (inference.sampling.chat_sampling):
+            "--chat" (generate: with that flag) or "always" (chat).
+    """
+    from attnlab.inference.sampling import CHAT_SAMPLING, SamplingConfig, describe
 
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
-    group = p.add_argument_group(f"{SAMPLING} ({SamplingConfig.__name__} fields)")
-    defaults = SamplingConfig()
+    when = "a reply" if chat == "always" else f"with {chat}, a reply"
+    group = p.add_argument_group(
+        f"{SAMPLING} ({SamplingConfig.__name__} fields)",
+        f"{when} samples at the checkpoint's own defaults where it has them (an HF "
+        "generation_config.json that samples, a GGUF's general.sampling.*), else at "
+        f"llama.cpp's: {describe(CHAT_SAMPLING)}; a flag given wins over both",
+    )
+    plain = SamplingConfig()
     for path, annotation in leaf_fields(SamplingConfig):
         name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
-        help_text = f"{name} (default {getattr(defaults, path)})"
+        default, for_chat = getattr(plain, path), getattr(CHAT_SAMPLING, path)
+        if chat == "always":
+            help_text = f"{name} (default {for_chat})"
+        elif for_chat != default:
+            help_text = f"{name} (default {default}; {chat}: {for_chat})"
+        else:
+            help_text = f"{name} (default {default})"
         if get_origin(annotation) is tuple:  # logit_bias: read as JSON (configs.parse_value)
             help_text = """JSON {token id: bias in [-100, 100]}, e.g. '{"5": -100}'"""
         group.add_argument(
@@ -259,18 +276,22 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
-def sampling_and_device(args: argparse.Namespace):
-    """The SamplingConfig and the device (`auto`: cuda if available) that add_sampling_flags'
-    flags name."""
+def device_from_args(args: argparse.Namespace) -> str:
+    """The device add_sampling_flags' `--device` names (`auto`: cuda if available)."""
     import torch
 
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def sampling_from_args(args: argparse.Namespace, base=None):
+    """The SamplingConfig add_sampling_flags' flags name, over `base` (default SamplingConfig(),
+    or a chat's: inference.sampling.chat_sampling)."""
     from attnlab.inference.sampling import SamplingConfig
 
-    configs, _ = apply_config_flags({SAMPLING: SamplingConfig()}, args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return configs[SAMPLING], device
+    configs, _ = apply_config_flags({SAMPLING: base or SamplingConfig()}, args)
+    return configs[SAMPLING]
 
 
 def add_steer_flag(p: argparse.ArgumentParser) -> None:

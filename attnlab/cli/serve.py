@@ -14,6 +14,8 @@ the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab f
 --lora.rank R` run on the same base, beside the base, listed in
 /v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
 requests for different adapters share one batched decode step (adapters/multi_lora.py).
+A chat completion's sampler fields left out take the checkpoint's own defaults, else llama.cpp's
+(inference.sampling.chat_sampling); a completion's, OpenAI's.
 SIGTERM or Ctrl-C stops admitting, lets running requests finish for up to --stop-timeout
 seconds, then exits.
 
@@ -51,6 +53,7 @@ from attnlab.cli.options import (
 )
 from attnlab.configs import from_dict
 from attnlab.finetune.peft_format import read_adapters
+from attnlab.inference.sampling import CHAT_SAMPLING, chat_sampling, describe
 from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.config import ModelConfig
@@ -77,6 +80,11 @@ def port_number(text: str) -> int:
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_ckpt_flag(p, "the decoder to serve")
+    p.epilog = (
+        "A chat completion samples each field it leaves out at the checkpoint's own defaults "
+        "(an HF generation_config.json that samples, a GGUF's general.sampling.*), else at "
+        f"llama.cpp's ({describe(CHAT_SAMPLING)}); a completion at OpenAI's (temperature 1)."
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument(
         "--port", type=port_number, default=8000, help="port (default %(default)s; 0: any free)"
@@ -241,6 +249,7 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
         args.stop_timeout,
         adapters=adapters,
         ui=args.ui,
+        chat_sampling=chat_sampling(loaded.sampling),
     )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
