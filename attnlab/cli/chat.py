@@ -6,16 +6,24 @@
 Each line typed is a user turn; the reply streams as it is generated and joins the history
 (`inference.chat.Chat`). `/reset` forgets the conversation (the --system message stays);
 Ctrl-D (end of input) or Ctrl-C at the prompt leaves. The sampling flags are SamplingConfig's
-fields, each under two names (`--sampling.temperature` and `--temperature`), as in generate.
+fields, each under two names (`--sampling.temperature` and `--temperature`), as in generate;
+those not given take the checkpoint's own defaults, else llama.cpp's (chat_sampling).
 """
 
 import argparse
 import sys
 
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.options import add_sampling_flags, sampling_and_device
+from attnlab.cli.kinds import require
+from attnlab.cli.options import (
+    add_ckpt_flag,
+    add_sampling_flags,
+    device_from_args,
+    sampling_from_args,
+)
 from attnlab.inference.chat import Chat
 from attnlab.inference.config import GenerationConfig
+from attnlab.inference.sampling import chat_sampling
 
 DEFAULTS = GenerationConfig()
 PROMPT = "> "
@@ -23,7 +31,7 @@ RESET = "/reset"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH", help="a checkpoint (any --ckpt kind)")
+    add_ckpt_flag(p, "the decoder to chat with")
     p.add_argument("--system", metavar="TEXT", help="a system message that opens the chat")
     p.add_argument(
         "--max-new-tokens",
@@ -33,12 +41,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="at most this many tokens a reply (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="S", help="sampling seed")
-    add_sampling_flags(p)
+    add_sampling_flags(p, chat="always")
 
 
 def run(args: argparse.Namespace) -> int:
-    sampling, device = sampling_and_device(args)
-    loaded = open_checkpoint(args.ckpt, device=device)
+    loaded = open_checkpoint(args.ckpt, device=device_from_args(args))
+    require(args.ckpt, loaded, "attnlab chat", ("decoder",), "a decoder LM with a chat template")
+    sampling = sampling_from_args(args, chat_sampling(loaded.sampling))
     if loaded.tokenizer is None:
         raise ValueError(f"checkpoint {args.ckpt!r} has no tokenizer to chat with")
     config = GenerationConfig(args.max_new_tokens, sampling, seed=args.seed)

@@ -11,6 +11,8 @@ the user's: the loss and perplexity of its tokens (training.perplexity):
 import argparse
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.kinds import require
+from attnlab.cli.options import add_ckpt_flag
 from attnlab.configs import from_dict
 from attnlab.finetune.run import evaluate_finetuned, is_finetune_run
 from attnlab.models.heads import task_head_kind
@@ -21,11 +23,7 @@ from attnlab.training.tasks import build_task
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        help="checkpoint directory (e.g. runs/x/checkpoints/best), or a run's out_dir (its latest)",
-    )
+    add_ckpt_flag(p, "what to evaluate (e.g. runs/x/checkpoints/best)")
     p.add_argument(
         "--batches",
         type=int,
@@ -75,8 +73,10 @@ def evaluate_text(path: str, text: str, context: int | None = None, device: str 
     """A decoder checkpoint's loss and perplexity on the text file `text`."""
     device = resolve_device(device)
     loaded = open_checkpoint(path, str(device))  # a LoRA run's adapters merged
-    if hasattr(loaded.model, "encode") or loaded.tokenizer is None:
-        raise ValueError(f"--text scores a decoder LM with a tokenizer; {str(path)!r} is not one")
+    needs = "a decoder LM (a next-token perplexity means nothing for another kind)"
+    require(str(path), loaded, "attnlab eval --text", ("decoder",), needs)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--text needs a tokenizer; {str(path)!r} has no tokenizer.json")
     context = context or min(loaded.config.max_seq_len, 2048)
     return text_perplexity(loaded.model, loaded.tokenizer, text, context, device)
 

@@ -30,6 +30,7 @@ import torch
 from attnlab.cli.options import (
     add_config_flags,
     apply_config_flags,
+    freeze_usage,
     merge_sections,
     read_config_file,
     require_device,
@@ -49,21 +50,18 @@ SPLITS = ("train", "val")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.usage = (
-        "%(prog)s --ckpt BASE --task classify|tag|sft|dpo|reward|grpo [--config FILE] [--resume] "
-        "[--SECTION.FIELD=V]"
-    )
     p.add_argument("--ckpt", required=True, help="the base checkpoint (attnlab or HF directory)")
     p.add_argument(
         "--task", choices=FINETUNE_TASKS, default=None, help="sets data.task (default sft)"
     )
-    p.add_argument("--config", default=None, help="YAML/JSON file of section overrides")
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON file of section overrides")
     p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="start afresh in a train.out_dir that holds another run (deletes it)",
     )
+    freeze_usage(p)
     add_config_flags(p, SECTIONS, DEFAULT_SECTIONS)
 
 

@@ -11,7 +11,8 @@ fine-tuning checkpoint opens with its adapters merged (`open_checkpoint`).
 
 The sampling flags are SamplingConfig's fields, each under two names (`--sampling.top_k` and
 `--top-k`; `--logit-bias '{"5": -100}'` reads JSON); their defaults live in the dataclass, the
-others in GenerationConfig's.
+others in GenerationConfig's. With --chat the flags not given take the checkpoint's own
+defaults, else llama.cpp's (inference.sampling.chat_sampling).
 An encoder-decoder checkpoint reads the prompt as its source text. A checkpoint trained on
 generated scenes ("vqa" / "vla") answers a new scene instead of a prompt:
 
@@ -28,30 +29,29 @@ import time
 from pathlib import Path
 
 from attnlab.checkpoint import open_checkpoint
+from attnlab.cli.kinds import require
 from attnlab.cli.options import (
+    add_ckpt_flag,
     add_sampling_flags,
     add_speculative_flags,
     add_steer_flag,
-    sampling_and_device,
+    device_from_args,
+    sampling_from_args,
     speculative_from_args,
 )
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.generate import generate_text
+from attnlab.inference.sampling import chat_sampling
 from attnlab.inference.steering import steering, text_steers
-from attnlab.models.heads import task_head_kind
 
+GENERATORS = ("decoder", "encoder_decoder")  # cli/kinds.py
 DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        metavar="DIR",
-        help="a checkpoint directory, or a run's out_dir or checkpoints/ (its latest)",
-    )
+    add_ckpt_flag(p)
     p.add_argument(
         "--prompt",
         metavar="TEXT",
@@ -137,7 +137,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sampling, device = sampling_and_device(args)
+    device = device_from_args(args)
     if args.scene is not None:
         from attnlab.lab.embodied import answer_scene  # (imports matplotlib)
 
@@ -148,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = open_checkpoint(args.ckpt, device)
     model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.run
     refuse_non_generators(args.ckpt, loaded)
+    base = chat_sampling(loaded.sampling) if args.chat else None  # None: SamplingConfig()
+    sampling = sampling_from_args(args, base)
     decoder_only = not hasattr(model, "encode")
     prompt, stop_tokens, stop = args.prompt, [], list(args.stop)
     if args.chat:
@@ -197,26 +199,11 @@ def run(args: argparse.Namespace) -> int:
 
 def refuse_non_generators(ckpt: str, loaded) -> None:
     """One line for a checkpoint `generate` cannot continue text with: a task head, an encoder
-    (MLM), a scene-answering vqa/vla model, or no tokenizer."""
-    saved, tokenizer = loaded.run, loaded.tokenizer
-    kind = task_head_kind(loaded.config)  # a task head (attnlab finetune --task classify|tag, HF)
-    if kind is not None:
-        raise ValueError(
-            f"checkpoint {ckpt!r} is {kind} with no LM head to generate "
-            "from; `attnlab eval --ckpt` scores it, `attnlab viz attention --ckpt` shows it"
-        )
-    if loaded.config.arch == "encoder":  # an MLM head fills masks; it does not continue text
-        raise ValueError(
-            f"{ckpt!r} holds an encoder model; attnlab generate needs a decoder-only or "
-            "encoder-decoder language model checkpoint"
-        )
-    task = saved.get("data", {}).get("task")
-    if task in ("vqa", "vla"):
-        raise ValueError(
-            f"checkpoint {ckpt!r} answers generated scenes (task {task!r}), not prompts: "
-            "pass --scene S instead of --prompt"
-        )
-    if tokenizer is None:
+    (MLM), a scene-answering vqa/vla model (cli/kinds.py), or no tokenizer."""
+    require(
+        ckpt, loaded, "attnlab generate --prompt", GENERATORS, "a decoder or encoder-decoder LM"
+    )
+    if loaded.tokenizer is None:
         raise ValueError(f"checkpoint {ckpt!r} has no tokenizer.json to read the prompt with")
 
 

@@ -10,7 +10,12 @@ its flags (attnlab/lab/).
 import argparse
 from pathlib import Path
 
-from attnlab.cli.options import add_dataclass_flags, apply_config_flags, options_from_args
+from attnlab.cli.options import (
+    add_ckpt_flag,
+    add_dataclass_flags,
+    apply_config_flags,
+    options_from_args,
+)
 from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolation
 from attnlab.lab.heads import COARSE_LEVELS, CURVES, HeadsLab, format_report, heads_lab
 from attnlab.lab.moe import MoELab, run_moe_lab
@@ -75,7 +80,7 @@ HEADS_HELP = (
 
 
 def add_heads_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="a causal LM checkpoint or a run's out_dir")
+    add_ckpt_flag(p, "a causal LM")
     p.add_argument("--out", default="lab/heads", metavar="DIR", help="where the results go")
     p.add_argument("--fast", action="store_true", help="a few small batches (for tests)")
     p.add_argument(
@@ -146,7 +151,7 @@ PATCH_HELP = (
 
 
 def add_patch_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="a causal LM checkpoint (with a tokenizer)")
+    add_ckpt_flag(p, "a causal LM with a tokenizer")
     p.add_argument("--clean", required=True, help="the prompt whose answer is restored")
     p.add_argument("--corrupt", required=True, help="a prompt of the same length in tokens")
     p.add_argument("--answer", required=True, help="the clean answer, one token (e.g. ' Paris')")
@@ -201,6 +206,7 @@ EXPERIMENTS = {
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
+    p.description = f"Experiments that test the seeds' claims: {' | '.join(EXPERIMENTS)}."
     metavar = "{" + ",".join(EXPERIMENTS) + "}"
     sub = p.add_subparsers(dest="experiment", required=True, metavar=metavar)
     for name, (summary, add_flags, _) in EXPERIMENTS.items():

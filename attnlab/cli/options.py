@@ -164,6 +164,30 @@ def require_device(device: str, flag: str) -> None:
         raise ValueError(f"{flag}={device}: {why}; use {flag}=cpu (or auto)")
 
 
+CKPT_KINDS = (
+    "a checkpoint directory (attnlab or HF), a run's out_dir or checkpoints/ (its latest), "
+    "a .gguf file, or hf:ORG/NAME[@REV] (a Hub model, fetched once)"
+)  # what open_checkpoint opens: every --ckpt that goes through it says so in these words
+
+
+def add_ckpt_flag(p: argparse.ArgumentParser, what: str = "") -> None:
+    """`--ckpt PATH` (required), its help naming every kind open_checkpoint reads.
+
+    Args:
+        what: what the checkpoint is for, said first (e.g. "the decoder to serve").
+    """
+    p.add_argument(
+        "--ckpt", required=True, metavar="PATH", help=(f"{what}: " if what else "") + CKPT_KINDS
+    )
+
+
+def freeze_usage(p: argparse.ArgumentParser, tail: str = "[--SECTION.FIELD=V ...]") -> None:
+    """Write the usage line from the flags added so far, then `tail` for the config flags that
+    come next (too many to list): a flag added before this call is in the usage line, always."""
+    usage = " ".join(p.format_usage().removeprefix("usage:").split())
+    p.usage = usage.replace(p.prog, "%(prog)s", 1) + " " + tail
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One `--field-name` flag per field of `cls`; defaults stay in the dataclass (None here)."""
     hints = typing.get_type_hints(cls)
@@ -213,16 +237,33 @@ def options_from_args(cls: type, args: argparse.Namespace):
 SAMPLING = "sampling"  # the flags' section: --sampling.top_p, also spelled --top-p
 
 
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """`--device` and one flag per SamplingConfig field (`generate` and `chat` share them)."""
-    from attnlab.inference.sampling import SamplingConfig
+def add_sampling_flags(p: argparse.ArgumentParser, chat: str = "--chat") -> None:
+    """`--device` and one flag per SamplingConfig field (`generate` and `chat` share them).
+
+    Args:
+        chat: when a reply samples at the chat defaults (inference.sampling.chat_sampling):
+            "--chat" (generate: with that flag) or "always" (chat).
+    """
+    from attnlab.inference.sampling import CHAT_SAMPLING, SamplingConfig, describe
 
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
-    group = p.add_argument_group(f"{SAMPLING} ({SamplingConfig.__name__} fields)")
-    defaults = SamplingConfig()
+    when = "a reply" if chat == "always" else f"with {chat}, a reply"
+    group = p.add_argument_group(
+        f"{SAMPLING} ({SamplingConfig.__name__} fields)",
+        f"{when} samples at the checkpoint's own defaults where it has them (an HF "
+        "generation_config.json that samples, a GGUF's general.sampling.*), else at "
+        f"llama.cpp's: {describe(CHAT_SAMPLING)}; a flag given wins over both",
+    )
+    plain = SamplingConfig()
     for path, annotation in leaf_fields(SamplingConfig):
         name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
-        help_text = f"{name} (default {getattr(defaults, path)})"
+        default, for_chat = getattr(plain, path), getattr(CHAT_SAMPLING, path)
+        if chat == "always":
+            help_text = f"{name} (default {for_chat})"
+        elif for_chat != default:
+            help_text = f"{name} (default {default}; {chat}: {for_chat})"
+        else:
+            help_text = f"{name} (default {default})"
         if get_origin(annotation) is tuple:  # logit_bias: read as JSON (configs.parse_value)
             help_text = """JSON {token id: bias in [-100, 100]}, e.g. '{"5": -100}'"""
         group.add_argument(
@@ -235,18 +276,22 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
-def sampling_and_device(args: argparse.Namespace):
-    """The SamplingConfig and the device (`auto`: cuda if available) that add_sampling_flags'
-    flags name."""
+def device_from_args(args: argparse.Namespace) -> str:
+    """The device add_sampling_flags' `--device` names (`auto`: cuda if available)."""
     import torch
 
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def sampling_from_args(args: argparse.Namespace, base=None):
+    """The SamplingConfig add_sampling_flags' flags name, over `base` (default SamplingConfig(),
+    or a chat's: inference.sampling.chat_sampling)."""
     from attnlab.inference.sampling import SamplingConfig
 
-    configs, _ = apply_config_flags({SAMPLING: SamplingConfig()}, args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return configs[SAMPLING], device
+    configs, _ = apply_config_flags({SAMPLING: base or SamplingConfig()}, args)
+    return configs[SAMPLING]
 
 
 def add_steer_flag(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,8 @@ the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab f
 --lora.rank R` run on the same base, beside the base, listed in
 /v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
 requests for different adapters share one batched decode step (adapters/multi_lora.py).
+A chat completion's sampler fields left out take the checkpoint's own defaults, else llama.cpp's
+(inference.sampling.chat_sampling); a completion's, OpenAI's.
 SIGTERM or Ctrl-C stops admitting, lets running requests finish for up to --stop-timeout
 seconds, then exits.
 
@@ -42,13 +44,19 @@ from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.checkpoint import Loaded, open_checkpoint
-from attnlab.cli.options import add_speculative_flags, add_steer_flag, speculative_from_args
+from attnlab.cli.kinds import require
+from attnlab.cli.options import (
+    add_ckpt_flag,
+    add_speculative_flags,
+    add_steer_flag,
+    speculative_from_args,
+)
 from attnlab.configs import from_dict
 from attnlab.finetune.peft_format import read_adapters
+from attnlab.inference.sampling import CHAT_SAMPLING, chat_sampling, describe
 from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.models.config import ModelConfig
-from attnlab.models.heads import task_head_kind
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
@@ -71,7 +79,12 @@ def port_number(text: str) -> int:
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="a decoder checkpoint directory")
+    add_ckpt_flag(p, "the decoder to serve")
+    p.epilog = (
+        "A chat completion samples each field it leaves out at the checkpoint's own defaults "
+        "(an HF generation_config.json that samples, a GGUF's general.sampling.*), else at "
+        f"llama.cpp's ({describe(CHAT_SAMPLING)}); a completion at OpenAI's (temperature 1)."
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument(
         "--port", type=port_number, default=8000, help="port (default %(default)s; 0: any free)"
@@ -236,6 +249,7 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
         args.stop_timeout,
         adapters=adapters,
         ui=args.ui,
+        chat_sampling=chat_sampling(loaded.sampling),
     )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -258,13 +272,9 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
     loaded = open_checkpoint(ckpt, device)
     model = loaded.model
     image = prefix_length(model) and not isinstance(model, PromptLearningLM)
-    if loaded.config.arch != "decoder" or hasattr(model, "encode") or image:
-        raise ValueError(
-            f"{ckpt!r} holds a {loaded.config.arch} model; attnlab serve needs a decoder-only "
-            "language model checkpoint"
-        )
-    if (kind := task_head_kind(loaded.config)) is not None:
-        raise ValueError(f"{ckpt!r} is {kind}: it has no LM head to serve")
+    require(ckpt, loaded, "attnlab serve", ("decoder",), "a decoder-only LM")
+    if image:
+        raise ValueError(f"{ckpt!r} reads images: attnlab serve needs a text-only decoder LM")
     if loaded.tokenizer is None:
         raise ValueError(f"{ckpt!r} has no tokenizer.json: attnlab serve needs one")
     return loaded

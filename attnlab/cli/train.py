@@ -13,6 +13,7 @@ import torch
 from attnlab.cli.options import (
     add_config_flags,
     apply_config_flags,
+    freeze_usage,
     merge_sections,
     read_config_file,
     require_device,
@@ -31,7 +32,6 @@ SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.usage = "%(prog)s [--preset NAME] [--config FILE] [--resume] [--SECTION.FIELD=V ...]"
     p.add_argument(
         "--preset",
         default=None,
@@ -39,7 +39,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help=f"model preset (default {DEFAULT_PRESET}, or the config file's 'preset'), one of: "
         + ", ".join(PRESETS),
     )
-    p.add_argument("--config", default=None, help="YAML/JSON file: preset and section overrides")
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON file: preset and section overrides")
     p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
     p.add_argument(
         "--overwrite",
@@ -54,6 +54,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="train on N processes of this machine: re-launch through torchrun (--standalone)",
     )
+    freeze_usage(p)
     defaults = {"model": get_preset(DEFAULT_PRESET), "train": TrainConfig(), "data": DataConfig()}
     add_config_flags(p, SECTIONS, defaults, {"model": f"(preset {DEFAULT_PRESET})"})
 

@@ -28,7 +28,7 @@ Shapes: B batch, V vocab_size, T prompt tokens.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -98,6 +98,30 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             )
         pairs[key] = float(value)
     return tuple(sorted(pairs.items()))
+
+
+# A chat reply's sampler where neither the user nor the checkpoint sets one: llama.cpp's
+# defaults (common/common.h: temp 0.80, top_k 40, top_p 0.95, min_p 0.05). SamplingConfig's own
+# (temperature 1, no filter) draw from the whole tail, and a small chat model wanders off:
+# SmolLM2-135M-Instruct named "Bâteille Rous" as the capital of France at them.
+CHAT_SAMPLING = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+def chat_sampling(saved: dict | None = None) -> SamplingConfig:
+    """The sampler of a chat reply that sets nothing: the checkpoint's own defaults (`saved`,
+    {SamplingConfig field: value}, e.g. `Loaded.sampling`) over CHAT_SAMPLING."""
+    return replace(CHAT_SAMPLING, **(saved or {}))
+
+
+def describe(cfg: SamplingConfig) -> str:
+    """The fields that differ from SamplingConfig's own defaults, as flags read them:
+    "temperature 0.8, top_k 40, top_p 0.95, min_p 0.05"."""
+    plain = SamplingConfig()
+    return ", ".join(
+        f"{name} {getattr(cfg, name)}"
+        for name in cfg.__dataclass_fields__
+        if getattr(cfg, name) != getattr(plain, name)
+    )
 
 
 @dataclass(frozen=True)

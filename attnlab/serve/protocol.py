@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from attnlab.inference.constraints import Constraint
-from attnlab.inference.sampling import MAX_PENALTY, bias_pairs
+from attnlab.inference.sampling import CHAT_SAMPLING, MAX_PENALTY, SamplingConfig, bias_pairs
 from attnlab.serve.choice import Choice
 from attnlab.serve.tools import parsed_reply
 from attnlab.serve.types import SamplingParams
@@ -60,6 +60,9 @@ class Settings:
         adapters: {model id: adapter directory} of the LoRA adapters served beside the base
             (`--lora NAME=DIR`); the i-th named is the engine's adapter i + 1 (0: the base).
         ui: serve the chat page (static/chat.html) at `/` (`--no-ui`: off).
+        chat_sampling: the sampler of a chat completion's fields that the request leaves out
+            (inference.sampling.chat_sampling: the checkpoint's own defaults, else
+            llama.cpp's); a completion's are OpenAI's (SamplingConfig's: temperature 1).
     """
 
     model_name: str
@@ -70,6 +73,7 @@ class Settings:
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: dict[str, str] = field(default_factory=dict)
     ui: bool = True
+    chat_sampling: SamplingConfig = CHAT_SAMPLING
 
 
 # --- reading a request ----------------------------------------------------------------------------
@@ -252,21 +256,37 @@ def logit_bias(body: dict, settings: Settings) -> tuple[tuple[int, float], ...]:
     return pairs
 
 
-def sampler_fields(body: dict, settings: Settings) -> dict:
-    """The sampler's parameters beyond temperature and top_p (OpenAI's and vLLM's names and
-    ranges), each a 400 naming it when out of range."""
+def sampler_fields(body: dict, settings: Settings, default: SamplingConfig) -> dict:
+    """The sampler's parameters (OpenAI's and vLLM's names and ranges), each a 400 naming it
+    when out of range; a field left out takes `default`'s value."""
     penalty = f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
 
     def in_range(v: float) -> bool:
         return -MAX_PENALTY <= v <= MAX_PENALTY
 
+    d = default
     return dict(
-        top_k=field_of(body, "top_k", int, -1, lambda v: v >= -1, "-1 or 0 (off), or >= 1"),
-        min_p=field_of(body, "min_p", float, 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
-        presence_penalty=field_of(body, "presence_penalty", float, 0.0, in_range, penalty),
-        frequency_penalty=field_of(body, "frequency_penalty", float, 0.0, in_range, penalty),
+        temperature=field_of(
+            body, "temperature", float, d.temperature, lambda v: 0 <= v <= 2, "in [0, 2]"
+        ),
+        top_p=field_of(body, "top_p", float, d.top_p or 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=field_of(
+            body, "top_k", int, d.top_k or -1, lambda v: v >= -1, "-1 or 0 (off), or >= 1"
+        ),
+        min_p=field_of(body, "min_p", float, d.min_p or 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        presence_penalty=field_of(
+            body, "presence_penalty", float, d.presence_penalty, in_range, penalty
+        ),
+        frequency_penalty=field_of(
+            body, "frequency_penalty", float, d.frequency_penalty, in_range, penalty
+        ),
         repetition_penalty=field_of(
-            body, "repetition_penalty", float, 1.0, lambda v: 0 < v < math.inf, "a number > 0"
+            body,
+            "repetition_penalty",
+            float,
+            d.repetition_penalty,
+            lambda v: 0 < v < math.inf,
+            "a number > 0",
         ),
         logit_bias=logit_bias(body, settings),
         min_tokens=field_of(body, "min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
@@ -343,14 +363,12 @@ def sampling_params(
     stop_ids = token_ids(body.get("stop_token_ids") or [], settings, "stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=field_of(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "in [0, 2]"),
-        top_p=field_of(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
         stop=stop_strings(body),
         stop_token_ids=tuple(stop_ids),
         seed=field_of(body, "seed", int, None, rule="an integer"),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        **sampler_fields(body, settings),
+        **sampler_fields(body, settings, settings.chat_sampling if chat else SamplingConfig()),
     )
 
 

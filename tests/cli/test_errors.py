@@ -294,7 +294,7 @@ CASES += [  # issue 31: each was a traceback, or a line that did not name the fi
         ],
         None,
         2,
-        "holds an encoder model; attnlab generate needs a decoder-only or encoder-decoder",
+        "is an encoder with a masked-LM head (bidirectional: it fills in masked tokens",
     ),
     (
         "serve on port 99999",

@@ -128,6 +128,34 @@ def test_chat_top_logprobs_are_the_models(server, client):
         assert entry.logprob == pytest.approx(float(logp[len(ids) - 1 + i, out[i]]), abs=1e-4)
 
 
+def test_logprobs_are_the_raw_distribution_before_logit_bias_and_penalties(server, client):
+    """As vLLM's default (logprobs-mode raw_logprobs): a token forced by a bias of +100 is
+    reported at the model's own log-probability, not at the biased one (about 0)."""
+    tok = server.tokenizer
+    prompt, forced = tok.encode("hello"), 40
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        logit_bias={str(forced): 100},
+        frequency_penalty=2.0,
+    )
+    with torch.no_grad():
+        logp = torch.log_softmax(server.model(torch.tensor([prompt + [forced] * 2]))[0].float(), -1)
+    got = r.choices[0].logprobs
+    assert got.tokens == [token_text(tok, forced)] * 3
+    for i in range(3):
+        want = float(logp[len(prompt) - 1 + i, forced])
+        assert want < -1.0  # the bias, not the model, chose it
+        assert got.token_logprobs[i] == pytest.approx(want, abs=1e-4)
+        values, top_ids = logp[len(prompt) - 1 + i].topk(2)
+        top = got.top_logprobs[i]
+        assert list(top) == [token_text(tok, t) for t in top_ids.tolist()]
+        torch.testing.assert_close(torch.tensor(list(top.values())), values, atol=1e-4, rtol=0)
+
+
 def test_chat_top_logprobs_without_logprobs_is_a_400(client):
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as e:

@@ -182,7 +182,8 @@ def reference_tokenizer(tokenizer, path, pre):
     """gpt-2: transformers' GGUF tokenizer. smollm: the `tokenizers` pipeline of SmolLM2's own
     tokenizer.json (Digits(individual_digits) then ByteLevel), which llama.cpp's smollm rule
     reproduces; transformers' GGUF loader ignores the smollm rule (it splits 2024 whole), which
-    only shows with a vocabulary that merges digits: SmolLM2's does not."""
+    shows with a vocabulary that merges digits, and where two or more whitespace characters
+    precede a digit ("12345  007": the rule's lone digit leaves "  " whole, GPT-2's splits it)."""
     if pre == "gpt-2":
         ref = T.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         return lambda text: ref(text, add_special_tokens=False)["input_ids"]
@@ -203,7 +204,7 @@ def test_tokenizer_ids_equal_the_reference(tmp_path, tokenizer, hf_model, pre):
     path = write_gguf(tmp_path / "tok.gguf", hf_model, tokenizer, pre=pre)
     ours, ref = open_checkpoint(path).tokenizer, reference_tokenizer(tokenizer, path, pre)
     texts = [*TEXTS, "<|im_start|>user\nhi 2024!<|im_end|>", "x = [1, 22, 333]\n\n\tz"]
-    for text in texts:
+    for text in [*texts, "12345  007", "a \t 1\n\n2"]:  # whitespace runs before digits
         assert ours.encode(text) == ref(text), text
         assert ours.decode(ours.encode(text), skip_special=False) == text
     assert ours.token_id("<bos>") == tokenizer.token_to_id("<|im_start|>")

@@ -95,6 +95,23 @@ def test_config_and_tokenizer_from_the_metadata(dense, reference):
     )
 
 
+def test_whitespace_before_digits_follows_smollm2s_published_pre_tokenizer(dense):
+    """Where whitespace runs precede a digit, transformers' GGUF loader (which ignores the
+    smollm rule) gives other ids; the reference is SmolLM2's published tokenizer.json pipeline,
+    Digits(individual_digits) then ByteLevel, over the file's own vocabulary and merges."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    published = Tokenizer.from_str(dense.tokenizer.backend.to_str())
+    published.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    for text in ["12345  007", "a  1", "x\n\n2", "total:\t\t 42"]:
+        assert dense.tokenizer.encode(text) == published.encode(text).ids, text
+
+
 def test_logits_equal_transformers_gguf_loader(dense, reference):
     for text in PROMPTS:
         ids = ids_of(dense, text)
