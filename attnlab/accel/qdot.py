@@ -42,7 +42,7 @@ SOURCE = Path(__file__).parent / "csrc" / "qdot.cpp"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]  # every AVX2 CPU has FMA and F16C too
 BLOCK = 32  # weights per block, as in llama.cpp's Q4_1 and Q8_0
 BLOCK_BYTES = 20  # an int4 block: fp16 scale, fp16 minimum, 16 bytes of nibbles
-MAX_ROWS = 8  # more activation rows: dequantizing once for the BLAS's GEMM is faster
+MAX_ROWS = 16  # more activation rows (a prefill): dequantizing once for the BLAS GEMM is faster
 ENV = "ATTNLAB_QUANT_KERNEL"
 BF16_FLAGS = {"avx512_bf16", "amx_bf16"}  # hardware that makes PyTorch's bf16 kernels fast
 

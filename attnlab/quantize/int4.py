@@ -182,11 +182,11 @@ class Int4Linear(nn.Module):
     def qdot_forward(self, x: Tensor) -> Tensor:
         """attnlab/accel/qdot.py's int4 x int8 kernel (activations rounded to int8 per 32)."""
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if x2.shape[0] > qdot.MAX_ROWS or self.group_size % qdot.BLOCK:
+        if self._blocks is None and not torch.compiler.is_compiling():
+            self._blocks = qdot.q4_blocks(unpack_int4(self.weight), self.scales, self.mins)
+        # A graph never builds the layout (a compiled step follows an eager prefill, which has).
+        if x2.shape[0] > qdot.MAX_ROWS or self.group_size % qdot.BLOCK or self._blocks is None:
             return self.reference_forward(x)
-        if self._blocks is None:
-            q = unpack_int4(self.weight)  # (N, K)
-            self._blocks = qdot.q4_blocks(q, self.scales, self.mins)
         y = qdot.q4_matmul(x2.float(), self._blocks, self.out_features).to(x.dtype)  # (M, N)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)

@@ -40,7 +40,6 @@
 namespace {
 
 constexpr int QK = 32;          // weights (and activations) per block
-constexpr int ROWS_AT_ONCE = 4;  // activation rows dotted with one weight block per load
 
 struct BlockQ4 {  // 20 bytes: llama.cpp's block_q4_1
   uint16_t d;     // fp16 scale
@@ -57,8 +56,7 @@ struct QuantizedRows {
   std::vector<float> sum;   // (M, K / QK): sum of the fp32 values of each block
 };
 
-void quantize_block(const float* x, int8_t* q, float* d,
-                                                         float* sum) {
+void quantize_block(const float* x, int8_t* q, float* d, float* sum) {
   __m256 maxabs = _mm256_setzero_ps(), s = _mm256_setzero_ps();
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int j = 0; j < QK; j += 8) {
@@ -107,67 +105,112 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// ---- int4 (Q4_1 blocks) x int8 activations ----------------------------------------------------
+// ---- the tiles ------------------------------------------------------------------------------------
+//
+// A tile is ROWS output rows times MT activation rows, each pair with its own accumulator: a
+// weight block is unpacked once for MT activation rows, an activation block loaded once for
+// ROWS weight blocks, and ROWS * MT chains of multiply-adds run side by side (one chain alone
+// would wait on each fmadd's latency). ROWS * MT <= 8 keeps the accumulators in registers
+// (AVX2 has 16). One activation row: 4 output rows at once; more: 2 x up to 4.
 
-void q4_rows(
-    const BlockQ4* w, const QuantizedRows& xq, float* y, int64_t M, int64_t N, int64_t K,
-    int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK;
+inline __m256i q4_values(const BlockQ4& block, __m256i low) {  // q[0..15] | q[16..31], unsigned
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+}
+
+inline __m256i x_block(const QuantizedRows& xq, int64_t i) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + i * QK));
+}
+
+// int4 (Q4_1 blocks) x int8 activations
+template <int ROWS, int MT>
+void q4_tile(const BlockQ4* w, const QuantizedRows& xq, float* y, int64_t N, int64_t nb,
+             int64_t n, int64_t m0) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; n++) {
-    const BlockQ4* row = w + n * nb;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS_AT_ONCE) {
-      const int rows = static_cast<int>(std::min<int64_t>(ROWS_AT_ONCE, M - m0));
-      __m256 acc[ROWS_AT_ONCE];
-      float mins[ROWS_AT_ONCE] = {0.f, 0.f, 0.f, 0.f};
-      for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; b++) {
-        const float dw = _cvtsh_ss(row[b].d), mw = _cvtsh_ss(row[b].m);
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[b].qs));
-        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-        const __m256i q = _mm256_and_si256(both, low);  // q[0..15] | q[16..31], unsigned
-        for (int r = 0; r < rows; r++) {
-          const int64_t i = (m0 + r) * nb + b;
-          const __m256i qx =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + i * QK));
-          const __m256i dot = dot_u8s8(q, qx);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xq.d[i]), acc[r]);
-          mins[r] += mw * xq.sum[i];
-        }
+  __m256 acc[ROWS][MT];
+  float mins[ROWS][MT];
+  for (int r = 0; r < ROWS; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm256_setzero_ps(), mins[r][t] = 0.f;
+  for (int64_t b = 0; b < nb; b++) {
+    for (int r = 0; r < ROWS; r++) {
+      const BlockQ4& block = w[(n + r) * nb + b];
+      const __m256i q = q4_values(block, low);
+      const float dw = _cvtsh_ss(block.d), mw = _cvtsh_ss(block.m);
+      for (int t = 0; t < MT; t++) {
+        const int64_t i = (m0 + t) * nb + b;
+        const __m256 scale = _mm256_set1_ps(dw * xq.d[i]);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, x_block(xq, i))), scale,
+                                    acc[r][t]);
+        mins[r][t] += mw * xq.sum[i];
       }
-      for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = hsum(acc[r]) + mins[r];
     }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int t = 0; t < MT; t++) y[(m0 + t) * N + n + r] = hsum(acc[r][t]) + mins[r][t];
+}
+
+// int8 (per-row scale) x int8 activations; maddubs takes one unsigned operand, so |q| times
+// qx carrying q's sign
+template <int ROWS, int MT>
+void q8_tile(const int8_t* w, const float* scales, const QuantizedRows& xq, float* y, int64_t N,
+             int64_t nb, int64_t n, int64_t m0) {
+  __m256 acc[ROWS][MT];
+  for (int r = 0; r < ROWS; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    for (int r = 0; r < ROWS; r++) {
+      const __m256i q = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w + ((n + r) * nb + b) * QK));
+      const __m256i uq = _mm256_sign_epi8(q, q);
+      for (int t = 0; t < MT; t++) {
+        const int64_t i = (m0 + t) * nb + b;
+        const __m256i dot = dot_u8s8(uq, _mm256_sign_epi8(x_block(xq, i), q));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.d[i]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int t = 0; t < MT; t++) y[(m0 + t) * N + n + r] = hsum(acc[r][t]) * scales[n + r];
+}
+
+// Output rows n0..n1 for every activation row, tile by tile (`tile<ROWS, MT>(n, m0)`).
+template <typename Tile>
+void tiles(Tile tile, int64_t M, int64_t n0, int64_t n1) {
+  if (M == 1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile.template run<4, 1>(n, 0);
+    for (; n < n1; n++) tile.template run<1, 1>(n, 0);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mt = std::min<int64_t>(4, M - m0);
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      switch (mt) {
+        case 4: tile.template run<2, 4>(n, m0); break;
+        case 3: tile.template run<2, 3>(n, m0); break;
+        case 2: tile.template run<2, 2>(n, m0); break;
+        default: tile.template run<2, 1>(n, m0);
+      }
+    }
+    for (; n < n1; n++)
+      for (int64_t m = m0; m < m0 + mt; m++) tile.template run<1, 1>(n, m);
   }
 }
 
-// ---- int8 (per-row scale) x int8 activations --------------------------------------------------
-
-void q8_rows(
-    const int8_t* w, const float* scales, const QuantizedRows& xq, float* y, int64_t M,
-    int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK;
-  for (int64_t n = n0; n < n1; n++) {
-    const int8_t* row = w + n * K;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS_AT_ONCE) {
-      const int rows = static_cast<int>(std::min<int64_t>(ROWS_AT_ONCE, M - m0));
-      __m256 acc[ROWS_AT_ONCE];
-      for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; b++) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
-        const __m256i uq = _mm256_sign_epi8(q, q);  // |q|: the unsigned operand
-        for (int r = 0; r < rows; r++) {
-          const int64_t i = (m0 + r) * nb + b;
-          const __m256i qx =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + i * QK));
-          const __m256i sx = _mm256_sign_epi8(qx, q);  // qx * sign(q): the product's sign
-          const __m256i dot = dot_u8s8(uq, sx);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.d[i]), acc[r]);
-        }
-      }
-      for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = hsum(acc[r]) * scales[n];
-    }
+struct Q4Tile {
+  const BlockQ4* w; const QuantizedRows& xq; float* y; int64_t N, nb;
+  template <int ROWS, int MT> void run(int64_t n, int64_t m0) const {
+    q4_tile<ROWS, MT>(w, xq, y, N, nb, n, m0);
   }
-}
+};
+
+struct Q8Tile {
+  const int8_t* w; const float* scales; const QuantizedRows& xq; float* y; int64_t N, nb;
+  template <int ROWS, int MT> void run(int64_t n, int64_t m0) const {
+    q8_tile<ROWS, MT>(w, scales, xq, y, N, nb, n, m0);
+  }
+};
 
 // ---- the ops ------------------------------------------------------------------------------------
 
@@ -191,7 +234,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t N) {
   const auto* w = reinterpret_cast<const BlockQ4*>(blocks.data_ptr<uint8_t>());
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
-    q4_rows(w, xq, out, M, N, K, n0, n1);
+    tiles(Q4Tile{w, xq, out, N, K / QK}, M, n0, n1);
   });
   return y;
 }
@@ -209,7 +252,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const float* s = scales.data_ptr<float>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
-    q8_rows(w, s, xq, out, M, N, K, n0, n1);
+    tiles(Q8Tile{w, s, xq, out, N, K / QK}, M, n0, n1);
   });
   return y;
 }
