@@ -337,9 +337,22 @@ class CheckpointDir:
         """The newest checkpoint of the run (see `latest_checkpoint`)."""
         return latest_checkpoint(self.root)
 
+    def saved(self) -> list[Path]:
+        """The complete step checkpoints and best/, oldest first by the step they hold (at the
+        same step, best/ first)."""
+        found = [(int(p.name.removeprefix("step_")), 1, p) for p in self.steps()]
+        best = self.root / "best"
+        if is_complete(best):
+            found.append((_trainer_state(best).get("step", -1), 0, best))
+        return [path for *_, path in sorted(found)]
+
     def last_good(self) -> Path | None:
-        """The newest step checkpoint whose weights load and are all finite (None if none)."""
-        for path in reversed(self.steps()):
+        """The newest checkpoint (a step one or best/) whose weights load and are all finite
+        and that the training loop did not mark as diverging ("diverging" in its
+        trainer_state.json: saved while a loss was above the divergence limit); None if none."""
+        for path in reversed(self.saved()):
+            if _trainer_state(path).get("diverging", False):
+                continue
             try:
                 weights = load_file(path / "model.safetensors")
             except (OSError, SafetensorError):
@@ -365,6 +378,15 @@ class CheckpointDir:
 
     def save_best(self, *args, **kwargs) -> Path:
         return save_checkpoint(self.root / "best", *args, **kwargs)
+
+
+def _trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json ({} where it cannot be read)."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def is_complete(path: Path, required: tuple[str, ...] = REQUIRED_FILES) -> bool:

@@ -14,8 +14,11 @@ metrics, a text sample, and the best checkpoint; every `ckpt_every` steps: a che
 same losses).
 
 What cannot go wrong silently: a diverged step (NaN or inf in the loss or any gradient) is never
-applied nor saved, and the error names the newest checkpoint whose weights are finite (its step
-and val loss); a val loss far above its best prints a warning; a new run refuses an out_dir that
+applied nor saved; a finite loss that stays above the divergence limit (worse than guessing
+uniformly, or far above the best: the rule in divergence.py) for a few steps or evaluations
+stops the run too, and one evaluation above it prints a warning; the error names the newest
+checkpoint whose weights are finite and whose losses passed that rule (its step and val loss),
+a step one or the best; a new run refuses an out_dir that
 holds another run unless told to resume it or overwrite it; Ctrl-C (and SIGTERM, under
 `sigterm_as_ctrl_c`) saves the last completed step before it stops the run; a full disk during
 a save leaves the last good checkpoint as it was; a torn last line of metrics.jsonl (a run
@@ -55,15 +58,17 @@ from attnlab.training import distributed
 from attnlab.training.checks import check_new_run, check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_
+from attnlab.training.divergence import CE_TASKS, VAL_PATIENCE, DivergenceWatch
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what --overwrite removes
-BLOW_UP = 4.0  # a val loss this many times its best draws a warning: the run is diverging
+LOWER_LR = "try a lower --train.lr or --train.grad_clip"  # what to do about a divergence
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or a gradient became NaN or infinite; that step was not applied nor saved."""
+    """The loss or a gradient became NaN or infinite, or a finite loss stayed above the
+    divergence limit (divergence.py); that step was not applied nor saved."""
 
 
 @dataclass
@@ -105,7 +110,8 @@ def train(
             and metrics (without it, or resume, that is a ValueError).
 
     Raises:
-        TrainingDiverged: the loss or the gradient norm was NaN or inf (the step not applied).
+        TrainingDiverged: the loss or the gradient norm was NaN or inf, or the train or val loss
+            stayed above the divergence limit (divergence.py); the step not applied nor saved.
         KeyboardInterrupt: re-raised after the last completed step was saved (one process).
     """
     cfg = run.train
@@ -160,6 +166,7 @@ class _Run:
     loss_sum_of: Callable  # batch -> summed loss over its target tokens (compiled or not)
     saver: "Saver"
     state: TrainState
+    watch: DivergenceWatch  # the finite-divergence rule's counts
     unapplied: dict | None = None  # the RNG as the current step found it, until it is applied
 
 
@@ -194,7 +201,11 @@ def _start(model: nn.Module, task, run: RunConfig, resume: bool, overwrite: bool
     if cfg.compile:
         loss_sum_of = compile_loss(task.loss_sum, model, device)
     saver = Saver(ckpts, ranks, saved_step=state.step)
-    return _Run(run, task, model, optimizer, scaler, data_gen, ranks, loss_sum_of, saver, state)
+    vocab_size = run.model.vocab_size if run.data.task in CE_TASKS else None
+    watch = DivergenceWatch(vocab_size)  # None: a loss the rule does not hold for
+    return _Run(
+        run, task, model, optimizer, scaler, data_gen, ranks, loss_sum_of, saver, state, watch
+    )
 
 
 def _step(r: _Run, step: int) -> dict:
@@ -209,6 +220,8 @@ def _step(r: _Run, step: int) -> dict:
     loss_value, aux_value = _backward(r)
     if not math.isfinite(loss_value):
         raise r.saver.diverged(f"loss is {loss_value}", step + 1)
+    if (diverged := r.watch.check("train", loss_value, state.best_val)) is not None:
+        raise r.saver.diverged(diverged, step + 1, hint=f"the run diverged: {LOWER_LR}")
     r.scaler.unscale_(r.optimizer)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
     grad_norm = float(clip_grad_norm_(trained_tensors(r.optimizer), max_norm))
@@ -274,16 +287,20 @@ def _evaluate(r: _Run) -> dict:
         metrics = r.task.evaluate(net, cfg.eval_batches, ranks.device)
         n = cfg.sample_tokens
         sample = r.task.sample(net, n, ranks.device) if n else None
-    state.last_eval = metrics
-    if ranks.main and _blown_up(metrics["val_loss"], state.best_val):
+    state.last_eval, val = metrics, metrics["val_loss"]
+    if (diverged := r.watch.check("val", val, state.best_val)) is not None:
+        raise r.saver.diverged(
+            diverged, state.step, before="saving", hint=f"the run diverged: {LOWER_LR}"
+        )
+    if ranks.main and r.watch.in_a_row["val"]:
         tqdm.write(
-            f"warning: val loss {metrics['val_loss']:.4g} at step {state.step} is more than "
-            f"{BLOW_UP:g}x its best, {state.best_val:.4g}: the run is diverging (try a lower "
-            "--train.lr or --train.grad_clip); the best weights are in checkpoints/best",
+            f"warning: val loss {val:.4g} at step {state.step} is above "
+            f"{r.watch.describe_limit(state.best_val)}: the run is diverging (it stops after "
+            f"{VAL_PATIENCE} evaluations in a row; {LOWER_LR})",
             file=sys.stderr,
         )
-    if metrics["val_loss"] < state.best_val:
-        state.best_val = metrics["val_loss"]
+    if val < state.best_val and r.watch.healthy:  # a loss above the limit is never the best
+        state.best_val = val
         r.saver.save(r, best=True)
     if sample is not None:
         metrics["sample"] = sample
@@ -309,6 +326,7 @@ class Saver:
             raise self.diverged(f"weight {bad} is not finite", state.step, before="saving")
         rng = ranks.rng_state(r.data_gen)
         trainer = {"step": state.step, "best_val": state.best_val, "last_eval": state.last_eval}
+        trainer["diverging"] = not r.watch.healthy  # never named as the last good checkpoint
         files = (weights, optim_state, r.run, trainer, rng, r.task.tokenizer)
         if ranks.main:
             try:
@@ -329,36 +347,30 @@ class Saver:
             self.saved_step = state.step
         ranks.barrier()  # the others wait until the checkpoint is complete
 
-    def diverged(self, what: str, step: int, before: str = "applying") -> TrainingDiverged:
-        """The error that stops every rank, naming the newest checkpoint with finite weights,
-        its step and validation loss (and the best one, when that is far better)."""
+    def diverged(
+        self, what: str, step: int, before: str = "applying", hint: str = ""
+    ) -> TrainingDiverged:
+        """The error that stops every rank, naming the last good checkpoint (finite weights,
+        losses within the divergence limit: CheckpointDir.last_good), its step and val loss."""
         ranks = self.ranks
         last = ranks.broadcast(self.ckpts.last_good() if ranks.main else None)
+        hint = f" ({hint})" if hint else ""
         return TrainingDiverged(
-            f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
-            + (_describe(last) if last else "none (none saved yet)")
+            f"{what} at step {step}; stopped before {before} it{hint}. The last good checkpoint is "
+            + (_describe(last) if last else "none (none saved before it went bad)")
         )
 
 
 def _describe(path: Path) -> str:
-    """`path` with its step and validation loss, and the best one's when that is far lower."""
+    """`path` with its step and validation loss."""
     try:
         trainer = json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return str(path)
-    val, best = trainer.get("last_eval", {}).get("val_loss"), trainer.get("best_val", math.inf)
-    text = f"{path} (step {trainer['step']}, " + (
+    val = trainer.get("last_eval", {}).get("val_loss")
+    return f"{path} (step {trainer['step']}, " + (
         f"val loss {val:.4g})" if val is not None else "not evaluated yet)"
     )
-    if val is not None and _blown_up(val, best):
-        best_dir = path.parent / "best"
-        text += f"; its val loss is far above the best, {best:.4g}, kept in {best_dir}"
-    return text
-
-
-def _blown_up(val_loss: float, best: float) -> bool:
-    """A finite loss far above its best: the run is likely diverging."""
-    return math.isfinite(best) and val_loss > BLOW_UP * max(best, 1e-3)
 
 
 def compile_loss(loss, model: nn.Module, device: torch.device):

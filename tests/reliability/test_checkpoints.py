@@ -220,8 +220,9 @@ def test_the_last_good_checkpoint_is_the_newest_finite_one(make_run, tmp_path):
     run = make_run(**SMALL, steps=3, ckpt_every=1, keep_last=3)
     train(*fresh(run), run)
     root = Path(run.train.out_dir) / "checkpoints"
-    poisoned = root / "step_000003" / "model.safetensors"  # as an older version could leave
-    ckpt.save_file({k: v * math.nan for k, v in ckpt.load_file(poisoned).items()}, poisoned)
+    for name in ("step_000003", "best"):  # both of step 3, as an older version could leave
+        poisoned = root / name / "model.safetensors"
+        ckpt.save_file({k: v * math.nan for k, v in ckpt.load_file(poisoned).items()}, poisoned)
     assert CheckpointDir(root).last_good() == root / "step_000002"
 
 
