@@ -334,8 +334,12 @@ class CheckpointDir:
         return step_checkpoints(self.root)
 
     def latest(self) -> Path | None:
-        """The newest checkpoint of the run (see `latest_checkpoint`)."""
+        """The newest step checkpoint of the run (see `latest_checkpoint`)."""
         return latest_checkpoint(self.root)
+
+    def resumable(self) -> Path | None:
+        """The checkpoint `--resume` continues from (see `resumable_checkpoint`)."""
+        return resumable_checkpoint(self.root)
 
     def saved(self) -> list[Path]:
         """The complete step checkpoints and best/, oldest first by the step they hold (at the
@@ -416,6 +420,22 @@ def latest_checkpoint(root: Path, required: tuple[str, ...] = REQUIRED_FILES) ->
         return root / name
     steps = step_checkpoints(root, required)
     return steps[-1] if steps else None
+
+
+def resumable_checkpoint(root: Path) -> Path | None:
+    """The checkpoint a resumed run continues from: the latest step checkpoint, or `best/`
+    when it holds a later step. best/ is a whole checkpoint too (weights, optimizer, RNG, data
+    position), written at an evaluation before that step's own save: it is newer when the run
+    stopped between step checkpoints, and the only one when the first step save failed (a full
+    disk). None when there is neither."""
+    latest, best = latest_checkpoint(root), Path(root) / "best"
+    if not is_complete(best):
+        return latest
+    if latest is None or _trainer_state(best).get("step", -1) > _trainer_state(latest).get(
+        "step", -1
+    ):
+        return best
+    return latest
 
 
 # --- opening a checkpoint as a model: the one loader --------------------------------------------

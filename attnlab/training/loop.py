@@ -55,7 +55,7 @@ from attnlab.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.components.moe import router_aux_loss, take_expert_load, update_router_bias
 from attnlab.configs import to_dict
 from attnlab.training import distributed
-from attnlab.training.checks import check_new_run, check_run, check_same_model
+from attnlab.training.checks import check_new_run, check_resumable, check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_
 from attnlab.training.divergence import CE_TASKS, VAL_PATIENCE, DivergenceWatch
@@ -99,12 +99,15 @@ def train(
     """Train `model` on `task` as `run.train` says; returns the final TrainState.
 
     Reads top to bottom: `_start` builds the run (or resumes it), then each step is `_step`,
-    every `eval_every` steps `_evaluate`, every `ckpt_every` steps a `Saver.save`.
+    every `eval_every` steps `_evaluate`, every `ckpt_every` steps a `Saver.save`, and last a
+    new best as best/: so a step's metrics and its step checkpoint are on disk before best/
+    holds it, and a save that fails leaves no best/ newer than what --resume can continue.
 
     Args:
         model: built from run.model.  task: LMTask | MLMTask | Seq2SeqTask | SceneTask.
         run: the run config (saved in every checkpoint).
-        resume: continue from the latest checkpoint in run.train.out_dir.
+        resume: continue from the latest checkpoint in run.train.out_dir (the latest step one,
+            or best/ when it is newer: CheckpointDir.resumable).
         callbacks: callables f(state, record) called after every logged step (on rank 0).
         overwrite: start afresh in an out_dir that holds another run, deleting its checkpoints
             and metrics (without it, or resume, that is a ValueError).
@@ -126,9 +129,10 @@ def train(
     )
     try:
         for step in bar:
-            record = _step(r, step)
+            record, new_best = _step(r, step), False
             if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
-                record.update(_evaluate(r))
+                metrics, new_best = _evaluate(r)
+                record.update(metrics)
             if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
                 _append(Path(cfg.out_dir) / "metrics.jsonl", record)
                 loss, lr, tok_s = record["train_loss"], record["lr"], record["tokens_per_s"]
@@ -137,6 +141,8 @@ def train(
                     callback(state, record)
             if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
                 r.saver.save(r)
+            if new_best:  # last: the step's metrics and checkpoint are on disk before best/
+                r.saver.save(r, best=True)
     except KeyboardInterrupt:
         # Keep the last completed step. With several ranks the others may not have stopped
         # at the same point, so no collective (no save) is attempted.
@@ -179,6 +185,8 @@ def _start(model: nn.Module, task, run: RunConfig, resume: bool, overwrite: bool
         raise ValueError("--resume continues the run in out_dir, --overwrite deletes it: pass one")
     if not (resume or overwrite):  # read before any rank writes (start() waits for all of them)
         check_new_run(out)
+    if resume:  # nothing to resume: say so, and create nothing
+        check_resumable(out)
     ranks = distributed.start(cfg.distributed, cfg.device)  # one process: rank 0 of 1
     device = ranks.device
     if ranks.main:
@@ -279,9 +287,9 @@ def _backward(r: _Run) -> tuple[float, float]:
     return loss_total / n_targets, aux_total / n_targets
 
 
-def _evaluate(r: _Run) -> dict:
-    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them. A
-    new best validation loss is saved as the best checkpoint."""
+def _evaluate(r: _Run) -> tuple[dict, bool]:
+    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them.
+    Returns (the metrics, whether the validation loss is a new best: to save as best/)."""
     cfg, ranks, state = r.run.train, r.ranks, r.state
     with ranks.evaluating(r.model) as net:
         metrics = r.task.evaluate(net, cfg.eval_batches, ranks.device)
@@ -299,14 +307,14 @@ def _evaluate(r: _Run) -> dict:
             f"{VAL_PATIENCE} evaluations in a row; {LOWER_LR})",
             file=sys.stderr,
         )
-    if val < state.best_val and r.watch.healthy:  # a loss above the limit is never the best
+    new_best = val < state.best_val and r.watch.healthy  # a loss above the limit: never best
+    if new_best:
         state.best_val = val
-        r.saver.save(r, best=True)
     if sample is not None:
         metrics["sample"] = sample
         if cfg.progress and ranks.main:
             tqdm.write(f"--- step {state.step} sample ---\n{sample}\n---")
-    return metrics
+    return metrics, new_best
 
 
 class Saver:
@@ -335,13 +343,18 @@ class Saver:
                 else:
                     ckpts.save(state.step, *files)
             except OSError as e:  # a full disk, a read-only directory: say what is still there
-                last = ckpts.latest()
+                last = ckpts.resumable()  # what --resume continues from
+                what = f"the best (step {state.step})" if best else f"the step-{state.step}"
                 raise OSError(
                     e.errno,
-                    f"could not save the step-{state.step} checkpoint in {str(ckpts.root)!r} "
+                    f"could not save {what} checkpoint in {str(ckpts.root)!r} "
                     f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}); the last "
                     "good checkpoint is "
-                    f"{str(last) if last else 'none (none saved yet)'}",
+                    + (
+                        f"{_describe(last)}: --resume continues from it"
+                        if last
+                        else "none (none saved yet): nothing to resume"
+                    ),
                 ) from e
         if not best:
             self.saved_step = state.step
@@ -395,13 +408,10 @@ def trained_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> TrainState:
     """Rank 0 reads the latest checkpoint; every rank loads it (weights and optimizer broadcast
     from rank 0, so the number of ranks may differ from the run that wrote it)."""
-    path = ranks.broadcast(ckpts.latest() if ranks.main else None)
-    if path is None:
+    path = ranks.broadcast(ckpts.resumable() if ranks.main else None)
+    if path is None:  # check_resumable found one; it is gone since
         where = Path(run.train.out_dir) / "checkpoints"
-        raise ValueError(
-            f"--resume: no checkpoint in {str(where)!r} (the run stopped before its first "
-            "save); pass --overwrite instead to start it afresh, or another --train.out_dir"
-        )
+        raise ValueError(f"--resume: nothing to resume in {str(where)!r} (no checkpoint)")
     files = read_checkpoint(path) if ranks.main else {}
     saved, trainer, rng = ranks.broadcast([files.get(k) for k in ("run", "trainer", "rng")])
     check_same_model(saved["model"], to_dict(run.model), path)
