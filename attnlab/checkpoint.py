@@ -334,12 +334,29 @@ class CheckpointDir:
         return step_checkpoints(self.root)
 
     def latest(self) -> Path | None:
-        """The newest checkpoint of the run (see `latest_checkpoint`)."""
+        """The newest step checkpoint of the run (see `latest_checkpoint`)."""
         return latest_checkpoint(self.root)
 
+    def resumable(self) -> Path | None:
+        """The checkpoint `--resume` continues from (see `resumable_checkpoint`)."""
+        return resumable_checkpoint(self.root)
+
+    def saved(self) -> list[Path]:
+        """The complete step checkpoints and best/, oldest first by the step they hold (at the
+        same step, best/ first)."""
+        found = [(int(p.name.removeprefix("step_")), 1, p) for p in self.steps()]
+        best = self.root / "best"
+        if is_complete(best):
+            found.append((_trainer_state(best).get("step", -1), 0, best))
+        return [path for *_, path in sorted(found)]
+
     def last_good(self) -> Path | None:
-        """The newest step checkpoint whose weights load and are all finite (None if none)."""
-        for path in reversed(self.steps()):
+        """The newest checkpoint (a step one or best/) whose weights load and are all finite
+        and that the training loop did not mark as diverging ("diverging" in its
+        trainer_state.json: saved while a loss was above the divergence limit); None if none."""
+        for path in reversed(self.saved()):
+            if _trainer_state(path).get("diverging", False):
+                continue
             try:
                 weights = load_file(path / "model.safetensors")
             except (OSError, SafetensorError):
@@ -365,6 +382,15 @@ class CheckpointDir:
 
     def save_best(self, *args, **kwargs) -> Path:
         return save_checkpoint(self.root / "best", *args, **kwargs)
+
+
+def _trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json ({} where it cannot be read)."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def is_complete(path: Path, required: tuple[str, ...] = REQUIRED_FILES) -> bool:
@@ -394,6 +420,22 @@ def latest_checkpoint(root: Path, required: tuple[str, ...] = REQUIRED_FILES) ->
         return root / name
     steps = step_checkpoints(root, required)
     return steps[-1] if steps else None
+
+
+def resumable_checkpoint(root: Path) -> Path | None:
+    """The checkpoint a resumed run continues from: the latest step checkpoint, or `best/`
+    when it holds a later step. best/ is a whole checkpoint too (weights, optimizer, RNG, data
+    position), written at an evaluation before that step's own save: it is newer when the run
+    stopped between step checkpoints, and the only one when the first step save failed (a full
+    disk). None when there is neither."""
+    latest, best = latest_checkpoint(root), Path(root) / "best"
+    if not is_complete(best):
+        return latest
+    if latest is None or _trainer_state(best).get("step", -1) > _trainer_state(latest).get(
+        "step", -1
+    ):
+        return best
+    return latest
 
 
 # --- opening a checkpoint as a model: the one loader --------------------------------------------

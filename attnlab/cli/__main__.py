@@ -159,7 +159,7 @@ def explain(e: Exception, args: argparse.Namespace) -> tuple[str, int] | None:
     if isinstance(e, ValueError):
         return str(e), 2
     if isinstance(e, OSError):
-        return _explain_os_error(e), 2
+        return _explain_os_error(e, args), 2
     if isinstance(e, SafetensorError):
         where = culprit or "a checkpoint"
         return (
@@ -174,15 +174,27 @@ def explain(e: Exception, args: argparse.Namespace) -> tuple[str, int] | None:
     return None
 
 
-def _explain_os_error(e: OSError) -> str:
+def output_flag(args: argparse.Namespace) -> str:
+    """The flag that says where the command writes (for a hint to write elsewhere)."""
+    if hasattr(args, "train.out_dir"):  # train, finetune
+        return "--train.out_dir"
+    if getattr(args, "out", None) is not None:  # quantize, viz, embodied, analyze, lab
+        return "--out"
+    if getattr(args, "dst", None) is not None:  # convert --to FORMAT DIR
+        return "another --to directory"
+    return "another output path"
+
+
+def _explain_os_error(e: OSError, args: argparse.Namespace) -> str:
     what = e.strerror or str(e)
     where = f"{e.filename}: " if e.filename else ""
+    flag = f"(e.g. {output_flag(args)})"
     hint = {
-        errno.ENOSPC: "free some space or write elsewhere (e.g. --train.out_dir)",
-        errno.EDQUOT: "free some space or write elsewhere (e.g. --train.out_dir)",
-        errno.EACCES: "choose a directory you can write to (e.g. --train.out_dir)",
-        errno.EPERM: "choose a directory you can write to (e.g. --train.out_dir)",
-        errno.EROFS: "the file system is read-only: write elsewhere (e.g. --train.out_dir)",
+        errno.ENOSPC: f"free some space or write elsewhere {flag}",
+        errno.EDQUOT: f"free some space or write elsewhere {flag}",
+        errno.EACCES: f"choose a directory you can write to {flag}",
+        errno.EPERM: f"choose a directory you can write to {flag}",
+        errno.EROFS: f"the file system is read-only: write elsewhere {flag}",
         errno.ENOENT: "check the path",
         errno.EISDIR: "give a file, not a directory",
         errno.ENOTDIR: "a part of that path is a file, not a directory: choose another path",

@@ -55,7 +55,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--task", choices=FINETUNE_TASKS, default=None, help="sets data.task (default sft)"
     )
     p.add_argument("--config", metavar="FILE", help="YAML/JSON file of section overrides")
-    p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from train.out_dir's newest checkpoint (the latest step one, or "
+        "checkpoints/best when it is newer)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

@@ -40,7 +40,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         + ", ".join(PRESETS),
     )
     p.add_argument("--config", metavar="FILE", help="YAML/JSON file: preset and section overrides")
-    p.add_argument("--resume", action="store_true", help="continue from train.out_dir's latest")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from train.out_dir's newest checkpoint (the latest step one, or "
+        "checkpoints/best when it is newer)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

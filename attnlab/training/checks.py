@@ -4,7 +4,7 @@ or after hours of training.)"""
 
 from pathlib import Path
 
-from attnlab.checkpoint import latest_checkpoint
+from attnlab.checkpoint import is_complete, resumable_checkpoint
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import resolve_device
 
@@ -74,7 +74,7 @@ def check_new_run(out_dir: str | Path) -> None:
         held.append("checkpoints/")
     if metrics.is_file() and metrics.stat().st_size > 0:
         held.append("metrics.jsonl")
-    if held and latest_checkpoint(checkpoints) is None:  # stopped before its first save
+    if held and _resumable(checkpoints) is None:  # stopped before its first save
         raise ValueError(
             f"out_dir {str(out)!r} holds a run that stopped before its first checkpoint "
             f"({' and '.join(held)}): there is nothing to resume; pass --overwrite to start "
@@ -85,6 +85,34 @@ def check_new_run(out_dir: str | Path) -> None:
             f"out_dir {str(out)!r} already holds a run ({' and '.join(held)}); pass --resume to "
             "continue it, --overwrite to replace it, or another --train.out_dir"
         )
+
+
+def check_resumable(out_dir: str | Path) -> None:
+    """ValueError when `out_dir` holds no checkpoint that --resume could continue from (nothing
+    to resume), read before anything is written: it creates nothing."""
+    out = Path(out_dir)
+    checkpoints = out / "checkpoints"
+    if _resumable(checkpoints) is not None:
+        return
+    if not out.exists():
+        why, fix = "it does not exist", "start the run without --resume"
+    elif any(checkpoints.glob("*")) or (out / "metrics.jsonl").is_file():
+        why, fix = "its run stopped before its first checkpoint", "pass --overwrite instead"
+    else:
+        why, fix = "it holds no run", "start the run without --resume"
+    raise ValueError(
+        f"--resume: nothing to resume in out_dir {str(out)!r} ({why}); {fix}, or give the "
+        "--train.out_dir of a run that saved a checkpoint"
+    )
+
+
+def _resumable(checkpoints: Path) -> Path | None:
+    """What --resume would continue from in `checkpoints`, read only: `resumable_checkpoint`,
+    or a complete `X.old` that opening the directory renames back (a save killed mid-way)."""
+    found = resumable_checkpoint(checkpoints)
+    if found is None and checkpoints.is_dir():
+        found = next((p for p in checkpoints.glob("*.old") if is_complete(p)), None)
+    return found
 
 
 def check_same_model(saved: dict, current: dict, where) -> None:

@@ -94,6 +94,10 @@ class TrainConfig:
 
     batch_size: sequences per micro-batch on each rank (process).
     grad_clip: the largest global gradient norm; 0 turns clipping off.
+    warmup_convention: how cosine and constant warm up over `warmup` steps (training/
+        schedules.py): "attnlab", lr * (s + 1) / warmup at 0-based step s (the first step
+        trains); "transformers", lr * s / warmup (step 0 at lr 0), as transformers'
+        get_cosine_schedule_with_warmup. Noam has its own (steps counted from 1).
     distributed: "ddp" or "fsdp" when launched by torchrun (one process per GPU or CPU worker;
         see training/distributed.py); "none" for a single process.
     sample_tokens: length of the text sample drawn at each evaluation; 0 draws none.
@@ -120,6 +124,7 @@ class TrainConfig:
     min_lr: float = 1e-4
     warmup: int = 100
     schedule: Literal["cosine", "noam", "constant"] = "cosine"
+    warmup_convention: Literal["attnlab", "transformers"] = "attnlab"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
@@ -169,6 +174,12 @@ class TrainConfig:
             raise ValueError(
                 f"train.flat_adamw works in one process only, not with "
                 f"distributed={self.distributed!r}: set train.flat_adamw=false"
+            )
+        if self.schedule == "noam" and self.warmup_convention != "attnlab":
+            raise ValueError(
+                f"train.warmup_convention={self.warmup_convention!r} applies to the cosine and "
+                "constant schedules; noam counts its steps from 1 (Vaswani et al.): drop "
+                "--train.warmup_convention or choose --train.schedule cosine"
             )
         if self.min_lr > self.lr:
             raise ValueError(

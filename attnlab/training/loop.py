@@ -14,8 +14,11 @@ metrics, a text sample, and the best checkpoint; every `ckpt_every` steps: a che
 same losses).
 
 What cannot go wrong silently: a diverged step (NaN or inf in the loss or any gradient) is never
-applied nor saved, and the error names the newest checkpoint whose weights are finite (its step
-and val loss); a val loss far above its best prints a warning; a new run refuses an out_dir that
+applied nor saved; a finite loss that stays above the divergence limit (worse than guessing
+uniformly, or far above the best: the rule in divergence.py) for a few steps or evaluations
+stops the run too, and one evaluation above it prints a warning; the error names the newest
+checkpoint whose weights are finite and whose losses passed that rule (its step and val loss),
+a step one or the best; a new run refuses an out_dir that
 holds another run unless told to resume it or overwrite it; Ctrl-C (and SIGTERM, under
 `sigterm_as_ctrl_c`) saves the last completed step before it stops the run; a full disk during
 a save leaves the last good checkpoint as it was; a torn last line of metrics.jsonl (a run
@@ -52,18 +55,20 @@ from attnlab.checkpoint import CheckpointDir, read_checkpoint
 from attnlab.components.moe import router_aux_loss, take_expert_load, update_router_bias
 from attnlab.configs import to_dict
 from attnlab.training import distributed
-from attnlab.training.checks import check_new_run, check_run, check_same_model
+from attnlab.training.checks import check_new_run, check_resumable, check_run, check_same_model
 from attnlab.training.config import RunConfig
 from attnlab.training.distributed import Ranks, clip_grad_norm_
+from attnlab.training.divergence import CE_TASKS, VAL_PATIENCE, DivergenceWatch
 from attnlab.training.optim import build_optimizer
 from attnlab.training.schedules import lr_at
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what --overwrite removes
-BLOW_UP = 4.0  # a val loss this many times its best draws a warning: the run is diverging
+LOWER_LR = "try a lower --train.lr or --train.grad_clip"  # what to do about a divergence
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or a gradient became NaN or infinite; that step was not applied nor saved."""
+    """The loss or a gradient became NaN or infinite, or a finite loss stayed above the
+    divergence limit (divergence.py); that step was not applied nor saved."""
 
 
 @dataclass
@@ -94,18 +99,22 @@ def train(
     """Train `model` on `task` as `run.train` says; returns the final TrainState.
 
     Reads top to bottom: `_start` builds the run (or resumes it), then each step is `_step`,
-    every `eval_every` steps `_evaluate`, every `ckpt_every` steps a `Saver.save`.
+    every `eval_every` steps `_evaluate`, every `ckpt_every` steps a `Saver.save`, and last a
+    new best as best/: so a step's metrics and its step checkpoint are on disk before best/
+    holds it, and a save that fails leaves no best/ newer than what --resume can continue.
 
     Args:
         model: built from run.model.  task: LMTask | MLMTask | Seq2SeqTask | SceneTask.
         run: the run config (saved in every checkpoint).
-        resume: continue from the latest checkpoint in run.train.out_dir.
+        resume: continue from the latest checkpoint in run.train.out_dir (the latest step one,
+            or best/ when it is newer: CheckpointDir.resumable).
         callbacks: callables f(state, record) called after every logged step (on rank 0).
         overwrite: start afresh in an out_dir that holds another run, deleting its checkpoints
             and metrics (without it, or resume, that is a ValueError).
 
     Raises:
-        TrainingDiverged: the loss or the gradient norm was NaN or inf (the step not applied).
+        TrainingDiverged: the loss or the gradient norm was NaN or inf, or the train or val loss
+            stayed above the divergence limit (divergence.py); the step not applied nor saved.
         KeyboardInterrupt: re-raised after the last completed step was saved (one process).
     """
     cfg = run.train
@@ -120,9 +129,10 @@ def train(
     )
     try:
         for step in bar:
-            record = _step(r, step)
+            record, new_best = _step(r, step), False
             if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
-                record.update(_evaluate(r))
+                metrics, new_best = _evaluate(r)
+                record.update(metrics)
             if ranks.main and (state.step % cfg.log_every == 0 or "val_loss" in record):
                 _append(Path(cfg.out_dir) / "metrics.jsonl", record)
                 loss, lr, tok_s = record["train_loss"], record["lr"], record["tokens_per_s"]
@@ -131,6 +141,8 @@ def train(
                     callback(state, record)
             if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps:
                 r.saver.save(r)
+            if new_best:  # last: the step's metrics and checkpoint are on disk before best/
+                r.saver.save(r, best=True)
     except KeyboardInterrupt:
         # Keep the last completed step. With several ranks the others may not have stopped
         # at the same point, so no collective (no save) is attempted.
@@ -160,6 +172,7 @@ class _Run:
     loss_sum_of: Callable  # batch -> summed loss over its target tokens (compiled or not)
     saver: "Saver"
     state: TrainState
+    watch: DivergenceWatch  # the finite-divergence rule's counts
     unapplied: dict | None = None  # the RNG as the current step found it, until it is applied
 
 
@@ -172,6 +185,8 @@ def _start(model: nn.Module, task, run: RunConfig, resume: bool, overwrite: bool
         raise ValueError("--resume continues the run in out_dir, --overwrite deletes it: pass one")
     if not (resume or overwrite):  # read before any rank writes (start() waits for all of them)
         check_new_run(out)
+    if resume:  # nothing to resume: say so, and create nothing
+        check_resumable(out)
     ranks = distributed.start(cfg.distributed, cfg.device)  # one process: rank 0 of 1
     device = ranks.device
     if ranks.main:
@@ -194,7 +209,11 @@ def _start(model: nn.Module, task, run: RunConfig, resume: bool, overwrite: bool
     if cfg.compile:
         loss_sum_of = compile_loss(task.loss_sum, model, device)
     saver = Saver(ckpts, ranks, saved_step=state.step)
-    return _Run(run, task, model, optimizer, scaler, data_gen, ranks, loss_sum_of, saver, state)
+    vocab_size = run.model.vocab_size if run.data.task in CE_TASKS else None
+    watch = DivergenceWatch(vocab_size)  # None: a loss the rule does not hold for
+    return _Run(
+        run, task, model, optimizer, scaler, data_gen, ranks, loss_sum_of, saver, state, watch
+    )
 
 
 def _step(r: _Run, step: int) -> dict:
@@ -209,6 +228,8 @@ def _step(r: _Run, step: int) -> dict:
     loss_value, aux_value = _backward(r)
     if not math.isfinite(loss_value):
         raise r.saver.diverged(f"loss is {loss_value}", step + 1)
+    if (diverged := r.watch.check("train", loss_value, state.best_val)) is not None:
+        raise r.saver.diverged(diverged, step + 1, hint=f"the run diverged: {LOWER_LR}")
     r.scaler.unscale_(r.optimizer)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # 0: measure, don't clip
     grad_norm = float(clip_grad_norm_(trained_tensors(r.optimizer), max_norm))
@@ -266,30 +287,34 @@ def _backward(r: _Run) -> tuple[float, float]:
     return loss_total / n_targets, aux_total / n_targets
 
 
-def _evaluate(r: _Run) -> dict:
-    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them. A
-    new best validation loss is saved as the best checkpoint."""
+def _evaluate(r: _Run) -> tuple[dict, bool]:
+    """Validation metrics and a sample, computed alike on every rank; rank 0 reports them.
+    Returns (the metrics, whether the validation loss is a new best: to save as best/)."""
     cfg, ranks, state = r.run.train, r.ranks, r.state
     with ranks.evaluating(r.model) as net:
         metrics = r.task.evaluate(net, cfg.eval_batches, ranks.device)
         n = cfg.sample_tokens
         sample = r.task.sample(net, n, ranks.device) if n else None
-    state.last_eval = metrics
-    if ranks.main and _blown_up(metrics["val_loss"], state.best_val):
+    state.last_eval, val = metrics, metrics["val_loss"]
+    if (diverged := r.watch.check("val", val, state.best_val)) is not None:
+        raise r.saver.diverged(
+            diverged, state.step, before="saving", hint=f"the run diverged: {LOWER_LR}"
+        )
+    if ranks.main and r.watch.in_a_row["val"]:
         tqdm.write(
-            f"warning: val loss {metrics['val_loss']:.4g} at step {state.step} is more than "
-            f"{BLOW_UP:g}x its best, {state.best_val:.4g}: the run is diverging (try a lower "
-            "--train.lr or --train.grad_clip); the best weights are in checkpoints/best",
+            f"warning: val loss {val:.4g} at step {state.step} is above "
+            f"{r.watch.describe_limit(state.best_val)}: the run is diverging (it stops after "
+            f"{VAL_PATIENCE} evaluations in a row; {LOWER_LR})",
             file=sys.stderr,
         )
-    if metrics["val_loss"] < state.best_val:
-        state.best_val = metrics["val_loss"]
-        r.saver.save(r, best=True)
+    new_best = val < state.best_val and r.watch.healthy  # a loss above the limit: never best
+    if new_best:
+        state.best_val = val
     if sample is not None:
         metrics["sample"] = sample
         if cfg.progress and ranks.main:
             tqdm.write(f"--- step {state.step} sample ---\n{sample}\n---")
-    return metrics
+    return metrics, new_best
 
 
 class Saver:
@@ -309,6 +334,7 @@ class Saver:
             raise self.diverged(f"weight {bad} is not finite", state.step, before="saving")
         rng = ranks.rng_state(r.data_gen)
         trainer = {"step": state.step, "best_val": state.best_val, "last_eval": state.last_eval}
+        trainer["diverging"] = not r.watch.healthy  # never named as the last good checkpoint
         files = (weights, optim_state, r.run, trainer, rng, r.task.tokenizer)
         if ranks.main:
             try:
@@ -317,48 +343,47 @@ class Saver:
                 else:
                     ckpts.save(state.step, *files)
             except OSError as e:  # a full disk, a read-only directory: say what is still there
-                last = ckpts.latest()
+                last = ckpts.resumable()  # what --resume continues from
+                what = f"the best (step {state.step})" if best else f"the step-{state.step}"
                 raise OSError(
                     e.errno,
-                    f"could not save the step-{state.step} checkpoint in {str(ckpts.root)!r} "
+                    f"could not save {what} checkpoint in {str(ckpts.root)!r} "
                     f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}); the last "
                     "good checkpoint is "
-                    f"{str(last) if last else 'none (none saved yet)'}",
+                    + (
+                        f"{_describe(last)}: --resume continues from it"
+                        if last
+                        else "none (none saved yet): nothing to resume"
+                    ),
                 ) from e
         if not best:
             self.saved_step = state.step
         ranks.barrier()  # the others wait until the checkpoint is complete
 
-    def diverged(self, what: str, step: int, before: str = "applying") -> TrainingDiverged:
-        """The error that stops every rank, naming the newest checkpoint with finite weights,
-        its step and validation loss (and the best one, when that is far better)."""
+    def diverged(
+        self, what: str, step: int, before: str = "applying", hint: str = ""
+    ) -> TrainingDiverged:
+        """The error that stops every rank, naming the last good checkpoint (finite weights,
+        losses within the divergence limit: CheckpointDir.last_good), its step and val loss."""
         ranks = self.ranks
         last = ranks.broadcast(self.ckpts.last_good() if ranks.main else None)
+        hint = f" ({hint})" if hint else ""
         return TrainingDiverged(
-            f"{what} at step {step}; stopped before {before} it. The last good checkpoint is "
-            + (_describe(last) if last else "none (none saved yet)")
+            f"{what} at step {step}; stopped before {before} it{hint}. The last good checkpoint is "
+            + (_describe(last) if last else "none (none saved before it went bad)")
         )
 
 
 def _describe(path: Path) -> str:
-    """`path` with its step and validation loss, and the best one's when that is far lower."""
+    """`path` with its step and validation loss."""
     try:
         trainer = json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return str(path)
-    val, best = trainer.get("last_eval", {}).get("val_loss"), trainer.get("best_val", math.inf)
-    text = f"{path} (step {trainer['step']}, " + (
+    val = trainer.get("last_eval", {}).get("val_loss")
+    return f"{path} (step {trainer['step']}, " + (
         f"val loss {val:.4g})" if val is not None else "not evaluated yet)"
     )
-    if val is not None and _blown_up(val, best):
-        best_dir = path.parent / "best"
-        text += f"; its val loss is far above the best, {best:.4g}, kept in {best_dir}"
-    return text
-
-
-def _blown_up(val_loss: float, best: float) -> bool:
-    """A finite loss far above its best: the run is likely diverging."""
-    return math.isfinite(best) and val_loss > BLOW_UP * max(best, 1e-3)
 
 
 def compile_loss(loss, model: nn.Module, device: torch.device):
@@ -383,13 +408,10 @@ def trained_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> TrainState:
     """Rank 0 reads the latest checkpoint; every rank loads it (weights and optimizer broadcast
     from rank 0, so the number of ranks may differ from the run that wrote it)."""
-    path = ranks.broadcast(ckpts.latest() if ranks.main else None)
-    if path is None:
+    path = ranks.broadcast(ckpts.resumable() if ranks.main else None)
+    if path is None:  # check_resumable found one; it is gone since
         where = Path(run.train.out_dir) / "checkpoints"
-        raise ValueError(
-            f"--resume: no checkpoint in {str(where)!r} (the run stopped before its first "
-            "save); pass --overwrite instead to start it afresh, or another --train.out_dir"
-        )
+        raise ValueError(f"--resume: nothing to resume in {str(where)!r} (no checkpoint)")
     files = read_checkpoint(path) if ranks.main else {}
     saved, trainer, rng = ranks.broadcast([files.get(k) for k in ("run", "trainer", "rng")])
     check_same_model(saved["model"], to_dict(run.model), path)

@@ -101,3 +101,37 @@ def test_a_run_directory_converts_its_latest_checkpoint(tmp_path, capsys):
     assert main(argv) == 0
     a, b = open_checkpoint(ckpt).model, open_checkpoint(tmp_path / "hf").model
     assert all(torch.equal(b.state_dict()[k], v) for k, v in a.state_dict().items())
+
+
+def test_a_full_disk_while_writing_hf_names_the_write_and_leaves_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """safetensors reports a full disk as a SafetensorError after a partial file (issue 42):
+    the one line names the file being written (not 'cannot read'), and no partial OUT stays."""
+    from safetensors import SafetensorError
+
+    import attnlab.interop.hf.common as common
+    from attnlab.checkpoint import save_checkpoint
+    from attnlab.tokenizer import train_char_tokenizer
+    from attnlab.training.config import RunConfig
+
+    cfg = gpt2_tiny()
+    src = save_checkpoint(
+        tmp_path / "run", build_model(cfg), None, RunConfig(cfg), {"step": 0},
+        tokenizer=train_char_tokenizer(["to be or not to be"]),
+    )  # fmt: skip
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")  # what got onto the disk before it filled up
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(common, "save_file", full_disk)
+    out = tmp_path / "exported"
+    assert main(["convert", "--from", "attnlab", str(src), "--to", "hf", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"No space left on device writing model.safetensors in {out}" in err, err
+    assert "cannot read" not in err and "--train.out_dir" not in err, err
+    assert "another --to directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no OUT, no OUT.tmp

@@ -114,3 +114,23 @@ def test_unknown_scheme_rejected_by_parser(capsys, ckpt):
     with pytest.raises(SystemExit):
         main(["quantize", "--ckpt", str(ckpt), "--scheme", "int3", "--out", "x"])
     assert "int3" in capsys.readouterr().err
+
+
+def test_a_full_disk_names_quantizes_own_output_flag(capsys, tmp_path, ckpt, monkeypatch):
+    """The hint of a full disk names --out, the flag quantize has (not --train.out_dir)."""
+    import errno
+    import os
+
+    import attnlab.checkpoint
+
+    def full_disk(path, write):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(attnlab.checkpoint, "_write_file", full_disk)
+    out = tmp_path / "q"
+    assert main(["quantize", "--ckpt", str(ckpt), "--scheme", "int8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "No space left on device" in err and "(e.g. --out)" in err, err
+    assert "--train.out_dir" not in err, err
+    assert not out.exists() and not list(tmp_path.glob("q.tmp"))

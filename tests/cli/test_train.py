@@ -154,3 +154,24 @@ def test_recipes_are_valid_run_configs(recipe):
         for name, value in fields.items():
             if not isinstance(value, dict):
                 assert getattr(getattr(run, section), name) == value, (section, name)
+
+
+def test_a_finite_divergence_stops_the_run_in_one_line(tmp_path, tiny_text, capsys):
+    """lr 3 (issue 42): the loss blows up far above ln V but stays finite; the run stops after
+    a few steps with one line that says so and what to do, and no traceback."""
+    flags = [
+        "--train.lr",
+        "3",
+        "--train.min_lr",
+        "0",
+        "--train.warmup",
+        "2",
+        "--model.dropout",
+        "0",
+    ]
+    assert main([*small_run(tmp_path, tiny_text), *flags, "--train.steps", "60"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("attnlab train: error: train loss ")
+    assert "ln V = " in err and "steps in a row" in err and "--train.lr" in err
+    assert "Traceback" not in err

@@ -220,8 +220,9 @@ def test_the_last_good_checkpoint_is_the_newest_finite_one(make_run, tmp_path):
     run = make_run(**SMALL, steps=3, ckpt_every=1, keep_last=3)
     train(*fresh(run), run)
     root = Path(run.train.out_dir) / "checkpoints"
-    poisoned = root / "step_000003" / "model.safetensors"  # as an older version could leave
-    ckpt.save_file({k: v * math.nan for k, v in ckpt.load_file(poisoned).items()}, poisoned)
+    for name in ("step_000003", "best"):  # both of step 3, as an older version could leave
+        poisoned = root / name / "model.safetensors"
+        ckpt.save_file({k: v * math.nan for k, v in ckpt.load_file(poisoned).items()}, poisoned)
     assert CheckpointDir(root).last_good() == root / "step_000002"
 
 
@@ -348,6 +349,81 @@ def test_a_full_disk_keeps_the_last_good_checkpoint(make_run, monkeypatch, file)
     assert_resumes_exactly(run, reference)
 
 
+def full_disk_in_steps(path, write):
+    """A `_write_file` on a disk with room for best/ alone: every step checkpoint fails."""
+    path = Path(path)
+    if path.parent.name.startswith("step_"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return REAL_WRITE_FILE(path, write)
+
+
+REAL_WRITE_FILE = ckpt._write_file
+
+
+def test_a_full_disk_at_the_first_save_leaves_nothing_and_says_so(make_run, monkeypatch):
+    """Step 2 is evaluated and saved, and its step save fails on a full disk (issue 42: a 5 MB
+    tmpfs). best/ is written after the step checkpoint, so nothing is left, and the error, a
+    new run and --resume all say there is nothing to resume."""
+    run = make_run(**SMALL, steps=4, ckpt_every=2, eval_every=2)
+    root = Path(run.train.out_dir) / "checkpoints"
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_write_file", full_disk_in_steps)
+        with pytest.raises(OSError) as info:
+            train(*fresh(run), run)
+    line = one_line(info.value)
+    assert "could not save the step-2 checkpoint" in line, line
+    assert line.endswith("the last good checkpoint is none (none saved yet): nothing to resume")
+    assert not (root / "best").exists()
+    with pytest.raises(ValueError, match="nothing to resume.*first checkpoint.*--overwrite"):
+        train(*fresh(run), run, resume=True)
+    with pytest.raises(ValueError, match="stopped before its first checkpoint"):
+        train(*fresh(run), run)
+
+
+def test_a_full_disk_after_a_best_save_names_it_and_resumes_from_it(make_run, monkeypatch):
+    """best/ of step 2 is on disk when the step-4 save fails (ckpt_every 4): the error, a new
+    run's refusal and --resume agree on best/, and the resumed run is the uninterrupted one."""
+    kw = dict(SMALL, steps=4, ckpt_every=4, eval_every=2)
+    run = make_run(**kw)
+    reference = uninterrupted(make_run(out="reference", **kw))
+    root = Path(run.train.out_dir) / "checkpoints"
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_write_file", full_disk_in_steps)
+        with pytest.raises(OSError) as info:
+            train(*fresh(run), run)
+    line = one_line(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert "could not save the step-4 checkpoint" in line, line
+    assert f"last good checkpoint is {root / 'best'} (step 2, val loss " in line, line
+    assert line.endswith("--resume continues from it"), line
+    assert not list(root.glob("step_*"))
+    with pytest.raises(ValueError, match="already holds a run.*--resume") as refused:
+        train(*fresh(run), run)  # not "stopped before its first checkpoint"
+    one_line(refused.value)
+    model, task = fresh(run, seed=99)
+    state = train(model, task, run, resume=True)
+    assert state.losses == reference[0][2:]  # exact float equality
+    assert all(torch.equal(v, reference[1][k]) for k, v in weights(model).items())
+    assert metric_steps(run) == [1, 2, 3, 4]
+
+
+def test_resume_of_an_out_dir_without_a_run_says_nothing_to_resume_and_creates_nothing(
+    make_run, tmp_path
+):
+    run = make_run(**SMALL, out="never")
+    with pytest.raises(ValueError) as info:
+        train(*fresh(run), run, resume=True)
+    line = one_line(info.value)
+    assert line.startswith(f"--resume: nothing to resume in out_dir {run.train.out_dir!r}")
+    assert "does not exist" in line and "without --resume" in line
+    assert not Path(run.train.out_dir).exists()
+    (tmp_path / "empty").mkdir()
+    run = make_run(**SMALL, out="empty")
+    with pytest.raises(ValueError, match="nothing to resume.*holds no run"):
+        train(*fresh(run), run, resume=True)
+    assert not list((tmp_path / "empty").iterdir())
+
+
 def full_disk_in_best(file: str, error: Exception):
     """A `_write_file` that fails with `error` on `file` of the first best save (step 4), as
     the writer itself reports a full disk: torch.save a RuntimeError, safetensors its own
@@ -380,7 +456,7 @@ SAFETENSORS_FULL = ckpt.SafetensorError(
     ids=["oserror", "torch-runtimeerror", "safetensors-error"],
 )
 def test_a_full_disk_in_a_writer_is_one_line_naming_the_file(make_run, monkeypatch, file, error):
-    kw = dict(SMALL, steps=6, ckpt_every=2, eval_every=4)  # step 4: best/, then step_000004/
+    kw = dict(SMALL, steps=6, ckpt_every=2, eval_every=4)  # step 4: step_000004/, then best/
     run = make_run(**kw)
     reference = uninterrupted(make_run(out="reference", **kw))
     root = Path(run.train.out_dir) / "checkpoints"
@@ -393,7 +469,7 @@ def test_a_full_disk_in_a_writer_is_one_line_naming_the_file(make_run, monkeypat
     assert info.value.errno == errno.ENOSPC
     assert "no space left" in line.lower(), line
     assert f"{file} in {root / 'best'}" in line, line
-    assert f"last good checkpoint is {root / 'step_000002'}" in line, line
+    assert f"last good checkpoint is {root / 'step_000004'}" in line, line
     assert "cannot read" not in line
     assert not list(root.glob("*.tmp"))  # the partial best.tmp gave its space back
     assert_tidy(root)

@@ -1,6 +1,7 @@
 """Mistakes in a run config fail early, with a ValueError that names the values involved."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,9 +82,11 @@ def test_resume_with_another_model_config_names_the_fields(make_run):
         start(replace(run, model=changed), resume=True)
 
 
-def test_resume_without_a_checkpoint(make_run):
-    with pytest.raises(ValueError, match="no checkpoint in .*pass --overwrite"):
-        start(make_run("llama-tiny"), resume=True)
+def test_resume_without_a_run_says_nothing_to_resume(make_run):
+    run = make_run("llama-tiny")
+    with pytest.raises(ValueError, match="nothing to resume in .*does not exist.*without --resume"):
+        start(run, resume=True)
+    assert not Path(run.train.out_dir).exists()  # nothing created
 
 
 class Killed(Exception):
@@ -108,7 +111,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_no_dead_end(make_run):
         start(run)
     assert "--overwrite" in str(rerun.value) and "pass --resume" not in str(rerun.value)
     assert "before its first checkpoint" in str(rerun.value)
-    with pytest.raises(ValueError, match=r"no checkpoint in .*pass --overwrite"):
+    with pytest.raises(ValueError, match=r"nothing to resume in .*first checkpoint.*--overwrite"):
         start(run, resume=True)
     assert start(run, overwrite=True).step == 4
 

@@ -9,6 +9,13 @@ import torch
 
 from attnlab.checkpoint import CheckpointDir, load_checkpoint
 from attnlab.models.build import build_model
+from attnlab.training.divergence import (
+    BLOW_UP,
+    MARGIN,
+    TRAIN_PATIENCE,
+    VAL_PATIENCE,
+    divergence_limit,
+)
 from attnlab.training.loop import TrainingDiverged, train
 from attnlab.training.tasks import build_task
 from tests.compile_helpers import needs_compiler
@@ -203,9 +210,10 @@ def test_a_finite_blow_up_warns_naming_the_step_and_losses(make_run, capsys):
     assert "val loss 212 at step 3" in warnings[0] and "its best, 4.5" in warnings[0]
 
 
-def test_after_a_nan_the_last_good_checkpoint_is_named_with_its_step_and_loss(make_run):
-    """The checkpoint the error calls last good is named with its step and val loss, and
-    when that loss blew up, the best one is named as well (issue 31)."""
+def test_after_a_nan_the_last_good_checkpoint_is_one_that_passed_the_divergence_rule(make_run):
+    """The checkpoint the error calls last good is named with its step and val loss; one saved
+    while the val loss was above the divergence limit (550 after a best of 4.5) is not it: the
+    best one is (issue 42)."""
     run = make_run("llama-tiny", steps=10, eval_every=1, ckpt_every=3, sample_tokens=0)
     model, task = fresh(run)
     val_losses = [4.6, 4.5, 550.0, 600.0]
@@ -213,8 +221,64 @@ def test_after_a_nan_the_last_good_checkpoint_is_named_with_its_step_and_loss(ma
         train(model, BlowingUpTask(task, at=5, val_losses=val_losses), run)
     root = Path(run.train.out_dir) / "checkpoints"
     message = str(info.value)
-    assert f"last good checkpoint is {root / 'step_000003'} (step 3, val loss 550)" in message
-    assert f"far above the best, 4.5, kept in {root / 'best'}" in message
+    assert "loss is nan at step 5" in message
+    assert f"last good checkpoint is {root / 'best'} (step 2, val loss 4.5)" in message
+    assert (root / "step_000003").is_dir()  # saved, but marked as diverging
+    assert CheckpointDir(root).last_good() == root / "best"
+
+
+def test_a_finite_train_loss_above_the_limit_stops_the_run(make_run):
+    """Train losses a thousand times too high (finite; the clipped updates keep the weights
+    finite) stop the run after TRAIN_PATIENCE steps in a row, and the last good checkpoint
+    named is the newest one saved before them (issue 42: lr 10 went on at train loss 4877)."""
+    run = make_run("llama-tiny", steps=30, ckpt_every=3, keep_last=10, sample_tokens=0)
+    model, task = fresh(run)
+    first_bad = 5  # steps 5, 6, ... have a loss 1000 times their own
+    stop = first_bad + TRAIN_PATIENCE - 1
+    with pytest.raises(TrainingDiverged, match=rf"for {TRAIN_PATIENCE} steps in a row") as info:
+        train(model, DivergingTask(task, at=first_bad, bad=1000.0), run)
+    root = Path(run.train.out_dir) / "checkpoints"
+    message = str(info.value)
+    assert f"at step {stop}; stopped before applying it" in message
+    assert "above" in message and "ln V" in message and "--train.lr" in message
+    assert f"last good checkpoint is {root / 'step_000003'} (step 3, " in message
+    assert "\n" not in message
+    # Saved while the loss was above the limit: on disk, but never the last good one.
+    for step in (6, 9, 12):
+        trainer = json.loads((root / f"step_{step:06d}" / "trainer_state.json").read_text())
+        assert trainer["diverging"] is True, step
+    trainer = json.loads((root / "step_000003" / "trainer_state.json").read_text())
+    assert trainer["diverging"] is False
+
+
+def test_finite_val_losses_above_the_limit_stop_the_run_and_are_never_the_best(make_run, capsys):
+    """One evaluation above the limit warns; VAL_PATIENCE in a row stop the run before that
+    step is saved; none of them is kept as the best, not even the first evaluation's."""
+    run = make_run("llama-tiny", steps=10, eval_every=1, ckpt_every=1, sample_tokens=0)
+    model, task = fresh(run)
+    val_losses = [531.0, 4.5, 4.4, 110.0, 531.0, 600.0, 4.0]
+    with pytest.raises(TrainingDiverged) as info:
+        train(model, BlowingUpTask(task, at=10**9, val_losses=val_losses), run)
+    root = Path(run.train.out_dir) / "checkpoints"
+    message = str(info.value)
+    assert "val loss 600 has been above" in message and "4x its best, 4.4" in message
+    assert f"for {VAL_PATIENCE} evaluations in a row" in message
+    assert "at step 6; stopped before saving it" in message
+    assert f"last good checkpoint is {root / 'best'} (step 3, val loss 4.4)" in message
+    assert not (root / "step_000006").exists()
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning")]
+    assert len(warnings) == 3, warnings  # steps 1, 4 and 5
+    assert "val loss 531 at step 1 is above" in warnings[0]
+    best = json.loads((root / "best" / "trainer_state.json").read_text())
+    assert best["step"] == 3 and best["best_val"] == 4.4
+
+
+def test_the_divergence_limit_is_ln_v_or_blow_up_times_the_best_plus_a_margin():
+    assert divergence_limit(math.inf, 100) == pytest.approx(math.log(100) + MARGIN)
+    assert divergence_limit(4.5, 100) == pytest.approx(math.log(100) + MARGIN)  # ln V is lower
+    assert divergence_limit(0.5, 100) == pytest.approx(BLOW_UP * 0.5 + MARGIN)
+    # An untrained model scores about ln V: it is within the limit, as a healthy run is.
+    assert math.log(100) + 0.1 < divergence_limit(math.inf, 100)
 
 
 def test_grad_accumulation_equals_one_big_batch(make_run):

@@ -1,8 +1,11 @@
 """Learning-rate schedules against their formulas, computed by hand here."""
 
 import math
+from dataclasses import replace
+from functools import partial
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -65,3 +68,57 @@ def test_lr_at_dispatches_on_the_schedule():
     assert lr_at(40, noam, 64) == pytest.approx(2.0 * 64**-0.5 * min(41**-0.5, 41 * 10**-1.5))
     constant = TrainConfig(schedule="constant", lr=LR, min_lr=0.0, warmup=WARMUP)
     assert lr_at(3, constant, 64) == pytest.approx(LR * 4 / WARMUP)
+
+
+def _hf_lrs(make_scheduler, steps: int) -> list[float]:
+    """The learning rate transformers' scheduler gives each optimizer step, stepped as HF's
+    Trainer steps it: optimizer.step(), then scheduler.step()."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=LR)
+    scheduler = make_scheduler(optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("warmup", [0, 1, WARMUP])
+def test_transformers_warmup_convention_equals_transformers_schedulers(warmup):
+    """warmup_convention="transformers" gives, step by step, the learning rate of transformers'
+    get_cosine_schedule_with_warmup (min_lr 0), get_cosine_with_min_lr_schedule_with_warmup
+    and get_constant_schedule_with_warmup."""
+    optimization = pytest.importorskip("transformers.optimization")
+    hf = partial(TrainConfig, lr=LR, warmup=warmup, steps=STEPS, warmup_convention="transformers")
+    cases = [
+        (
+            hf(min_lr=0.0),
+            lambda o: optimization.get_cosine_schedule_with_warmup(o, warmup, STEPS),
+        ),
+        (
+            hf(min_lr=MIN_LR),
+            lambda o: optimization.get_cosine_with_min_lr_schedule_with_warmup(
+                o, warmup, STEPS, min_lr=MIN_LR
+            ),
+        ),
+        (
+            hf(schedule="constant", min_lr=0.0),
+            lambda o: optimization.get_constant_schedule_with_warmup(o, warmup),
+        ),
+    ]
+    for cfg, make_scheduler in cases:
+        ours = [lr_at(step, cfg, 64) for step in range(STEPS)]
+        assert ours == pytest.approx(_hf_lrs(make_scheduler, STEPS), rel=1e-12, abs=1e-15)
+    if warmup:  # the two conventions differ in the warm-up only: one step apart
+        attnlab = replace(cases[0][0], warmup_convention="attnlab")
+        assert lr_at(0, cases[0][0], 64) == 0.0
+        assert lr_at(0, attnlab, 64) == pytest.approx(LR / warmup)
+        for step in range(warmup - 1):
+            assert lr_at(step, attnlab, 64) == lr_at(step + 1, cases[0][0], 64)
+
+
+def test_noam_refuses_the_transformers_warmup_convention():
+    with pytest.raises(ValueError, match="warmup_convention='transformers' applies to the cosine"):
+        TrainConfig(schedule="noam", min_lr=0.0, warmup_convention="transformers")

@@ -7,11 +7,15 @@ tokenizers, which are already in HF's format (tokenizer.json), in and out of HF 
     save_hf(model, cfg, dir)  cfg -> the one family that can hold it
 """
 
+import errno
 import json
+import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from attnlab.interop.hf import bert, bloom, common, deepseek, families, gpt2, llama, moe, t5
@@ -112,11 +116,41 @@ def load_hf(
 def save_hf(
     model: nn.Module, cfg: ModelConfig, path: str | Path, tokenizer: Tokenizer | None = None
 ) -> Path:
-    """Write `model` as an HF checkpoint directory that `transformers` loads (and a tokenizer)."""
-    out = converter_for(cfg).save_hf(model, cfg, path)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, out)
-    return out
+    """Write `model` as an HF checkpoint directory that `transformers` loads (and a tokenizer).
+
+    The files are written into `path.tmp` and moved into `path` only when all are complete (a
+    rename: it needs no space), so a failed write leaves no partial directory or file behind;
+    the error is an OSError naming the file it was writing (a full disk: ENOSPC)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        converter_for(cfg).save_hf(model, cfg, tmp)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+        raise _write_error(e, path) from e
+    if not path.exists():
+        os.replace(tmp, path)
+        return path
+    for file in sorted(tmp.iterdir()):  # into an existing directory (--overwrite)
+        os.replace(file, path / file.name)
+    tmp.rmdir()
+    return path
+
+
+def _write_error(e: Exception, path: Path) -> Exception:
+    """The error of a failed write into `path`: an OSError naming the file, for a full disk also
+    where a writer reports it without an errno (safetensors' SafetensorError, torch's
+    RuntimeError); any other exception as it is (a bug)."""
+    file = getattr(e, "filename", None)
+    name = Path(file).name if file else "its files"
+    if isinstance(e, OSError) and e.errno is not None:
+        return OSError(e.errno, f"{e.strerror or e} writing {name} in {path}")
+    if "No space left" in str(e):
+        return OSError(errno.ENOSPC, f"No space left on device writing {name} in {path}")
+    return e
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

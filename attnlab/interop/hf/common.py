@@ -18,12 +18,14 @@ Only safetensors are read: a pickle (`pytorch_model.bin`) can run code when load
 directory that has nothing else is an error, never a fallback. Nothing here imports transformers.
 """
 
+import errno
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -98,7 +100,12 @@ def write_hf_dir(path: str | Path, hf_config: dict, state: dict[str, Tensor]) ->
     # safetensors refuses tensors that share memory; every name here is its own tensor.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     # transformers refuses a safetensors file without the "format": "pt" metadata
-    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    except SafetensorError as e:  # safetensors reports a full disk without an errno
+        full = "No space left" in str(e)
+        code, what = (errno.ENOSPC, "No space left on device") if full else (errno.EIO, str(e))
+        raise OSError(code, what, str(path / WEIGHTS)) from e
     return path
 
 
