@@ -53,20 +53,13 @@ def apply_isa(args) -> None:
     sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
 def isa_header(isa: str) -> str:
     """Lines for a benchmark's header: the CPU, its flags, what each side runs."""
     import torch
 
     from attnlab.accel import qdot
 
-    have = cpu_flags()
+    have = qdot.cpu_flags()
     flags = " ".join(f if f in have else f"-{f}" for f in FLAGS)
     lines = [f"CPU flags: {flags}  (-x: absent)"]
     lines.append(

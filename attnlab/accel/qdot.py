@@ -61,12 +61,12 @@ def cpu_flags() -> set[str]:
 
 @functools.cache
 def choice() -> str:
-    """"qdot" or "aten": the kernel quantized Linears run on this CPU (module docstring)."""
+    """ "qdot" or "aten": the kernel quantized Linears run on this CPU (module docstring)."""
     forced = os.environ.get(ENV)
     if forced in ("qdot", "aten"):
         return forced if forced == "aten" or _runs_here() else "aten"
     if forced:
-        warnings.warn(f"{ENV}={forced!r} is not 'qdot' or 'aten'; choosing by the CPU")
+        warnings.warn(f"{ENV}={forced!r} is not 'qdot' or 'aten'; choosing by the CPU", stacklevel=2)
     capability = torch.backends.cpu.get_cpu_capability()  # honours ATEN_CPU_CAPABILITY
     bf16_hardware = capability.startswith("AVX512") and bool(BF16_FLAGS & cpu_flags())
     return "qdot" if not bf16_hardware and _runs_here() else "aten"
@@ -94,8 +94,11 @@ def load() -> bool:
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the aten kernels still run
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"attnlab: the int4/int8 CPU kernels could not be built ({reason}); "
-              "PyTorch's kernels run instead", file=sys.stderr)
+        print(
+            f"attnlab: the int4/int8 CPU kernels could not be built ({reason}); "
+            "PyTorch's kernels run instead",
+            file=sys.stderr,
+        )
         return False
     _register_fakes()
     return True
