@@ -66,7 +66,9 @@ def choice() -> str:
     if forced in ("qdot", "aten"):
         return forced if forced == "aten" or _runs_here() else "aten"
     if forced:
-        warnings.warn(f"{ENV}={forced!r} is not 'qdot' or 'aten'; choosing by the CPU", stacklevel=2)
+        warnings.warn(
+            f"{ENV}={forced!r} is not 'qdot' or 'aten'; choosing by the CPU", stacklevel=2
+        )
     capability = torch.backends.cpu.get_cpu_capability()  # honours ATEN_CPU_CAPABILITY
     bf16_hardware = capability.startswith("AVX512") and bool(BF16_FLAGS & cpu_flags())
     return "qdot" if not bf16_hardware and _runs_here() else "aten"
