@@ -118,6 +118,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "its end of turn and print the reply only",
     )
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through the compiled step (inference/compiled_step.py; needs a C "
+        "compiler): several times faster per token on a CPU, after compiling for 1-3 min the "
+        "first time (later runs: ~15 s, from torch inductor's disk cache)",
+    )
     only = p.add_mutually_exclusive_group()  # constrained decoding (inference/constraints.py)
     only.add_argument(
         "--json-schema", metavar="FILE", help="the output is JSON valid against this schema"
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         constraint=constraint_of(args),
     )
     speculative = speculative_from_args(args, device, tokenizer)
+    step_fn = compiled_step(model, args, speculative)
     start = time.perf_counter()
     with steering(model, text_steers(model, tokenizer, args.steer)):  # no --steer: no hooks
         text = generate_text(
@@ -186,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             on_text=show if args.stream else None,
             on_notice=lambda message: print(f"note: {message}", file=sys.stderr),
             speculative=speculative,
+            step_fn=step_fn,
         )
     seconds = time.perf_counter() - start
     if not args.stream:
@@ -195,6 +204,26 @@ def run(args: argparse.Namespace) -> int:
         line = f"generated in {seconds:.2f} s"  # the prefill and the text's decoding included
         print(line if speculative is None else speculative.stats.line(), file=sys.stderr)
     return 0
+
+
+def compiled_step(model, args: argparse.Namespace, speculative):
+    """--compile's decode step (None without the flag), with a line on stderr: the first call
+    compiles."""
+    if not args.compile:
+        return None
+    if args.num_beams != 1 or speculative is not None or hasattr(model, "encode"):
+        raise ValueError(
+            "--compile is for sampling or greedy decoding of a decoder-only model "
+            "(no --num-beams, no --speculative)"
+        )
+    from attnlab.inference.compiled_step import compile_decode_step
+
+    print(
+        "attnlab: compiling the decode step on its first call (the first time for this "
+        "model here: 1-3 min; later runs read torch inductor's disk cache)",
+        file=sys.stderr,
+    )
+    return compile_decode_step(model)
 
 
 def refuse_non_generators(ckpt: str, loaded) -> None:

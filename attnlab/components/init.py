@@ -27,6 +27,8 @@ def init_weights(model: nn.Module, scheme: str, n_layers: int, std: float = 0.02
     """
     if scheme not in INIT_SCHEMES:
         raise ValueError(f"unknown init scheme {scheme!r}; choose from {list(INIT_SCHEMES)}")
+    if all(p.is_meta for p in model.parameters()):
+        return  # built on "meta" to be loaded: no values to draw (PyTorch's meta normal_ is slow)
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             if scheme == "xavier":

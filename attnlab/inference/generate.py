@@ -257,6 +257,7 @@ def generate(
         step_fn=step_fn,
         on_notice=on_notice,
         tokenizer=tokenizer,
+        **({} if step_fn is None else {"step_fn": step_fn}),
     )
     for token in stream:
         if on_token is not None:
@@ -285,6 +286,7 @@ def generate_text(
     on_text: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
     speculative: Speculative | None = None,
+    step_fn: Callable | None = None,
 ) -> str:
     """Text in, text out: encode `prompt`, generate, and return only the new text.
 
@@ -303,6 +305,7 @@ def generate_text(
         on_notice: called with a one-line notice if the context is cropped (see
             `stream_tokens`; default a ContextCropWarning).
         speculative: draft and verify (speculative.py): a decoder-only model, num_beams 1.
+        step_fn: replaces `decode_step` (`compiled_step.compile_decode_step`), num_beams 1.
 
     Returns:
         the generated text, special tokens left out.
@@ -340,6 +343,7 @@ def generate_text(
         source_mask=source_mask,
         on_notice=on_notice,
         tokenizer=tokenizer,
+        **({} if step_fn is None else {"step_fn": step_fn}),
     )
     for token in stream:
         t = int(token[0])

@@ -351,3 +351,18 @@ def test_speculative_draft_without_a_draft_model_is_one_line(run_dir, capsys):
         "attnlab generate: error: --speculative draft needs a smaller model: --draft-ckpt DIR, "
         "or --draft-quantize int4 for the model's own int4 copy"
     )
+
+
+@pytest.mark.slow  # compiles a decode step (~30 s)
+def test_compile_prints_the_text_of_the_plain_steps(run_dir, capsys):
+    """--compile decodes through compile_decode_step: the same greedy text as the eager steps
+    (the reference), with one line on stderr saying it compiles."""
+    args = ["--ckpt", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12"]
+    code, plain, _ = cli(capsys, *args, "--temperature", "0")
+    assert code == 0
+    code, compiled, err = cli(capsys, *args, "--temperature", "0", "--compile")
+    assert code == 0
+    assert compiled == plain
+    assert err.count("compiling the decode step") == 1
+    code, _, err = cli(capsys, *args, "--compile", "--num-beams", "2")
+    assert code != 0 and "--compile is for" in err and "Traceback" not in err
