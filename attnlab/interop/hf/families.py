@@ -23,6 +23,7 @@ Saving picks the family from the config's components (`family_of`); a config tha
 needs is a Llama (llama.py), so a Phi-3 with full rotary saves as the Llama it computes.
 """
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -206,6 +207,13 @@ def _gemma_from_hf(hf: dict, view: dict, family: str, layout: str) -> ModelConfi
     )
     base = llama.config_from_hf(view, layout)
     softcap = hf.get("attn_logit_softcapping")
+    if family == "gemma3_text" and softcap is not None:  # transformers stores it, never applies it
+        print(
+            f"warning: gemma3_text attn_logit_softcapping={softcap} is ignored, as "
+            "transformers' Gemma3ForCausalLM ignores it: attention logits are not soft-capped",
+            file=sys.stderr,
+        )
+        softcap = None
     scalar = common.get(hf, "query_pre_attn_scalar", base.head_dim)
     attention = replace(
         base.attention,

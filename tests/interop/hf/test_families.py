@@ -48,10 +48,10 @@ VARIANTS = {  # name: (HF class prefix, config fields)
 HF_CLASSES = {"Gemma3Text": "Gemma3"}  # Gemma3TextConfig -> Gemma3ForCausalLM
 
 
-def hf_model(name: str):
+def hf_model(name: str, **more):
     prefix, extra = VARIANTS[name]
     torch.manual_seed(0)
-    config = getattr(T, f"{prefix}Config")(**BASE | extra)
+    config = getattr(T, f"{prefix}Config")(**BASE | extra | more)
     config._attn_implementation = "eager"  # HF's sdpa path ignores the attention soft-cap
     model = getattr(T, f"{HF_CLASSES.get(prefix, prefix)}ForCausalLM")(config).eval()
     with torch.no_grad():  # norms start at 1 (or 0 for Gemma's 1 + w): make them matter
@@ -183,6 +183,26 @@ def test_a_family_refuses_what_it_cannot_hold(pair):
 
     with pytest.raises(ValueError, match="norm_placement='sandwich'"):
         families.config_to_hf(replace(cfg, norm_placement="sandwich"), "olmo2")
+
+
+def test_gemma3_attn_logit_softcapping_is_ignored_as_transformers_does(tmp_path, capsys):
+    """Gemma3TextConfig stores attn_logit_softcapping but Gemma3ForCausalLM never applies it
+    (Gemma 2 does): attnlab ignores it too, with one warning line, and the logits agree."""
+    hf = hf_model("gemma3", attn_logit_softcapping=0.5)
+    assert hf.config.attn_logit_softcapping == 0.5
+    hf.save_pretrained(tmp_path)
+    capsys.readouterr()
+    ours, cfg = load_hf(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask.long()).logits
+        assert max_diff(ours(ids, mask), theirs, mask) <= ATOL
+    assert cfg.attention.logit_softcap is None
+    assert err == [
+        "warning: gemma3_text attn_logit_softcapping=0.5 is ignored, as transformers' "
+        "Gemma3ForCausalLM ignores it: attention logits are not soft-capped"
+    ]
 
 
 # --- published config.json files (older transformers formats) ---------------------------------
