@@ -17,7 +17,9 @@ Hub does not have (404), an offline cache without the model, a Hub that cannot b
 """
 
 import os
+import re
 from pathlib import Path
+from urllib.parse import unquote
 
 PREFIX = "hf:"
 DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's own default
@@ -141,6 +143,9 @@ def _what_to_do(error: Exception, repo: str, revision: str | None, endpoint: str
     name = repo + (f"@{revision}" if revision else "")
     if isinstance(error, HFValidationError):
         return f"hf:{name} is not a valid repository name ({error}): write hf:ORG/NAME"
+    listing = _failed_listing(error, endpoint)
+    if listing is not None:
+        return f"hf:{name}: {listing}"
     if isinstance(error, RevisionNotFoundError):
         return (
             f"hf:{repo} has no revision {revision!r} on {endpoint}: give a branch, tag or "
@@ -169,3 +174,26 @@ def _what_to_do(error: Exception, repo: str, revision: str | None, endpoint: str
         )
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"hf:{name}: download from {endpoint} failed ({type(error).__name__}: {first})"
+
+
+def _failed_listing(error: Exception, endpoint: str) -> str | None:
+    """What to say when the revision request was answered but the file-tree request was not
+    (huggingface_hub then raises RepositoryNotFoundError, or LocalEntryNotFoundError from its
+    HTTP error, as if the repository did not exist or the Hub could not be reached); else None."""
+    for e in (error, error.__cause__):
+        response = getattr(e, "response", None)
+        try:
+            url = str(response.request.url)
+        except (AttributeError, RuntimeError):  # no HTTP response, or one without its request
+            continue
+        match = re.search(r"/api/models/(.+?)/tree/([^/]+)", url)
+        if match is None:
+            continue
+        repo, rev = unquote(match[1]), unquote(match[2].split("?")[0])
+        code = response.headers.get("X-Error-Code") or getattr(response, "reason_phrase", "")
+        return (
+            f"listing the files of {repo} at {rev} failed ({response.status_code} {code}) "
+            f"although {endpoint} answered the revision request: the Hub (HF_ENDPOINT) must "
+            f"serve GET /api/models/{repo}/tree/REV"
+        )
+    return None

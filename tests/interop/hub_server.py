@@ -8,7 +8,9 @@
 
 An unknown repository answers 404 with X-Error-Code: RepoNotFound, an unknown revision 404 with
 RevisionNotFound, as the Hub does (huggingface_hub turns those headers into its error classes).
-Every request path is recorded in `HubServer.requests`. It listens on 127.0.0.1 only.
+`HubServer.broken` makes an API kind ("revision", "tree") answer an error instead, as a Hub
+mirror that lacks it would: {kind: (status, X-Error-Code or None)}. Every request path is
+recorded in `HubServer.requests`. It listens on 127.0.0.1 only.
 """
 
 import hashlib
@@ -25,6 +27,7 @@ class HubServer:
     def __init__(self):
         self.repos: dict[str, dict] = {}  # repo -> {"files": {name: bytes}, "refs": {rev: sha}}
         self.requests: list[str] = []
+        self.broken: dict[str, tuple[int, str | None]] = {}  # API kind -> (status, error code)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
@@ -92,7 +95,9 @@ def _handler(hub: HubServer):
             if entry is None:
                 return
             files = entry["files"]
-            if kind == "revision":
+            if kind in hub.broken:
+                self._error(*hub.broken[kind], body)
+            elif kind == "revision":
                 data = {"id": repo, "sha": sha, "siblings": [{"rfilename": f} for f in files]}
             elif kind == "tree":
                 data = [
@@ -101,6 +106,7 @@ def _handler(hub: HubServer):
                 ]
             else:
                 self._error(404, "EntryNotFound", body)
+            if kind in hub.broken or kind not in ("revision", "tree"):
                 return
             self._send(200, json.dumps(data).encode(), {"X-Repo-Commit": sha}, body)
 
@@ -115,9 +121,9 @@ def _handler(hub: HubServer):
             etag = f'"{hashlib.sha1(data).hexdigest()}"'
             self._send(200, data, {"X-Repo-Commit": sha, "ETag": etag}, body)
 
-        def _error(self, status: int, code: str, body: bool) -> None:
-            message = json.dumps({"error": code}).encode()
-            self._send(status, message, {"X-Error-Code": code}, body)
+        def _error(self, status: int, code: str | None, body: bool) -> None:
+            message = json.dumps({"error": code or "Not Found"}).encode()
+            self._send(status, message, {"X-Error-Code": code} if code else {}, body)
 
         def _send(self, status: int, data: bytes, headers: dict, body: bool) -> None:
             self.send_response(status)

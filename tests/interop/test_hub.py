@@ -112,6 +112,23 @@ def test_unknown_repos_and_revisions_are_one_line(hub, spec, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("code", ["RepoNotFound", None])
+def test_a_hub_without_the_file_tree_names_the_request_that_failed(hub, code, capsys):
+    """The revision request answered, the file-tree request 404 (with the Hub's RepoNotFound
+    code, or a bare 404): not "no such model repository", nor "cannot be reached"."""
+    hub.broken["tree"] = (404, code)
+    sha = hub.repos["org/tiny-llama"]["refs"]["v1"]
+    said = f"listing the files of org/tiny-llama at {sha} failed (404 {code or 'Not Found'})"
+    with pytest.raises(ValueError) as e:
+        open_checkpoint("hf:org/tiny-llama@v1")
+    assert str(e.value).startswith(f"hf:org/tiny-llama@v1: {said} although http")
+    assert "\n" not in str(e.value)
+    assert any(r.startswith("GET /api/models/org/tiny-llama/revision/v1") for r in hub.requests)
+    assert main(["download", "org/tiny-llama"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"attnlab download: error: hf:org/tiny-llama: {said}")
+
+
 def test_offline_without_the_model_cached_says_what_to_do(hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
