@@ -4,6 +4,8 @@
     .venv/bin/attnlab download smollm2-135m-instruct        # the GGUF file (Q4_1), once
     .venv/bin/python benchmarks/llamacpp.py                 # ~10 min on 2 cores
     .venv/bin/python benchmarks/llamacpp.py --quick         # 2 rounds, 32 new, prefill 128
+    .venv/bin/python benchmarks/llamacpp.py --isa avx2 --threads 1 --pairs int4,int8,fp32
+                                  # an AVX2-only CPU reproduced on this one (benchmarks/_isa.py)
 
 The program people pick for a small model on a CPU is llama.cpp (directly, through Ollama, or
 through llama-cpp-python). So the comparison a user would make: the same GGUF weights, the same

@@ -3,6 +3,8 @@
     .venv/bin/pip install -c constraints.txt -e '.[bench]'   # llama-cpp-python (+ its server)
     .venv/bin/python benchmarks/serve_llamacpp.py            # 1, 4, 16 clients; ~15 min on 2 cores
     .venv/bin/python benchmarks/serve_llamacpp.py --quick    # 1 and 4 clients, few requests
+    .venv/bin/python benchmarks/serve_llamacpp.py --isa avx2 --threads 1   # an AVX2-only CPU
+                                                              # (benchmarks/_isa.py)
 
 Both servers open the same GGUF file (Q4_1 as shipped; attnlab serves it with its Q4_1
 matrices kept as int4, written once as an attnlab checkpoint, or dequantized to fp32 with
@@ -13,6 +15,8 @@ For each number of concurrent clients the two servers take turns (attnlab, llama
 llama.cpp, ...: --rounds each), and the table gives the medians over rounds of
 
   out tok/s       streamed tokens (one per chunk) / wall time of the round
+  /CPU-s          streamed tokens / CPU seconds of the server process in the round (all its
+                  threads; a shared machine's stolen time drops out)
   TTFT p50 / p99  from sending a request to its first token, over every request of the rounds
 
 llama-cpp-python's server runs one completion at a time (it holds a lock around the model; it
@@ -36,6 +40,7 @@ import time
 from pathlib import Path
 
 import httpx
+from _isa import add_isa_args, apply_isa, isa_header
 from _timing import cpu_name
 from serve import Result
 
@@ -44,6 +49,12 @@ from attnlab.inference.quantized import save_quantized
 from attnlab.interop.packaged import PACKAGED_MODELS, packaged_path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, every thread of it (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -177,7 +188,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--attnlab-scheme", choices=("int4", "fp32"), default="int4")
     parser.add_argument("--seed", type=int, default=0)
+    add_isa_args(parser)
     args = parser.parse_args()
+    apply_isa(args)  # the servers inherit its environment
     path = args.gguf or packaged_path(PACKAGED_MODELS["smollm2-135m-instruct"])
     if not path.exists():
         sys.exit(f"{path}: not found; run `attnlab download smollm2-135m-instruct` first")
@@ -187,7 +200,7 @@ def main() -> None:
         sys.exit("llama-cpp-python[server] is not installed: pip install -e '.[bench]'")
     clients = args.clients or ([1, 4] if args.quick else [1, 4, 16])
     prompt_len, output_len = ((16, 64), (16, 32)) if args.quick else ((16, 256), (64, 256))
-    threads = len(os.sched_getaffinity(0))
+    threads = args.threads or len(os.sched_getaffinity(0))
     tokenizer = open_checkpoint(path).tokenizer
     print(f"attnlab serve vs llama_cpp.server {llama_cpp.__version__} on {path.name}")
     print(
@@ -195,6 +208,7 @@ def main() -> None:
         f"Q4_1; prompts {prompt_len} tokens, outputs {output_len}; rounds {args.rounds}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
+    print(isa_header(args.isa))
     servers = {
         "attnlab": start_attnlab(path, threads, args.attnlab_scheme, max(clients)),
         "llama.cpp": start_llamacpp(path, threads, n_ctx=2048),
@@ -203,35 +217,40 @@ def main() -> None:
     for _, url in servers.values():  # first-request costs (allocations, lazy set-up) untimed
         asyncio.run(load(url, warmup, 1))
     print(
-        f"\n{'clients':>7} {'server':<10}{'out tok/s':>10}{'TTFT p50':>10}{'p99':>8}  ms"
-        f"{'tokens':>9}"
+        f"\n{'clients':>7} {'server':<10}{'out tok/s':>10}{'/CPU-s':>8}{'TTFT p50':>10}"
+        f"{'p99':>8}  ms{'tokens':>9}"
     )
     try:
         for n in clients:
             requests = make_requests(
                 tokenizer, args.requests or max(8, 2 * n), args.seed + n, prompt_len, output_len
             )
-            stats = {name: ([], [], []) for name in servers}  # tok/s, TTFTs, tokens per round
+            # tok/s, TTFTs, tokens, tok/CPU-s (the server process's) per round
+            stats = {name: ([], [], [], []) for name in servers}
             for r in range(args.rounds):
-                for name, (_, url) in servers.items():
+                for name, (proc, url) in servers.items():
+                    cpu = cpu_seconds(proc.pid)
                     results, wall = asyncio.run(load(url, requests, n))
+                    cpu = cpu_seconds(proc.pid) - cpu
                     errors = [x.error for x in results if x.error]
                     if errors:
                         raise SystemExit(f"{name}: {len(errors)} failed requests: {errors[0]}")
                     tokens = sum(len(x.arrivals) for x in results)
                     stats[name][0].append(tokens / wall)
                     stats[name][2].append(tokens)
+                    stats[name][3].append(tokens / cpu)
                     stats[name][1].extend(x.arrivals[0] - x.sent for x in results if x.arrivals)
                     print(f"   round {r + 1}: {name} {wall:.1f} s", file=sys.stderr, flush=True)
-            rates = {}
-            for name, (tps, ttft, tokens) in stats.items():
-                rates[name] = statistics.median(tps)
+            rates, per_cpu = {}, {}
+            for name, (tps, ttft, tokens, tpc) in stats.items():
+                rates[name], per_cpu[name] = statistics.median(tps), statistics.median(tpc)
                 p50, p99 = ms(ttft, 0.5), ms(ttft, 0.99)
                 print(
-                    f"{n:>7} {name:<10}{rates[name]:>10.1f}{p50:>10.0f}{p99:>8.0f}"
-                    f"{'':>4}{statistics.median(tokens):>9.0f}"
+                    f"{n:>7} {name:<10}{rates[name]:>10.1f}{per_cpu[name]:>8.1f}{p50:>10.0f}"
+                    f"{p99:>8.0f}{'':>4}{statistics.median(tokens):>9.0f}"
                 )
-            print(f"{'':>7} {'ratio':<10}{rates['attnlab'] / rates['llama.cpp']:>10.2f}")
+            ratio, cpu_ratio = (d["attnlab"] / d["llama.cpp"] for d in (rates, per_cpu))
+            print(f"{'':>7} {'ratio':<10}{ratio:>10.2f}{cpu_ratio:>8.2f}")
     finally:
         for proc, _ in servers.values():
             proc.terminate()
