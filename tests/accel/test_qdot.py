@@ -135,6 +135,7 @@ def test_layers_take_the_kernel_for_few_rows_and_the_reference_for_many(kind):
     assert 0 < (y - ref).abs().max() < 0.02 * ref.abs().max()  # the kernel ran, and is close
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_compiled_calls_give_the_eager_result():
     torch.manual_seed(5)

@@ -60,7 +60,7 @@ def test_train_then_answer_a_scene(tmp_path, capsys, monkeypatch):
     assert code == 0
     assert capsys.readouterr().out.splitlines()[1:4] == printed.splitlines()[1:4]
     assert main(["generate", "--ckpt", str(out), "--prompt", "move to the cup"]) == 2
-    assert "pass --scene S instead of --prompt" in capsys.readouterr().err
+    assert f"`attnlab generate --ckpt {out} --scene S`" in capsys.readouterr().err
 
 
 def test_missing_checkpoint_is_an_error(tmp_path, capsys):

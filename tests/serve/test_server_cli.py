@@ -32,7 +32,8 @@ def test_an_encoder_checkpoint_is_one_line(tmp_path, capsys):
     )
     assert main(["serve", "--ckpt", str(tmp_path / "bert"), "--engine", "sequential"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "encoder model" in err[0] and "decoder-only" in err[0]
+    assert len(err) == 1 and "is an encoder with a masked-LM head" in err[0]
+    assert "attnlab serve needs a decoder-only LM" in err[0]
 
 
 def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path, capsys):
