@@ -47,6 +47,7 @@ from fastapi.responses import (
 )
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from attnlab.inference.constraints import check_room
 from attnlab.serve import protocol as wire
@@ -74,7 +75,8 @@ SPECIAL_NAMES = {"eos_token": "<eos>", "bos_token": "<bos>", "pad_token": "<pad>
 
 
 class Guard:
-    """ASGI middleware: the API key check (401) and the count of responses by status code."""
+    """ASGI middleware: a 503 once the server is stopping, the API key check (401), and the
+    count of responses by status code."""
 
     def __init__(self, app, settings: Settings, counts: dict[int, int]):
         self.app, self.settings, self.counts = app, settings, counts
@@ -82,6 +84,11 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["app"].state.stopping:  # set at the signal (run_server), before the engine's
+            error = APIError(503, "the server is stopping: send the request to another one")
+            response = JSONResponse(error.body(), 503, {"Connection": "close"})
+            self.counts[503] = self.counts.get(503, 0) + 1
+            return await response(scope, receive, send)
         key = self.settings.api_key
         path = scope["path"]
         if key and path != PAGE and not path.startswith(OPEN_PATHS):
@@ -107,9 +114,11 @@ def create_app(engine, tokenizer, settings: Settings) -> FastAPI:
     app = FastAPI(title="attnlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.settings = engine, tokenizer, settings
     app.state.counts = {}  # responses by status code, for /metrics
+    app.state.stopping = False  # run_server sets it at SIGINT/SIGTERM: every request then a 503
     app.add_middleware(Guard, settings=settings, counts=app.state.counts)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     for path, endpoint in ROUTES["GET"].items():
         app.add_api_route(path, endpoint, methods=["GET"])
     if settings.ui:
@@ -133,6 +142,11 @@ async def api_error(request: Request, e: APIError):
 
 async def http_error(request: Request, e: StarletteHTTPException):
     return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+
+async def client_gone(request: Request, e: ClientDisconnect):
+    """A client gone before its body arrived whole (or dropped at a stop): nobody to answer."""
+    return Response(status_code=GONE)
 
 
 # --- the small routes -----------------------------------------------------------------------------
@@ -626,29 +640,47 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-STREAM_GRACE = 5.0  # s after stop_timeout for cancelled streams to send their last chunks
+STREAM_GRACE = 0.5  # s after the engine stops for the streams it ended to send their last chunks
 
 
 def run_server(app: FastAPI, sock: socket.socket, stop_timeout: float = 10.0) -> None:
-    """Serve `app` on `sock` until SIGINT/SIGTERM: uvicorn stops accepting, and the engine
-    stops at once (`engine.stop`): open requests finish for up to `stop_timeout` s, then the
-    engine cancels the rest, so each open stream ends with its error chunk and [DONE] (not
-    cut at the connection) before uvicorn's own deadline, STREAM_GRACE s later."""
+    """Serve `app` on `sock` until SIGINT/SIGTERM, then stop within about `stop_timeout` s:
+
+    1. At the signal, every new request gets a 503 (Guard), also on a keep-alive connection
+       and before uvicorn's next tick (it looks for the signal every 0.1 s).
+    2. uvicorn stops accepting, and the engine stops at once (`engine.stop`): open requests
+       finish for up to `stop_timeout` s, then the engine cancels the rest, so each open stream
+       ends with its error chunk and [DONE], not cut at the connection.
+    3. STREAM_GRACE s after the engine has stopped, the connections still open are dropped:
+       nothing is left for them (a client still sending its body could only get a 503, one
+       that reads no more would never get its last chunk), and uvicorn would wait for them
+       until its own deadline, then cancel their handlers with a traceback each.
+    """
     import signal
     import threading
 
     import uvicorn
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.stopping = True
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None):
-            stopping = asyncio.create_task(asyncio.to_thread(app.state.engine.stop, stop_timeout))
-            await super().shutdown(sockets)
-            await stopping
+            app.state.stopping = True
+            engine = asyncio.create_task(asyncio.to_thread(app.state.engine.stop, stop_timeout))
+            closing = asyncio.create_task(super().shutdown(sockets))
+            await engine
+            await asyncio.wait({closing}, timeout=STREAM_GRACE)
+            for connection in list(self.server_state.connections):
+                connection.transport.abort()  # its handler sees a disconnect and ends
+            await closing
 
     config = uvicorn.Config(
         app,
         log_level="warning",
-        timeout_graceful_shutdown=stop_timeout + STREAM_GRACE,
+        # a backstop only: shutdown() above drops what is left before it
+        timeout_graceful_shutdown=stop_timeout + 4 * STREAM_GRACE,
         access_log=False,
     )
     if threading.current_thread() is not threading.main_thread():

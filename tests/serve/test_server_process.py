@@ -4,9 +4,11 @@ server exits 0."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -128,6 +130,63 @@ def test_sigterm_past_the_stop_timeout_ends_streams_with_an_error_chunk_and_done
     last = json.loads(chunks[-2])
     assert "error" in last and "stopping" in last["error"]["message"], last
     assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "engine", ["sequential" if e is SequentialEngine else "batched" for e in engines()]
+)
+def test_sigterm_answers_503_after_the_signal_and_exits_within_the_stop_timeout(tmp_path, engine):
+    """After SIGTERM every request gets a 503, even on a keep-alive connection and before
+    uvicorn's next tick; and a client that never finishes its request (a body half sent) holds
+    the exit no longer than --stop-timeout + 2 s, with no traceback (issue "Found from
+    outside", 14)."""
+    stop = 2.0
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    proc, url = start(ckpt, "--engine", engine, "--stop-timeout", str(stop), "--max-context", "4096")
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4000, "stream": True}
+    body |= {"temperature": 0, "stop_token_ids": []}
+    small = {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "temperature": 0}
+    chunks, first, statuses = [], threading.Event(), []
+
+    def read():
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+                    first.set()
+
+    try:
+        client = httpx.Client(timeout=30)  # one keep-alive connection
+        assert client.post(f"{url}/v1/completions", json=small).status_code == 200
+        host, port = url.removeprefix("http://").split(":")
+        half = socket.create_connection((host, int(port)))  # a body that never arrives whole
+        half.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(60), "no first token"
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        statuses.append(client.post(f"{url}/v1/completions", json=small).status_code)
+        while time.monotonic() - signalled < stop:  # fresh connections, until the port closes
+            try:
+                statuses.append(httpx.post(f"{url}/v1/completions", json=small).status_code)
+            except httpx.TransportError:  # refused, or reset in the closed socket's backlog
+                break
+            time.sleep(0.05)
+        proc.wait(30)
+        took = time.monotonic() - signalled
+        reader.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert set(statuses) == {503}, statuses
+    assert took < stop + 2, f"exited {took:.1f} s after SIGTERM (--stop-timeout {stop})"
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    assert chunks[-1] == "[DONE]" and "stopping" in json.loads(chunks[-2])["error"]["message"]
 
 
 def test_serve_steer_completes_what_generate_steer_generates(tmp_path, capsys):
