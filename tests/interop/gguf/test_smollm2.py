@@ -6,6 +6,7 @@ One attnlab model and one transformers model per module. Figures: docs/real-mode
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,3 +151,24 @@ def test_kept_int4_equals_its_dequantized_twin(dense, kept):
     text = PROMPTS[1]  # the reference path dequantizes every matrix per token: one prompt
     ours = greedy(kept, text)
     assert len(ours) == NEW_TOKENS and ours == greedy(twin, text)
+
+
+def test_q4_1_export_keeps_every_tensor_and_the_metadata(tmp_path):
+    """gguf -> gguf at q4_1: the 210 Q4_1 matrices, the Q8_0 token_embd and the F32 norms are
+    the source's bytes, and its general.* keys (license, languages, ...) are carried."""
+    import gguf
+
+    from attnlab.interop.convert import convert
+
+    path = smollm2_gguf()
+    out = convert("gguf", path, "gguf", tmp_path / "out.gguf", gguf_type="q4_1")
+    ref, ours = gguf.GGUFReader(path), gguf.GGUFReader(out)
+    ref_t = {t.name: t for t in ref.tensors}
+    assert {t.name for t in ours.tensors} == ref_t.keys()
+    for t in ours.tensors:
+        assert t.tensor_type == ref_t[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(ref_t[t.name].data)), t.name
+    general = [k for k in ref.fields if k.startswith("general.")]
+    for key in general:
+        assert ours.fields[key].contents() == ref.fields[key].contents(), key
+    assert abs(out.stat().st_size - path.stat().st_size) < 1_000_000  # 98.4 MB, not 181.5
