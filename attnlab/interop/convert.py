@@ -113,4 +113,4 @@ def convert(
         )
     if dst_format == "attnlab":
         return save_pretrained(dst, loaded.model, loaded.config, loaded.tokenizer)
-    return save_hf(loaded.model, loaded.config, dst, loaded.tokenizer)
+    return save_hf(loaded.model, loaded.config, dst, loaded.tokenizer, loaded.sampling)

@@ -172,3 +172,19 @@ def test_q4_1_export_keeps_every_tensor_and_the_metadata(tmp_path):
     for key in general:
         assert ours.fields[key].contents() == ref.fields[key].contents(), key
     assert abs(out.stat().st_size - path.stat().st_size) < 1_000_000  # 98.4 MB, not 181.5
+
+
+def test_hf_export_stops_a_chat_answer_at_im_end(dense, tmp_path):
+    """convert --to hf writes the eos (<|im_end|>) into config.json and generation_config.json:
+    transformers' greedy chat answer on the directory stops there, with attnlab's tokens."""
+    from attnlab.interop.convert import convert
+
+    out = convert("gguf", smollm2_gguf(), "hf", tmp_path / "hf")
+    model = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = dense.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ours, ids = dense_greedy(dense, text), ids_of(dense, text)
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert ours[-1] == 2 and len(ours) < NEW_TOKENS  # <|im_end|>
+    assert theirs[0, ids.shape[1] :].tolist() == ours
