@@ -5,7 +5,9 @@
     HF directory:       config.json {"model_type": ..., "architectures": [...]} + model.safetensors
                         (or shards) (+ tokenizer.json)
     GGUF file:          llama.cpp's one-file format (llama family; interop/gguf/): read
-                        dequantized to fp32, written as f32, f16, q8_0 or (an int4 model) q4_1
+                        dequantized to fp32, written as f32, f16, q8_0 or (an int4 model) q4_1;
+                        gguf -> gguf keeps the source's tensor types and general.* metadata
+                        where the type asked allows (interop/gguf/writer.py)
 
 Both are opened with `attnlab.checkpoint.open_checkpoint`; `convert("hf", src, "attnlab", dst)`
 and back are what `attnlab convert` runs.
@@ -98,7 +100,10 @@ def convert(
     )
     plain_model(loaded, "its prefix has no place in a model format: convert --to peft writes it")
     if dst_format == "gguf":
-        return save_gguf(loaded.model, loaded.config, dst, loaded.tokenizer, gguf_type)
+        source = src if src_format == "gguf" else None  # its tensor types and metadata stay
+        return save_gguf(
+            loaded.model, loaded.config, dst, loaded.tokenizer, gguf_type, source=source
+        )
     quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, QUANTIZED)]
     if quantized:  # neither hf nor attnlab records a scheme here: it would not open again
         kind = type(loaded.model.get_submodule(quantized[0])).__name__
@@ -108,4 +113,4 @@ def convert(
         )
     if dst_format == "attnlab":
         return save_pretrained(dst, loaded.model, loaded.config, loaded.tokenizer)
-    return save_hf(loaded.model, loaded.config, dst, loaded.tokenizer)
+    return save_hf(loaded.model, loaded.config, dst, loaded.tokenizer, loaded.sampling)

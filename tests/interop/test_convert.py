@@ -85,3 +85,47 @@ def test_exported_directory_loads_in_transformers(attnlab_dir, tmp_path):
     with torch.no_grad():
         out = hf(input_ids=ids, attention_mask=mask.long()).logits
         assert (out - model(ids, mask))[mask].abs().max() <= 1e-4
+
+
+@pytest.mark.hf
+def test_gguf_to_hf_generation_stops_where_attnlabs_does(tmp_path):
+    """An HF directory from a GGUF names its special ids, chat template and a generation config
+    (eos from tokenizer.ggml.eos_token_id, sampling from general.sampling.*): transformers'
+    greedy `generate` on it stops at <|im_end|> with attnlab's tokens. The tiny model's head
+    makes <|im_end|> win where its 4th greedy token would (twice that token's row)."""
+    T = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from attnlab.inference.config import GenerationConfig
+    from attnlab.inference.generate import generate
+    from attnlab.inference.sampling import SamplingConfig
+    from tests.interop.gguf.files import byte_level_tokenizer, tiny_hf_llama, write_gguf
+
+    tok, model = byte_level_tokenizer(), tiny_hf_llama(320, tie=False)
+    eos, prompt = tok.token_to_id("<|im_end|>"), tok.encode("The quick brown fox").ids
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        free = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        model.lm_head.weight[eos] = 2 * model.lm_head.weight[free[0, -1]]
+    sampling = {"general.sampling.temp": 0.5, "general.sampling.top_k": 20}
+    src = write_gguf(tmp_path / "src.gguf", model, tok, sampling=sampling)
+    convert("gguf", src, "hf", tmp_path / "hf")
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    pad, bos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_start|>")
+    for written in (config, generation):
+        assert (written["bos_token_id"], written["eos_token_id"]) == (bos, eos)
+        assert written["pad_token_id"] == pad
+    assert [generation[k] for k in ("do_sample", "temperature", "top_k")] == [True, 0.5, 20]
+    hf_tok = T.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (bos, eos, pad)
+    loaded = open_checkpoint(src)
+    assert hf_tok.chat_template == loaded.tokenizer.chat_template
+
+    hf = T.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    greedy = GenerationConfig(16, SamplingConfig(temperature=0.0), stop_tokens=(eos,))
+    with torch.no_grad():
+        ours = generate(loaded.model, [prompt], greedy)[0]
+        theirs = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, len(prompt) :]
+    assert ours[-1] == eos and len(ours) < 16
+    assert theirs.tolist() == ours

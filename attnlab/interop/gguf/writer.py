@@ -11,6 +11,12 @@ llama.cpp's interleaved order for `llama` (its converter's permutation) and in H
            block (d = scale, m = min, rounded to fp16; exact for a model read from Q4_1);
            the float matrices (the embedding) are written F32
 
+A model read from a GGUF file (`source`) keeps what that file had: a float tensor whose source
+bytes decode to exactly its values is copied byte for byte where the source type is the one
+written, or where q4_1 would write it F32 (llama.cpp's Q4_1 files keep token_embd at Q8_0);
+and the file's informational general.* keys (license, languages, organization, ...) are
+carried, all but those written here (INFO_WRITTEN).
+
 The tokenizer must be a byte-level BPE (attnlab's own, or one read from a GGUF): its tokens,
 merges, special ids and chat template go into the `tokenizer.ggml.*` keys.
 """
@@ -21,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from attnlab.interop.gguf.reader import BLOCK_NAMES, NAMES, import_gguf
+from attnlab.interop.gguf.reader import BLOCK_NAMES, NAMES, import_gguf, open_reader
 from attnlab.interop.gguf.tokenizer import CONTROL, PRE_SPLITS, SPECIAL_KEYS
 from attnlab.models.config import ModelConfig
 from attnlab.quantize.int4 import Int4Linear, unpack_int4
@@ -31,6 +37,14 @@ from attnlab.tokenizer import Tokenizer
 TYPES = ("f32", "f16", "q8_0", "q4_1")
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_1": "MOSTLY_Q4_1"}
 NORMAL = 1  # tokenizer.ggml.token_type of an ordinary token
+# The general.* keys save_gguf writes from what it writes, never copied from a source (its
+# general.name is kept unless save_gguf is given another).
+INFO_WRITTEN = (
+    "general.architecture",
+    "general.file_type",
+    "general.quantization_version",
+    "general.alignment",
+)
 
 
 def gguf_arch(cfg: ModelConfig) -> str:
@@ -96,8 +110,23 @@ def int4_to_q4_1(module: Int4Linear) -> np.ndarray:
     return np.concatenate([d, m, qs.astype(np.uint8)], axis=-1).reshape(N, -1)
 
 
-def _tensors(model: nn.Module, cfg: ModelConfig, arch: str, kind: str):
-    """(GGUF name, array, raw qtype or None) for every tensor of `model`, in llama.cpp's order."""
+def _from_source(t, x: np.ndarray, qtype: str | None, kind: str):
+    """The source file's tensor `t` as (bytes, type) where it may stand for `x`, else None: its
+    bytes decode to exactly x, and its type is the one x is written as, or any where kind q4_1
+    writes a float matrix F32. (F32 sources are skipped: their bytes are x itself.)"""
+    if t is None or t.tensor_type.name == "F32":
+        return None
+    if not (t.tensor_type.name == qtype or (kind == "q4_1" and x.ndim == 2)):
+        return None
+    data = np.asarray(t.data)
+    if not np.array_equal(import_gguf().quants.dequantize(data, t.tensor_type), x):
+        return None  # the model is not the file's any more: write it as asked
+    return data, t.tensor_type
+
+
+def _tensors(model: nn.Module, cfg: ModelConfig, arch: str, kind: str, source: dict):
+    """(GGUF name, array, raw qtype or None) for every tensor of `model`, in llama.cpp's order;
+    `source`: {GGUF name: ReaderTensor} of the file it was read from ({} for none)."""
     gguf = import_gguf()
     int4 = {name for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     if kind == "q4_1" and not int4:
@@ -137,7 +166,10 @@ def _tensors(model: nn.Module, cfg: ModelConfig, arch: str, kind: str):
         except AttributeError:
             continue  # a bias this model does not have
         x = _rows_for_gguf(tensor.detach().float().cpu().numpy(), ours, cfg, arch)
-        if x.ndim == 2 and qtype is not None:
+        kept = _from_source(source.get(theirs), x, qtype if x.ndim == 2 else None, kind)
+        if kept is not None:
+            out.append((theirs, *kept))
+        elif x.ndim == 2 and qtype is not None:
             q = gguf.GGMLQuantizationType[qtype]
             out.append((theirs, gguf.quants.quantize(x, q), q))
         else:
@@ -189,19 +221,30 @@ def add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
+def _info_fields(reader) -> dict:
+    """{key: ReaderField} of the source's general.* keys that save_gguf does not write itself."""
+    return {
+        k: f for k, f in reader.fields.items() if k.startswith("general.") and k not in INFO_WRITTEN
+    }
+
+
 def save_gguf(
     model: nn.Module,
     cfg: ModelConfig,
     path: str | Path,
     tokenizer: Tokenizer | None,
     kind: str = "f32",
-    name: str = "attnlab model",
+    name: str | None = None,
+    source: str | Path | None = None,
 ) -> Path:
     """Write `model` as the GGUF file `path` (llama.cpp's names and keys; see the module doc).
 
     Args:
         kind: f32, f16, q8_0, or q4_1 (an int4 model at group size 32).
         tokenizer: a byte-level BPE (required: llama.cpp reads the vocabulary from the file).
+        name: general.name (default: the source's, else "attnlab model").
+        source: the GGUF file `model` was read from: its tensors' types and bytes and its
+            informational metadata are kept (see the module doc).
 
     Returns:
         path.
@@ -214,11 +257,18 @@ def save_gguf(
         raise ValueError(
             "GGUF export needs the model's tokenizer: llama.cpp reads it from the file"
         )
-    tensors = _tensors(model, cfg, arch, kind)
+    reader = open_reader(source) if source is not None else None
+    source_tensors = {t.name: t for t in reader.tensors} if reader else {}
+    tensors = _tensors(model, cfg, arch, kind, source_tensors)
+    info = _info_fields(reader) if reader else {}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")  # renamed in when complete: nothing half-written
     w = gguf.GGUFWriter(str(tmp), arch)
-    w.add_name(name)
+    source_name = info.pop("general.name", None)
+    w.add_name(name or (source_name.contents() if source_name else "attnlab model"))
+    for key, field in info.items():
+        sub = field.types[-1] if len(field.types) > 1 else None  # an array's element type
+        w.add_key_value(key, field.contents(), field.types[0], sub)
     w.add_file_type(gguf.LlamaFileType[FILE_TYPES[kind]])
     if kind != "f32":
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)

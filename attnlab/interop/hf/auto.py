@@ -4,7 +4,9 @@ tokenizers, which are already in HF's format (tokenizer.json), in and out of HF 
     load_hf(dir)              config.json architectures (or model_type) -> gpt2|llama|bloom|bert|t5
                               |families (Qwen3, OLMo 2, Phi-3, Gemma 2/3)|moe (Mixtral,
                               Qwen2-MoE, Qwen3-MoE)|deepseek (DeepSeek-V3)
-    save_hf(model, cfg, dir)  cfg -> the one family that can hold it
+    save_hf(model, cfg, dir)  cfg -> the one family that can hold it; a decoder's config.json
+                              and generation_config.json name the tokenizer's bos/eos/pad ids
+                              (transformers' `generate` stops at that eos, as attnlab's does)
 """
 
 import errno
@@ -46,6 +48,8 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "deepseek_v3": deepseek,
 }
 TOKENIZER = "tokenizer.json"
+GENERATION_CONFIG = "generation_config.json"
+SPECIAL_IDS = {"<bos>": "bos_token_id", "<eos>": "eos_token_id", "<pad>": "pad_token_id"}
 
 
 def converter_for_hf(hf: dict) -> ModuleType:
@@ -114,9 +118,17 @@ def load_hf(
 
 
 def save_hf(
-    model: nn.Module, cfg: ModelConfig, path: str | Path, tokenizer: Tokenizer | None = None
+    model: nn.Module,
+    cfg: ModelConfig,
+    path: str | Path,
+    tokenizer: Tokenizer | None = None,
+    sampling: dict | None = None,
 ) -> Path:
     """Write `model` as an HF checkpoint directory that `transformers` loads (and a tokenizer).
+
+    A decoder's config.json gets the tokenizer's bos/eos/pad ids where its family writes none,
+    and a generation_config.json the same ids and `sampling` ({SamplingConfig field: value},
+    `Loaded.sampling`: a GGUF's general.sampling.*), with do_sample, where there is any.
 
     The files are written into `path.tmp` and moved into `path` only when all are complete (a
     rename: it needs no space), so a failed write leaves no partial directory or file behind;
@@ -128,6 +140,8 @@ def save_hf(
         converter_for(cfg).save_hf(model, cfg, tmp)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
+        if cfg.arch == "decoder":
+            save_generation_config(tmp, tokenizer, sampling or {})
     except (OSError, SafetensorError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back
         raise _write_error(e, path) from e
@@ -138,6 +152,24 @@ def save_hf(
         os.replace(file, path / file.name)
     tmp.rmdir()
     return path
+
+
+def save_generation_config(path: Path, tokenizer: Tokenizer | None, sampling: dict) -> None:
+    """Fill config.json's missing bos/eos/pad ids from `tokenizer` and write them, with
+    `sampling` (do_sample where there is any), as generation_config.json (transformers takes
+    its `generate` defaults from there)."""
+    file = path / common.CONFIG
+    hf = json.loads(file.read_text())
+    found = tokenizer.special_ids if tokenizer is not None else {}
+    for ours, key in SPECIAL_IDS.items():
+        if hf.get(key) is None and ours in found:
+            hf[key] = found[ours]
+    file.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    generation = {k: hf[k] for k in SPECIAL_IDS.values() if hf.get(k) is not None}
+    if sampling:
+        generation |= {"do_sample": True, **sampling}
+    if generation:
+        (path / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _write_error(e: Exception, path: Path) -> Exception:

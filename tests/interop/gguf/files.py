@@ -166,11 +166,13 @@ def write_gguf(
     pre: str = "gpt-2",
     embedding: str | None = None,
     sampling: dict | None = None,
+    info: dict | None = None,
 ) -> Path:
     """Write `hf_model` (+ `tokenizer`'s vocabulary and merges) as llama.cpp would: 2-D weights
     in `quant` (F32, F16, Q8_0, Q4_0, Q4_1, ...), the token embedding in `embedding` if given
     (llama.cpp's Q4_1 files keep it in Q8_0), norms and biases in F32; `sampling`: {gguf key:
-    value} of general.sampling.* defaults (floats, and ints for top_k)."""
+    value} of general.sampling.* defaults (floats, and ints for top_k); `info`: {gguf key:
+    string or list of strings} (general.license, general.languages, ...)."""
     import json
 
     import gguf
@@ -195,6 +197,8 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     for key, value in (sampling or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+    for key, value in (info or {}).items():
+        (w.add_array if isinstance(value, list) else w.add_string)(key, value)
     w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":  # Gemma 3's global layers, 4B and up
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -6,6 +6,7 @@ One attnlab model and one transformers model per module. Figures: docs/real-mode
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,3 +151,40 @@ def test_kept_int4_equals_its_dequantized_twin(dense, kept):
     text = PROMPTS[1]  # the reference path dequantizes every matrix per token: one prompt
     ours = greedy(kept, text)
     assert len(ours) == NEW_TOKENS and ours == greedy(twin, text)
+
+
+def test_q4_1_export_keeps_every_tensor_and_the_metadata(tmp_path):
+    """gguf -> gguf at q4_1: the 210 Q4_1 matrices, the Q8_0 token_embd and the F32 norms are
+    the source's bytes, and its general.* keys (license, languages, ...) are carried."""
+    import gguf
+
+    from attnlab.interop.convert import convert
+
+    path = smollm2_gguf()
+    out = convert("gguf", path, "gguf", tmp_path / "out.gguf", gguf_type="q4_1")
+    ref, ours = gguf.GGUFReader(path), gguf.GGUFReader(out)
+    ref_t = {t.name: t for t in ref.tensors}
+    assert {t.name for t in ours.tensors} == ref_t.keys()
+    for t in ours.tensors:
+        assert t.tensor_type == ref_t[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(ref_t[t.name].data)), t.name
+    general = [k for k in ref.fields if k.startswith("general.")]
+    for key in general:
+        assert ours.fields[key].contents() == ref.fields[key].contents(), key
+    assert abs(out.stat().st_size - path.stat().st_size) < 1_000_000  # 98.4 MB, not 181.5
+
+
+def test_hf_export_stops_a_chat_answer_at_im_end(dense, tmp_path):
+    """convert --to hf writes the eos (<|im_end|>) into config.json and generation_config.json:
+    transformers' greedy chat answer on the directory stops there, with attnlab's tokens."""
+    from attnlab.interop.convert import convert
+
+    out = convert("gguf", smollm2_gguf(), "hf", tmp_path / "hf")
+    model = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = dense.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ours, ids = dense_greedy(dense, text), ids_of(dense, text)
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert ours[-1] == 2 and len(ours) < NEW_TOKENS  # <|im_end|>
+    assert theirs[0, ids.shape[1] :].tolist() == ours

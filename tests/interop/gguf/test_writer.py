@@ -79,6 +79,49 @@ def test_q4_1_round_trip_keeps_the_int4_weights(tmp_path, source):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+INFO = {
+    "general.license": "apache-2.0",
+    "general.languages": ["en", "fr"],
+    "general.organization": "HuggingFaceTB",
+    "general.size_label": "tiny",
+}
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_gguf_to_gguf_keeps_the_source_types_and_metadata(tmp_path, kind):
+    """Converting a llama.cpp-style file (Q4_1 or Q8_0 matrices, a Q8_0 token_embd, F32 norms)
+    to its own type writes each tensor as the source had it, byte for byte, and carries the
+    informational general.* keys; the keys the export writes itself say what it wrote."""
+    quant = kind.upper()
+    tiny, tok, info = tiny_hf_llama(320), byte_level_tokenizer(), INFO | {"general.name": "Tiny"}
+    src = write_gguf(tmp_path / "src.gguf", tiny, tok, quant, embedding="Q8_0", info=info)
+    out = tmp_path / "out.gguf"
+    assert main(["convert", "--from", "gguf", str(src), "--to", "gguf", str(out),
+                 "--gguf-type", kind]) == 0  # fmt: skip
+    ref, ours = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    ref_t = {t.name: t for t in ref.tensors}
+    assert ref_t["token_embd.weight"].tensor_type.name == "Q8_0"
+    assert ref_t.keys() == {t.name for t in ours.tensors}
+    for t in ours.tensors:
+        assert t.tensor_type == ref_t[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(ref_t[t.name].data)), t.name
+    for key, value in info.items():
+        assert ours.fields[key].contents() == value, key
+    file_type = ours.fields["general.file_type"].contents()
+    assert gguf.LlamaFileType(file_type).name == f"MOSTLY_{quant}"
+
+
+def test_a_source_tensor_of_another_type_is_written_as_asked(tmp_path):
+    """--gguf-type f32 from a Q8_0 file writes F32 (the values the source's bytes decode to)."""
+    src = write_gguf(tmp_path / "src.gguf", tiny_hf_llama(320), byte_level_tokenizer(), "Q8_0")
+    loaded = open_checkpoint(src)
+    out = save_gguf(
+        loaded.model, loaded.config, tmp_path / "out.gguf", loaded.tokenizer, source=src
+    )
+    types = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types == {"F32"}
+
+
 def test_q4_1_from_attnlab_quantize(tmp_path, source):
     import copy
 
