@@ -16,13 +16,13 @@ switch that a user, a recipe or the compiled decode step turns on:
     paged_attention  use_compiled_decode(cache)   compiled: a paged cache's decode attention
                                                   reads keys in place through the block table
     qdot             qdot.choice() (automatic,    int4/int8 Linears as llama.cpp's integer dot
-                     ATTNLAB_QUANT_KERNEL)        products (AVX2), on CPUs without bf16 hardware
+                     ATTNLAB_QUANT_KERNEL)        products (AVX2), on x86 CPUs
 
 The compiled decode step (`attnlab.inference.compiled_step.compile_decode_step`) turns on
 short_attention, gemv and packing; the compiled training step (`train.compile`) short_attention
 and sigmoid_gelu; `attnlab serve` has a flag for each of fast_linear, host_memory and
 paged_attention. qdot is the one chosen by the machine: quantize/int4.py and int8.py ask it once
-per layer whether this CPU lacks bf16 hardware (the C++ source is compiled on first use).
+per layer whether the kernels run on this CPU (the C++ source is compiled on first use).
 What each buys, measured, is in benchmarks/README.md.
 
 A module swap never changes a live object's class: the new module objects share the old ones'

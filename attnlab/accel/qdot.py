@@ -1,12 +1,13 @@
-"""Integer dot-product kernels for int4 and int8 weights, for x86 CPUs without bf16 hardware.
+"""Integer dot-product kernels for int4 and int8 weights on x86 CPUs.
 
 PyTorch's fused CPU kernels for int4 and int8 weights (`_weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`) are vectorised for bf16 activations. A CPU with AVX-512 BF16 or AMX
-does bf16 in hardware; one with AVX2 only (most laptops, AMD Zen 1-3, many cloud VMs) emulates
-it, and decodes several times slower than llama.cpp on the same weights. The kernels here do
-what llama.cpp does on such a CPU (csrc/qdot.cpp has the equations): round the activations to
-int8 in blocks of 32 and multiply them by the weights' integers with AVX2's integer
-dot-product instructions, one float scaling per block:
+`_weight_int8pack_mm`) are vectorised for bf16 activations. A CPU with AVX2 only (most
+laptops, AMD Zen 1-3, many cloud VMs) emulates bf16 and decodes several times slower than
+llama.cpp on the same weights; one with AVX-512 BF16 does bf16 in hardware and is still
+slower than these kernels for a decode step's one activation row (benchmarks/README.md section
+9: both measured on one Zen 4). The kernels here do what llama.cpp does (csrc/qdot.cpp has the
+equations): round the activations to int8 in blocks of 32 and multiply them by the weights'
+integers with AVX2's integer dot-product instructions, one float scaling per block:
 
     x (M, K) fp32 ──int8 blocks of 32──> qx, d_x, sum(x)
     int4 row:  sum_b  d_w[b] d_x[b] (q[b] . qx[b])  +  m_w[b] sum(x[b])       (Q4_1 x Q8_1)
@@ -15,10 +16,11 @@ dot-product instructions, one float scaling per block:
 The result differs from the exact one only by x's rounding to int8 (within 1/254 of each
 block's largest |x|; tests/accel/test_qdot.py states the tolerance it checks).
 
-`choice()` says which kernel a quantized Linear runs on this CPU: "qdot" on x86 CPUs whose
-PyTorch runs AVX2 code without bf16 hardware under it (ATEN_CPU_CAPABILITY=avx2 counts as
-such: it is how benchmarks/ reproduce an AVX2-only CPU on a bigger one), else "aten" (PyTorch's
-bf16 kernels). ATTNLAB_QUANT_KERNEL=qdot|aten overrides it.
+`choice()` says which kernel a quantized Linear runs on this CPU: "qdot" on every x86 CPU with
+AVX2, FMA and F16C where the kernels build, else "aten" (PyTorch's kernels: other CPUs, or no
+compiler). ATTNLAB_QUANT_KERNEL=qdot|aten overrides it. Measured so far on AVX2 and on AVX-512
+with BF16 (Zen 4), not on a CPU with AMX, where PyTorch's int4 kernel was the one measured in
+benchmarks/README.md section 8 (`ATTNLAB_QUANT_KERNEL=aten` runs it).
 
 The C++ source is compiled on first use, once per PyTorch version, by
 torch.utils.cpp_extension (ninja and the system's C++ compiler) into PyTorch's extension cache
@@ -44,7 +46,6 @@ BLOCK = 32  # weights per block, as in llama.cpp's Q4_1 and Q8_0
 BLOCK_BYTES = 20  # an int4 block: fp16 scale, fp16 minimum, 16 bytes of nibbles
 MAX_ROWS = 16  # more activation rows (a prefill): dequantizing once for the BLAS GEMM is faster
 ENV = "ATTNLAB_QUANT_KERNEL"
-BF16_FLAGS = {"avx512_bf16", "amx_bf16"}  # hardware that makes PyTorch's bf16 kernels fast
 
 
 def cpu_flags() -> set[str]:
@@ -69,9 +70,7 @@ def choice() -> str:
         warnings.warn(
             f"{ENV}={forced!r} is not 'qdot' or 'aten'; choosing by the CPU", stacklevel=2
         )
-    capability = torch.backends.cpu.get_cpu_capability()  # honours ATEN_CPU_CAPABILITY
-    bf16_hardware = capability.startswith("AVX512") and bool(BF16_FLAGS & cpu_flags())
-    return "qdot" if not bf16_hardware and _runs_here() else "aten"
+    return "qdot" if _runs_here() else "aten"
 
 
 def _runs_here() -> bool:

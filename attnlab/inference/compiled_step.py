@@ -53,6 +53,12 @@ REALIZE_OPCOUNT = 8
 # call (about a thousand checks for SmolLM2's step: 0.7 ms of a 19 ms int4 token, measured).
 # BoundDecodeStep checks what can change itself (the module docstring), so they are off.
 NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+# 256-bit vectors (AVX2) on every x86 CPU. With AVX-512, torch 2.13's inductor writes some of the
+# step's reductions (attention's weights times V, 8 of a 64-wide head at a time) as 16-lane
+# stores of 8-lane results: each step wrote 8 floats past a buffer's end, and a run of 128 tokens
+# aborted in free() ("double free or corruption"; benchmarks/README.md section 9). A decode step
+# waits on memory, not on the vector width.
+VECTOR_BITS = {"cpp.simdlen": 256}
 
 
 def compile_decode_step(model: nn.Module, **compile_kwargs) -> "BoundDecodeStep":
@@ -61,12 +67,12 @@ def compile_decode_step(model: nn.Module, **compile_kwargs) -> "BoundDecodeStep"
     for what must not change in the model afterwards).
 
     compile_kwargs go to torch.compile; `options` (inductor settings) are merged over
-    {"realize_opcount_threshold": REALIZE_OPCOUNT, **NO_ASSERTS}.
+    {"realize_opcount_threshold": REALIZE_OPCOUNT, **NO_ASSERTS, **VECTOR_BITS}.
     """
     use_gemv(model)
     pack_weights(model)
     use_short_attention(model)
-    defaults = {"realize_opcount_threshold": REALIZE_OPCOUNT, **NO_ASSERTS}
+    defaults = {"realize_opcount_threshold": REALIZE_OPCOUNT, **NO_ASSERTS, **VECTOR_BITS}
     options = {**defaults, **compile_kwargs.pop("options", {})}
     return BoundDecodeStep(model, options, **compile_kwargs)
 

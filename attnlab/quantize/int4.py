@@ -19,10 +19,11 @@ x @ ((q - 8) * scale + zero)^T with zero = min + 8 * scale, reading q from its o
 scales/zeros interleaved as (K/group_size, N, 2). That layout is a PyTorch implementation
 detail, so it is built from the plain one on the first kernel call and kept on the module as a
 plain attribute: never saved, rebuilt after a load (it costs another 0.5 byte per weight).
-Like the int8 kernel it is vectorised for bf16 activations only; see int8.py. On a CPU without
-bf16 hardware the layer runs attnlab/accel/qdot.py's integer kernel instead (llama.cpp's Q4_1
-method, on its own layout built the same lazy way), and more rows than that kernel is made for
-(a prefill) take the reference path: one dequantization, then the BLAS's fp32 GEMM.
+Like the int8 kernel it is vectorised for bf16 activations only; see int8.py. On an x86 CPU
+with AVX2 (qdot.choice()) the layer runs attnlab/accel/qdot.py's integer kernel instead
+(llama.cpp's Q4_1 method, on its own layout built the same lazy way), and more rows than that
+kernel is made for (a prefill) take the reference path: one dequantization, then the BLAS's
+fp32 GEMM.
 
 Shapes: N out_features, K in_features, G = K / group_size groups per row.
 """
@@ -130,7 +131,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("mins", torch.zeros(out_features, G, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.use_kernel = int4_kernel_available()
-        self.use_qdot = qdot.choice() == "qdot"  # this CPU has no bf16 hardware (accel/qdot.py)
+        self.use_qdot = qdot.choice() == "qdot"  # an x86 CPU with AVX2 (accel/qdot.py)
         self._kernel: tuple[Tensor, Tensor] | None = None  # to_kernel_layout(...), built lazily
         self._blocks: Tensor | None = None  # qdot.q4_blocks(...), built lazily
 
@@ -157,7 +158,7 @@ class Int4Linear(nn.Module):
         # this layer) takes the reference path, which autograd differentiates.
         needs_grad = x.requires_grad and torch.is_grad_enabled()
         if self.use_kernel and x.device.type == "cpu" and not needs_grad:
-            if self.use_qdot:  # no bf16 hardware: integer dot products
+            if self.use_qdot:  # integer dot products (accel/qdot.py)
                 return self.qdot_forward(x)
             return self.kernel_forward(x)
         return self.reference_forward(x)

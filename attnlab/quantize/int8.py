@@ -25,9 +25,10 @@ without tails: it crashes or returns garbage unless in_features % 16 == 0, the a
 path, the activations are always a fresh copy, and weights loaded from a file (safetensors packs
 tensors at arbitrary offsets) are copied to an aligned buffer once, at load.
 
-On a CPU without bf16 hardware the kernel path is attnlab/accel/qdot.py's integer kernel
-instead (activations rounded to int8 in blocks of 32, as llama.cpp's Q8_0 x Q8_0), for the few
-rows it is made for; more rows (a prefill) take the reference path and the BLAS's fp32 GEMM.
+On an x86 CPU with AVX2 (qdot.choice()) the kernel path is attnlab/accel/qdot.py's integer
+kernel instead (activations rounded to int8 in blocks of 32, as llama.cpp's Q8_0 x Q8_0), for
+the few rows it is made for; more rows (a prefill) take the reference path and the BLAS's fp32
+GEMM.
 
 Shapes: N out_features, K in_features, (..., K) activations in, (..., N) out.
 """
@@ -88,7 +89,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         # False: always the reference path (also for widths the kernel mishandles, see above)
         self.use_kernel = int8_kernel_available() and in_features % KERNEL_K_MULTIPLE == 0
-        # this CPU has no bf16 hardware: integer dot products (accel/qdot.py)
+        # integer dot products (accel/qdot.py), for widths it takes
         self.use_qdot = qdot.choice() == "qdot" and in_features % qdot.BLOCK == 0
 
     @classmethod
