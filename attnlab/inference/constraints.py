@@ -18,8 +18,12 @@ The library is llguidance (docs/generation.md, "Constrained decoding", says why 
 costs per token).
 
 A constraint that cannot be finished within max_new_tokens is refused before generating
-(`check_room`): a sound lower bound on the tokens of any accepted text is its fewest bytes
-(`Constraint.min_bytes`) over the most bytes one token of the vocabulary writes, rounded up.
+(`check_room`), on a sound lower bound of the tokens any accepted text needs: for choices the
+exact fewest (`fewest_pieces`); else its fewest bytes (`Constraint.min_bytes`) over the most
+bytes one token of the vocabulary writes, rounded up. That bound lets through a schema whose
+text the vocabulary's longest tokens could nearly fill (SmolLM2 has an 80-byte token of '#',
+which may stand in a JSON string); a reply cut at max_new_tokens before the grammar is complete
+is said to be so (`generate_text`'s notice; the server's finish_reason "length", as OpenAI's).
 """
 
 import json
@@ -117,35 +121,67 @@ def grammar(constraint: Constraint) -> str:
 # --- the fewest tokens a constraint needs -----------------------------------------------------
 def min_tokens(constraint: Constraint, tokenizer) -> int:
     """A lower bound on the tokens of any text `constraint` accepts, written with `tokenizer`:
-    its fewest bytes over the longest token's bytes, rounded up."""
+    for choices the exact fewest (each choice split into the vocabulary's tokens in as few
+    pieces as it can be), else the fewest bytes over the longest token's bytes, rounded up."""
+    if constraint.kind == "choice":
+        return min(fewest_pieces(c.encode(), tokenizer) for c in constraint.value)
     return math.ceil(constraint.min_bytes() / longest_token(tokenizer))
+
+
+def fewest_pieces(text: bytes, tokenizer) -> int:
+    """The fewest tokens whose bytes, joined, are `text`: fewest[i] for text[:i], each from the
+    best fewest[j] + 1 with text[j:i] one token (dynamic programming over the end points)."""
+    pieces, longest = token_bytes(tokenizer), longest_token(tokenizer)
+    fewest = [0] + [math.inf] * len(text)
+    for i in range(1, len(text) + 1):
+        for j in range(max(0, i - longest), i):
+            if fewest[j] + 1 < fewest[i] and text[j:i] in pieces:
+                fewest[i] = fewest[j] + 1
+    return fewest[-1]  # finite: every byte is a token of a byte-level vocabulary (else inf)
+
+
+def accepts(constraint: Constraint, tokenizer, tokens: Sequence[int]) -> bool:
+    """Whether the text of `tokens` is a whole string the constraint accepts."""
+    matcher = library().LLMatcher(vocabulary(tokenizer), grammar(constraint), log_level=0)
+    return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
 
 
 def check_room(constraint: Constraint, tokenizer, max_tokens: int, name: str) -> None:
     """A one-line ValueError when no text the constraint accepts fits in `max_tokens` tokens
     (`name`: the setting the caller calls it, e.g. max_new_tokens)."""
     need = min_tokens(constraint, tokenizer)
-    if max_tokens < need:
-        raise ValueError(
-            f"the {constraint.kind} constraint cannot be finished within {name}={max_tokens}: "
+    if max_tokens >= need:
+        return
+    if constraint.kind == "choice":
+        why = f"its shortest choice in this vocabulary's tokens is {need} tokens"
+    else:
+        why = (
             f"any text it accepts has at least {constraint.min_bytes()} bytes and this "
             f"vocabulary's longest token is {longest_token(tokenizer)} bytes, so it needs at "
-            f"least {need} tokens: raise {name} or relax the constraint"
+            f"least {need} tokens"
         )
+    raise ValueError(
+        f"the {constraint.kind} constraint cannot be finished within {name}={max_tokens}: "
+        f"{why}: raise {name} or relax the constraint"
+    )
 
 
 @lru_cache(maxsize=8)
-def longest_token(tokenizer) -> int:
-    """The most bytes one token of the vocabulary writes (at least 1). Special tokens are left
-    out: no constraint's text holds them. Cached per tokenizer object."""
+def token_bytes(tokenizer) -> frozenset[bytes]:
+    """The bytes each token of the vocabulary writes. Special tokens are left out: no
+    constraint's text holds them. Cached per tokenizer object."""
     vocab = vocabulary(tokenizer)
     texts = [vocab.decode_bytes([i]) for i in range(vocab.vocab_size)]
-    sizes = [
-        len(b)
+    return frozenset(
+        b
         for i, b in enumerate(texts)
-        if not (vocab.is_special_token(i) or b.startswith(b"\xff"))  # 0xFF: _TokenTexts' mark
-    ]
-    return max(sizes, default=1) or 1
+        if b and not (vocab.is_special_token(i) or b.startswith(b"\xff"))  # 0xFF: _TokenTexts'
+    )
+
+
+def longest_token(tokenizer) -> int:
+    """The most bytes one token of the vocabulary writes (at least 1)."""
+    return max(map(len, token_bytes(tokenizer)), default=1)
 
 
 def regex_min_chars(pattern: str) -> int:

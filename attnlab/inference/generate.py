@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from attnlab.components.embedding import check_token_ids
 from attnlab.inference.beam import beam_search
 from attnlab.inference.config import GenerationConfig
-from attnlab.inference.constraints import Matcher, banned_by, check_room
+from attnlab.inference.constraints import Matcher, accepts, banned_by, check_room
 from attnlab.inference.sampling import SamplingConfig, SamplingRows, TokenCounts, sample
 from attnlab.inference.speculative import Speculative
 from attnlab.inference.steps import (
@@ -45,6 +45,10 @@ DEFAULT_GENERATION = GenerationConfig()
 
 class ContextCropWarning(UserWarning):
     """Generation passed the model's position table and continues from a cropped context."""
+
+
+class CutConstraintWarning(UserWarning):
+    """max_new_tokens ended a constrained text before the constraint accepted it."""
 
 
 def context_window(model: nn.Module, max_context: int | None) -> tuple[int | None, int | None]:
@@ -199,16 +203,21 @@ def token_stream(model, prompts, config, speculative: Speculative | None, **kw):
 
 
 class _Notice:
-    """The crop notice, given once: to `on_notice`, or as a ContextCropWarning."""
+    """A notice, given once: to `on_notice`, or as a warning of `category`."""
 
-    def __init__(self, message: str | None, on_notice: Callable[[str], None] | None):
-        self.message, self.on_notice = message, on_notice
+    def __init__(
+        self,
+        message: str | None,
+        on_notice: Callable[[str], None] | None,
+        category: type[Warning] = ContextCropWarning,
+    ):
+        self.message, self.on_notice, self.category = message, on_notice, category
 
     def give(self) -> None:
         if self.message is None:
             return
         if self.on_notice is None:
-            warnings.warn(self.message, ContextCropWarning, stacklevel=3)
+            warnings.warn(self.message, self.category, stacklevel=3)
         else:
             self.on_notice(self.message)
         self.message = None
@@ -303,7 +312,8 @@ def generate_text(
         on_text: called with each new piece of text as it comes (streaming; num_beams == 1);
             the pieces add up to the result.
         on_notice: called with a one-line notice if the context is cropped (see
-            `stream_tokens`; default a ContextCropWarning).
+            `stream_tokens`; default a ContextCropWarning), or if max_new_tokens cuts a
+            constrained text short (default a CutConstraintWarning).
         speculative: draft and verify (speculative.py): a decoder-only model, num_beams 1.
         step_fn: replaces `decode_step` (`compiled_step.compile_decode_step`), num_beams 1.
 
@@ -345,12 +355,21 @@ def generate_text(
         tokenizer=tokenizer,
         **({} if step_fn is None else {"step_fn": step_fn}),
     )
+    tokens = []
     for token in stream:
-        t = int(token[0])
-        show(text.push(t))
-        if t in config.stop_tokens or stops.find(text.text) is not None:
+        tokens.append(int(token[0]))
+        show(text.push(tokens[-1]))
+        if tokens[-1] in config.stop_tokens or stops.find(text.text) is not None:
             break
     show(text.flush())  # whatever an unfinished character held back
+    cut = len(tokens) == config.max_new_tokens and tokens[-1] not in config.stop_tokens
+    if config.constraint is not None and cut and not accepts(config.constraint, tokenizer, tokens):
+        message = (
+            f"max_new_tokens={config.max_new_tokens} ended the text before the "
+            f"{config.constraint.kind} constraint was complete: it is not a whole match; "
+            "raise max_new_tokens"
+        )
+        _Notice(message, on_notice, CutConstraintWarning).give()
     return text.text
 
 

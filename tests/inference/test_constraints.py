@@ -262,3 +262,71 @@ def test_generate_refuses_a_constraint_it_cannot_finish(lm):
         generate(model, [tok.encode("the cat")], config, tokenizer=tok)
     assert "\n" not in str(err.value) and "2002 bytes" in str(err.value)
     assert "raise max_new_tokens or relax the constraint" in str(err.value)
+
+
+def test_the_choice_bound_is_the_fewest_tokens(lm):
+    """Each choice's fewest tokens, found by a breadth-first search over the vocabulary
+    (every token whose bytes continue the choice where the text so far ends), is what
+    check_room refuses below and takes at; the matcher accepts the tokens the search found.
+    "zqzqx" has no merges in this vocabulary: the bytes over the longest token would allow 1."""
+    from attnlab.inference.constraints import check_room, min_tokens
+
+    model, tok = lm
+    special = set(tok.backend.get_added_tokens_decoder())
+    texts = {i: tok.decode([i]).encode() for i in range(tok.vocab_size) if i not in special}
+
+    def fewest(choice: bytes) -> list[int]:
+        paths, seen = {0: []}, {0}
+        while len(choice) not in paths:
+            paths = {
+                end: path + [i]
+                for start, path in paths.items()
+                for i, t in texts.items()
+                if t and choice.startswith(t, start) and (end := start + len(t)) not in seen
+            }
+            seen |= set(paths)
+        return paths[len(choice)]
+
+    for choices in (("the cat", "hello world"), ("zqzqx",), CHOICES):
+        constraint = Constraint.choice(choices)
+        paths = [fewest(c.encode()) for c in choices]
+        best = min(paths, key=len)
+        assert accepts_tokens(constraint, tok, best)
+        assert min_tokens(constraint, tok) == len(best)
+        check_room(constraint, tok, len(best), "max_new_tokens")
+        with pytest.raises(ValueError, match=f"shortest choice .* is {len(best)} tokens"):
+            check_room(constraint, tok, len(best) - 1, "max_new_tokens")
+    assert len(fewest(b"zqzqx")) == 5
+
+
+def accepts_tokens(constraint: Constraint, tok, tokens: list[int]) -> bool:
+    matcher = Matcher(constraint, tok, [tok.token_id("<eos>")], tok.vocab_size)
+    return all(matcher.matcher.consume_token(t) for t in tokens) and (
+        matcher.matcher.is_accepting()
+    )
+
+
+def test_a_text_cut_before_its_constraint_is_complete_says_so(lm):
+    """generate_text gives one notice when max_new_tokens ends a constrained text the
+    constraint does not accept (jsonschema: not even JSON), and none when it ends complete."""
+    from attnlab.inference.generate import CutConstraintWarning
+
+    model, tok = lm
+    notices = []
+    config = GenerationConfig(
+        8, SamplingConfig(temperature=0.0), constraint=Constraint.json_schema(SCHEMA)
+    )
+    text = generate_text(model, tok, "the cat", config, on_notice=notices.append)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert notices == [
+        "max_new_tokens=8 ended the text before the json_schema constraint was complete: it "
+        "is not a whole match; raise max_new_tokens"
+    ]
+    with pytest.warns(CutConstraintWarning, match="max_new_tokens=8 ended the text"):
+        generate_text(model, tok, "the cat", config)
+    complete = replace(config, max_new_tokens=60)
+    jsonschema.validate(
+        json.loads(generate_text(model, tok, "the cat", complete, on_notice=notices.append)), SCHEMA
+    )
+    assert len(notices) == 1
