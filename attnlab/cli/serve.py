@@ -11,7 +11,8 @@ quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. `--lora NAME=DIR` (repeatable) serves a LoRA adapter in
 the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab finetune
---lora.rank R` run on the same base, beside the base, listed in
+--lora.rank R` run on the same base (its directory, read at its latest checkpoint as --ckpt
+is, or one checkpoint of it), beside the base, listed in
 /v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
 requests for different adapters share one batched decode step (adapters/multi_lora.py).
 A chat completion's sampler fields left out take the checkpoint's own defaults, else llama.cpp's
@@ -43,7 +44,7 @@ from attnlab.adapters.config import LoraConfig
 from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
-from attnlab.checkpoint import Loaded, open_checkpoint
+from attnlab.checkpoint import CONFIG, Loaded, open_checkpoint, resolve_checkpoint
 from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
@@ -52,6 +53,7 @@ from attnlab.cli.options import (
     speculative_from_args,
 )
 from attnlab.configs import from_dict
+from attnlab.finetune.peft_format import CONFIG as PEFT_CONFIG
 from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.sampling import CHAT_SAMPLING, chat_sampling, describe
 from attnlab.inference.steering import steering, text_steers
@@ -132,7 +134,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=DIR",
         help="serve a LoRA adapter for this base (a PEFT directory, or an attnlab finetune "
-        "--lora.rank run) as model NAME; repeatable",
+        "--lora.rank run: its directory, read at its latest checkpoint, or one checkpoint) as "
+        "model NAME; repeatable",
     )
     p.add_argument(
         "--no-ui",
@@ -283,8 +286,9 @@ def open_served(ckpt: str, device: str = "cpu") -> Loaded:
 def add_served_adapters(
     model: torch.nn.Module, cfg: ModelConfig, specs: list[str], base_name: str
 ) -> dict[str, str]:
-    """Read every --lora NAME=DIR (`adapter_weights`) and put them all on
-    `model` as MultiLoRALinear stacks, adapter i + 1 the i-th named. Returns {NAME: DIR}.
+    """Read every --lora NAME=DIR (`adapter_weights`; a run directory is resolved to its latest
+    checkpoint, as --ckpt is) and put them all on `model` as MultiLoRALinear stacks, adapter
+    i + 1 the i-th named. Returns {NAME: the directory read}.
 
     Raises:
         ValueError naming the flag for a malformed or repeated NAME, a directory that is no
@@ -299,10 +303,11 @@ def add_served_adapters(
         if name == base_name or name in served:
             raise ValueError(f"--lora {spec!r}: the model id {name!r} is already served")
         try:
-            stacks.append(adapter_weights(model, cfg, Path(path)))
+            path = resolve_checkpoint(path)  # a run directory: its latest checkpoint, as --ckpt
+            stacks.append(adapter_weights(model, cfg, path))
         except (ValueError, OSError) as e:
             raise ValueError(f"--lora {spec!r}: {e}") from None
-        served[name] = str(Path(path).resolve())
+        served[name] = str(path.resolve())
     if stacks:
         add_multi_lora(model, stacks)
     return served
@@ -310,14 +315,21 @@ def add_served_adapters(
 
 def adapter_weights(model: torch.nn.Module, cfg: ModelConfig, path: Path) -> dict[str, tuple]:
     """{our Linear's name: (A, B, scale)} of the LoRA adapter in `path`: a PEFT directory, or
-    a LoRA run of `attnlab finetune --lora.rank R` on this very base (its config and weights).
-    Either must train A and B alone: biases or whole modules trained beside them would change
-    the base for every request."""
-    if (path / "adapter_config.json").is_file() or not (path / "config.json").is_file():
+    a checkpoint of an `attnlab finetune --lora.rank R` run on this very base (its config and
+    weights; `add_served_adapters` resolves a run directory to it). Either must train A and B
+    alone: biases or whole modules trained beside them would change the base for every
+    request."""
+    if (path / PEFT_CONFIG).is_file():
         _, found, others = read_adapters(model, cfg, path)
         if others:
             raise ValueError(f"the adapter trains {sorted(others)[0]} beside A and B")
         return {n: (a.A, a.B, a.scale) for n, a in found.items()}
+    if not (path / CONFIG).is_file():
+        raise ValueError(
+            f"{str(path)!r} is no LoRA adapter (no {PEFT_CONFIG} nor {CONFIG}): give a peft "
+            "adapter directory, or an attnlab finetune --lora.rank R run directory or one of "
+            "its checkpoints"
+        )
     run = open_checkpoint(path, keep_adapters=True)
     adapters = lora_modules(run.model)
     if not adapters:

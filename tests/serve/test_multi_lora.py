@@ -3,6 +3,7 @@ LoRALinear, mixed-adapter batches of the batched engine and the server (through 
 client) token-identical to each adapter merged into the base and run alone, and the errors."""
 
 import copy
+import json
 
 import openai
 import pytest
@@ -143,7 +144,7 @@ def test_the_server_lists_adapters_and_a_request_picks_one_by_model(served):
     ("spec", "message"),
     [
         ("sql", "give NAME=DIR"),
-        ("x={here}", "has no adapter_config.json (not a peft adapter directory)"),
+        ("x={here}", "is no LoRA adapter (no adapter_config.json nor config.json): give a peft"),
         ("x={gpt2}", "is it for another base model?"),
     ],
 )
@@ -184,3 +185,39 @@ def test_an_attnlab_lora_run_serves_as_its_peft_export_does(served, tmp_path):
         next(loaded.model.parameters()).add_(1.0)  # the served base is another model now
     with pytest.raises(ValueError, match="trained on another base model"):
         adapter_weights(loaded.model, loaded.config, tmp_path / "run")
+
+
+@pytest.mark.slow  # fine-tunes 2 steps, then serves (about 5 s)
+def test_a_lora_run_directory_serves_its_latest_checkpoint(served, tmp_path):
+    """--lora NAME=RUN_DIR reads the run's latest checkpoint, as --ckpt RUN_DIR does: its
+    completions are those of --lora NAME=RUN_DIR/checkpoints/<latest>, and /v1/models names
+    that checkpoint."""
+    ckpt, _ = served
+    sft = tmp_path / "sft.jsonl"
+    words = ["cat", "dog", "mat", "bone", "hello", "world"]
+    lines = [json.dumps({"prompt": f"the {w}", "response": f" sat on the {w}."}) for w in words]
+    sft.write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    finetune = ["finetune", "--ckpt", str(ckpt), "--task", "sft", "--data.source", str(sft)]
+    finetune += ["--lora.rank=2", "--train.steps=2", "--train.ckpt_every=1", "--train.lr=1e-2"]
+    finetune += ["--train.eval_every=2", "--data.eval_before=false", "--data.eval_examples=1"]
+    finetune += ["--data.max_new_tokens=1", "--train.batch_size=2", "--train.context=32"]
+    finetune += ["--train.progress=false", "--train.device=cpu", "--train.out_dir", str(run)]
+    assert main(finetune) == 0
+    steps = run / "checkpoints"
+    assert (steps / "step_000001").is_dir()  # the run has two checkpoints; latest names the 2nd
+    assert (steps / "latest").read_text().strip() == "step_000002"
+    lora = [f"run={run}", f"latest={steps / 'step_000002'}"]
+    server = Server(ckpt, lora=lora)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        roots = {m.id: getattr(m, "root", None) for m in client.models.list().data}
+        assert roots["run"] == roots["latest"] == str((steps / "step_000002").resolve())
+        for prompt in ("the cat", "hello world, hello"):
+            texts = [
+                client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+                for name in ("run", "latest")
+            ]
+            assert texts[0].choices[0].text == texts[1].choices[0].text, prompt
+    finally:
+        server.close()
