@@ -142,7 +142,9 @@ def test_sigterm_answers_503_after_the_signal_and_exits_within_the_stop_timeout(
     outside", 14)."""
     stop = 2.0
     ckpt = write_checkpoint(tmp_path / "tiny")
-    proc, url = start(ckpt, "--engine", engine, "--stop-timeout", str(stop), "--max-context", "4096")
+    proc, url = start(
+        ckpt, "--engine", engine, "--stop-timeout", str(stop), "--max-context", "4096"
+    )
     body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4000, "stream": True}
     body |= {"temperature": 0, "stop_token_ids": []}
     small = {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "temperature": 0}
