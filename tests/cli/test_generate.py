@@ -326,6 +326,28 @@ def test_constraint_flags(run_dir, tmp_path, capsys):
     assert json.loads(output("--json-schema", str(tmp_path / "s.json"))) in (True, False)
     code, _, err = cli(capsys, *base, "--regex", "[0-9]{3}")  # no digit in its vocabulary
     assert code == 2 and "no token of the vocabulary" in err, err
+    # cut by --max-new-tokens before the regex is whole: the text, and a note that says so
+    regex = [
+        "--ckpt",
+        str(run_dir),
+        "--prompt",
+        PROMPT,
+        "--regex",
+        r"[a-z]+\.",
+        "--temperature",
+        "0",
+    ]
+    code, out, err = cli(capsys, *regex, "--max-new-tokens", "5")
+    assert code == 0 and re.fullmatch("[a-z]{5}", out[len(PROMPT) : -1]), out
+    assert (
+        "note: max_new_tokens=5 ended the text before the regex constraint was complete: it "
+        "is not a whole match; raise max_new_tokens"
+    ) in err.splitlines()
+    # whole at the 5th token, with no room left for the end token: no note
+    whole = ["--ckpt", str(run_dir), "--prompt", PROMPT, "--regex", "[a-z]{5}"]
+    code, out, err = cli(capsys, *whole, "--max-new-tokens", "5")
+    assert code == 0 and re.fullmatch("[a-z]{5}", out[len(PROMPT) : -1])
+    assert "ended the text" not in err
 
 
 @pytest.mark.parametrize(
