@@ -48,6 +48,7 @@ from attnlab.finetune.tasks import _PromptTask  # the prompt encoding and greedy
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.training.distributed import every_rank
 
 LossType = Literal["grpo", "bnpo", "dr_grpo"]
 STD_EPS = 1e-4  # added to the std, as trl
@@ -220,7 +221,10 @@ class GRPOTask(_PromptTask):
         self.rewards_seen.append(float(rewards.mean()))
         rows = [response_labels(p + c, len(p)) for p, c in zip(prompts, completions)]
         batch = pad_rows(rows, self.pad)
-        batch["advantages"] = group_advantages(rewards, G, self.cfg.scale_rewards)
+        # over every rank's rewards, as trl gathers every process's (a "batch" std is global)
+        everyone = every_rank(rewards, world)
+        mine = slice(rank * len(rewards), (rank + 1) * len(rewards))
+        batch["advantages"] = group_advantages(everyone, G, self.cfg.scale_rewards)[mine]
         batch["rewards"] = rewards
         return batch
 

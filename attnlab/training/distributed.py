@@ -267,6 +267,17 @@ def stop() -> None:
 
 
 # --- the single-process checkpoint format: tied weights once, optimizer state by number ----
+def every_rank(x: Tensor, world: int) -> Tensor:
+    """Every rank's `x` (the same shape on each) joined along dim 0 in rank order: what a task
+    whose statistics span the global batch needs (GRPO's "batch" reward std); `x` itself for
+    one process."""
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
 def _first_module_names(weights: dict, module: nn.Module) -> dict:
     """Only the names of each module's first path: set_model_state_dict visits a shared module
     (one embedding for encoder and decoder) once, and would not shard a copy under a second."""

@@ -226,3 +226,52 @@ def test_a_grpo_run_raises_its_reward(tok):
         opt.step()
     first, last = t.rewards_seen[:5], t.rewards_seen[-5:]
     assert sum(last) / 5 > sum(first) / 5 + 0.2, t.rewards_seen
+
+
+GATHER_DRIVER = """
+import json, sys
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+from tests.finetune.test_grpo import task, tiny_policy
+from attnlab.tokenizer import train_char_tokenizer
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+tok = train_char_tokenizer(["say abc: abc xyz"])
+t = task(tok, tiny_policy(tok.vocab_size), scale_rewards="batch", temperature=1.5)
+batch = t.train_batch(torch.Generator().manual_seed(0), rank, world)
+out = {"rewards": batch["rewards"].tolist(), "advantages": batch["advantages"].tolist()}
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_batch_scaled_rewards_use_every_ranks_rewards(tmp_path):
+    """scale_rewards "batch" under torchrun, 2 processes: each rank's advantages are trl's
+    formula over both ranks' rewards (trl gathers every process's rewards first): its own
+    group means over the std of all 2 x 8 rewards, not of its own 8."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    utils = pytest.importorskip("trl.trainer.utils")
+    (tmp_path / "driver.py").write_text(GATHER_DRIVER)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += [str(tmp_path / "driver.py"), str(tmp_path / "out")]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    everyone = torch.tensor([x for r in ranks for x in r["rewards"]])
+    std = utils.nanstd(everyone)
+    G = 4
+    for r in ranks:
+        rewards = torch.tensor(r["rewards"])
+        mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
+        torch.testing.assert_close(torch.tensor(r["advantages"]), (rewards - mean) / (std + 1e-4))
+        own = (rewards - mean) / (utils.nanstd(rewards) + 1e-4)  # what each rank took before
+        assert not torch.allclose(own, torch.tensor(r["advantages"]))
