@@ -10,16 +10,16 @@ HF families: GPT-2, Llama/Mistral/Qwen2, Qwen3, OLMo 2, Phi-3, Gemma 2/3, BLOOM,
 (attnlab/interop/hf/). Only safetensors are read and written; the tokenizer.json travels along
 when there is one. `--to peft` writes the adapters of an `attnlab finetune --lora.rank R` run
 (which opens merged everywhere else) as `peft` reads them, onto the HF export of the run's base
-(attnlab/finetune/peft_format.py).
+(attnlab/interop/peft.py).
 """
 
 import argparse
 import inspect
 
-from attnlab.finetune.peft_format import save_run_peft
 from attnlab.interop.convert import FORMATS, convert
 from attnlab.interop.gguf.writer import TYPES
 from attnlab.interop.hf import ARCHITECTURES
+from attnlab.interop.peft import save_run_peft
 
 FAMILIES = ", ".join(sorted(ARCHITECTURES))  # the HF architectures config.json may name
 DEFAULTS = {k: p.default for k, p in inspect.signature(convert).parameters.items()}

@@ -10,7 +10,7 @@ Any checkpoint `open_checkpoint` reads that holds a decoder-only LM (trained, co
 quantized; a LoRA fine-tuning run, its adapters merged) with its
 tokenizer.json. `--engine batched` (continuous batching over a paged KV cache) is the default;
 `sequential` runs one request at a time. `--lora NAME=DIR` (repeatable) serves a LoRA adapter in
-the PEFT format (`finetune.peft_format.save_peft`'s or peft's), or an `attnlab finetune
+the PEFT format (`interop.peft.save_peft`'s or peft's), or an `attnlab finetune
 --lora.rank R` run on the same base (its directory, read at its latest checkpoint as --ckpt
 is, or one checkpoint of it), beside the base, listed in
 /v1/models with the base as its parent; a request picks it by `model`, as vLLM's do, and
@@ -53,11 +53,11 @@ from attnlab.cli.options import (
     speculative_from_args,
 )
 from attnlab.configs import from_dict
-from attnlab.finetune.peft_format import CONFIG as PEFT_CONFIG
-from attnlab.finetune.peft_format import read_adapters
 from attnlab.inference.sampling import CHAT_SAMPLING, chat_sampling, describe
 from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
+from attnlab.interop.peft import CONFIG as PEFT_CONFIG
+from attnlab.interop.peft import read_adapters
 from attnlab.models.config import ModelConfig
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from attnlab.adapters.prompt_learning import PromptLearningLM
-from attnlab.finetune.peft_format import load_prompt_learning, save_prompt_learning
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
 from attnlab.interop.hf import load_hf
+from attnlab.interop.peft import load_prompt_learning, save_prompt_learning
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.serve.engine import Engine

@@ -14,7 +14,7 @@ from attnlab.adapters.lora import lora_modules
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.convert import write_peft
-from attnlab.finetune.peft_format import save_run_peft
+from attnlab.interop.peft import save_run_peft
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.tokenizer import train_char_tokenizer

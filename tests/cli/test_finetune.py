@@ -19,9 +19,9 @@ from attnlab.cli.eval import evaluate_checkpoint
 from attnlab.cli.finetune import add_parser, configs_from_args
 from attnlab.finetune import data
 from attnlab.finetune.config import FinetuneDataConfig
-from attnlab.finetune.peft_format import load_prompt_learning
 from attnlab.finetune.run import build_finetune, load_examples
 from attnlab.finetune.tasks import SFTTask
+from attnlab.interop.peft import load_prompt_learning
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.tokenizer import CHAT_TOKENS, DEFAULT_CHAT_TEMPLATE, Tokenizer, train_char_tokenizer

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from attnlab.adapters.lora import add_lora, lora_modules
-from attnlab.finetune.peft_format import hf_placements, load_peft, save_peft
 from attnlab.interop.hf import load_hf
+from attnlab.interop.peft import hf_placements, load_peft, save_peft
 
 T = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -15,11 +15,11 @@ from attnlab.adapters.multi_lora import MultiLoRALinear, adapter_rows
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
 from attnlab.cli.__main__ import main
 from attnlab.cli.serve import adapter_weights, add_served_adapters
-from attnlab.finetune.peft_format import load_peft, save_peft
 from attnlab.finetune.run import FinetuneRun
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate
 from attnlab.inference.sampling import SamplingConfig
+from attnlab.interop.peft import load_peft, save_peft
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.serve.engine import Engine

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnlab.adapters.lora import add_lora, lora_modules, lora_state_dict, merge_lora
-from attnlab.finetune.peft_format import hf_placements, load_peft, save_peft
+from attnlab.interop.peft import hf_placements, load_peft, save_peft
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig
 from attnlab.models.presets import get_preset
