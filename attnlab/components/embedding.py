@@ -28,6 +28,12 @@ class TokenEmbedding(nn.Embedding):
         self.multiplier = math.sqrt(d_model) if scale else 1.0
         self.norm = nn.Identity() if norm is None else norm  # Identity holds no weights
 
+    def reset_parameters(self) -> None:
+        """torch's N(0, 1), except on the meta device (a model built to load weights into, which
+        init_weights leaves alone): there torch's normal_ imports torch._dynamo, 2 s of a load."""
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
     def forward(self, ids: Tensor) -> Tensor:
         """ids: (B, T) int64 in [0, V) -> (B, T, C)."""
         if not torch.compiler.is_compiling():  # the check syncs with the host: eager only
