@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "qdot.cpp"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]  # every AVX2 CPU has FMA and F16C too
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # every AVX2 CPU has FMA and F16C too
 BLOCK = 32  # weights per block, as in llama.cpp's Q4_1 and Q8_0
 BLOCK_BYTES = 20  # an int4 block: fp16 scale, fp16 minimum, 16 bytes of nibbles
 MAX_ROWS = 16  # more activation rows (a prefill): dequantizing once for the BLAS GEMM is faster
@@ -92,7 +92,13 @@ def load() -> bool:
             file=sys.stderr,
         )
     try:
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
+        cpp_extension.load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
     except Exception as e:  # no compiler, no ninja, a failed build: the aten kernels still run
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         print(

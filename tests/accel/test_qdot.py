@@ -159,3 +159,25 @@ def test_choice_follows_the_override(monkeypatch):
         assert qdot.choice() in ("qdot", "aten")
     monkeypatch.delenv(qdot.ENV)
     qdot.choice.cache_clear()
+
+
+def test_threads_split_the_rows_and_give_the_one_thread_result():
+    """Each output row is one thread's (at::parallel_for over rows, built with OpenMP), so two
+    threads give the one-thread bits; 1024 rows are 16 tasks of GRAIN 64."""
+    torch.manual_seed(6)
+    layer4 = Int4Linear.from_linear(nn.Linear(96, 1024), 32)
+    layer8 = Int8Linear.from_linear(nn.Linear(96, 1024))
+    blocks = qdot.q4_blocks(unpack_int4(layer4.weight), layer4.scales, layer4.mins)
+    x = torch.randn(3, 96)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(
+                (qdot.q4_matmul(x, blocks, 1024), qdot.q8_matmul(x, layer8.weight, layer8.scales))
+            )
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
