@@ -53,6 +53,26 @@ def start(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split(" on ", 1)[1].split("/v1")[0]
 
 
+class Stream:
+    """A streaming completion read on a thread of its own: its `data:` payloads (`chunks`),
+    `first` set at the first, and the HTTP error that cut it at the connection, if any."""
+
+    def __init__(self, url: str, body: dict):
+        self.chunks, self.first, self.errors = [], threading.Event(), []
+        self.thread = threading.Thread(target=self._read, args=(url, body))
+        self.thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.chunks.append(line[6:])
+                        self.first.set()
+        except httpx.HTTPError as e:
+            self.errors.append(e)
+
+
 @pytest.mark.parametrize(
     "engine", ["sequential" if e is SequentialEngine else "batched" for e in engines()]
 )
@@ -67,26 +87,16 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(tmp_path, engine):
             "temperature": 0,
             "stream": True,
         }
-        chunks, first = [], threading.Event()
-
-        def read():
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        chunks.append(line[6:])
-                        first.set()
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert first.wait(60), "no first token"
+        stream = Stream(url, body)
+        assert stream.first.wait(60), "no first token"
         proc.send_signal(signal.SIGTERM)
-        reader.join(60)
+        stream.thread.join(60)
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert chunks[-1] == "[DONE]"
-    events = [json.loads(c) for c in chunks[:-1]]
+    assert not stream.errors and stream.chunks[-1] == "[DONE]", stream.errors
+    events = [json.loads(c) for c in stream.chunks[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"  # ran to the end, not cut
     assert "attnlab serve: stopped" in proc.stdout.read()
     with pytest.raises(httpx.ConnectError):
@@ -103,31 +113,18 @@ def test_sigterm_past_the_stop_timeout_ends_streams_with_an_error_chunk_and_done
     proc, url = start(ckpt, "--engine", engine, "--stop-timeout", "1", "--max-context", "4096")
     body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4000, "stream": True}
     body |= {"temperature": 0, "stop_token_ids": []}
-    chunks, first, errors = [], threading.Event(), []
     try:
-
-        def read():
-            try:
-                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            chunks.append(line[6:])
-                            first.set()
-            except httpx.HTTPError as e:  # cut at the connection
-                errors.append(e)
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert first.wait(60), "no first token"
+        stream = Stream(url, body)
+        assert stream.first.wait(60), "no first token"
         proc.send_signal(signal.SIGTERM)
-        reader.join(60)
+        stream.thread.join(60)
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
     stderr = proc.stderr.read()
-    assert not errors and chunks[-1] == "[DONE]", (errors, chunks[-3:])
-    last = json.loads(chunks[-2])
+    assert not stream.errors and stream.chunks[-1] == "[DONE]", (stream.errors, stream.chunks[-3:])
+    last = json.loads(stream.chunks[-2])
     assert "error" in last and "stopping" in last["error"]["message"], last
     assert "Traceback" not in stderr, stderr
 
@@ -148,14 +145,7 @@ def test_sigterm_answers_503_after_the_signal_and_exits_within_the_stop_timeout(
     body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4000, "stream": True}
     body |= {"temperature": 0, "stop_token_ids": []}
     small = {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "temperature": 0}
-    chunks, first, statuses = [], threading.Event(), []
-
-    def read():
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunks.append(line[6:])
-                    first.set()
+    statuses = []
 
     try:
         client = httpx.Client(timeout=30)  # one keep-alive connection
@@ -166,9 +156,8 @@ def test_sigterm_answers_503_after_the_signal_and_exits_within_the_stop_timeout(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n{"
         )
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert first.wait(60), "no first token"
+        stream = Stream(url, body)
+        assert stream.first.wait(60), "no first token"
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         statuses.append(client.post(f"{url}/v1/completions", json=small).status_code)
@@ -180,7 +169,7 @@ def test_sigterm_answers_503_after_the_signal_and_exits_within_the_stop_timeout(
             time.sleep(0.05)
         proc.wait(30)
         took = time.monotonic() - signalled
-        reader.join(30)
+        stream.thread.join(30)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -188,7 +177,8 @@ def test_sigterm_answers_503_after_the_signal_and_exits_within_the_stop_timeout(
     assert set(statuses) == {503}, statuses
     assert took < stop + 2, f"exited {took:.1f} s after SIGTERM (--stop-timeout {stop})"
     assert proc.returncode == 0 and "Traceback" not in stderr, stderr
-    assert chunks[-1] == "[DONE]" and "stopping" in json.loads(chunks[-2])["error"]["message"]
+    assert not stream.errors and stream.chunks[-1] == "[DONE]", stream.errors
+    assert "stopping" in json.loads(stream.chunks[-2])["error"]["message"]
 
 
 def test_serve_steer_completes_what_generate_steer_generates(tmp_path, capsys):
