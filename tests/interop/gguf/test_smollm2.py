@@ -188,3 +188,34 @@ def test_hf_export_stops_a_chat_answer_at_im_end(dense, tmp_path):
         theirs = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert ours[-1] == 2 and len(ours) < NEW_TOKENS  # <|im_end|>
     assert theirs[0, ids.shape[1] :].tolist() == ours
+
+
+def test_a_long_json_string_fits_in_few_of_smollm2s_tokens(dense):
+    """Why check_room lets a 500-character string through at max_tokens 10 (issue 42's case):
+    SmolLM2 writes '"' + 500 '#' + '"' in 9 tokens (it has a token of 80 '#'), which the
+    schema's matcher (llguidance, the reference) accepts; refusing it would refuse a request
+    that can be finished. Cut at fewer, the reply says so (finish_reason "length")."""
+    from attnlab.inference.constraints import Constraint, accepts, check_room, min_tokens
+
+    tok = dense.tokenizer
+    schema = Constraint.json_schema({"type": "string", "minLength": 500})
+    text = '"' + "#" * 500 + '"'
+    special, pieces = set(tok.backend.get_added_tokens_decoder()), {}  # piece of text -> id
+    for i in range(tok.vocab_size):
+        piece = tok.decode([i])
+        if piece and piece in text and i not in special:
+            pieces.setdefault(piece, i)
+    best = {0: []}  # fewest tokens writing text[:end], end by end
+    for end in range(1, len(text) + 1):
+        ways = [
+            best[start] + [pieces[text[start:end]]] for start in best if text[start:end] in pieces
+        ]
+        if ways:
+            best[end] = min(ways, key=len)
+    tokens = best[len(text)]
+    assert tok.decode(tokens) == text and len(tokens) == 9
+    assert accepts(schema, tok, tokens)
+    assert min_tokens(schema, tok) <= 9
+    check_room(schema, tok, 9, "max_tokens")  # feasible: not refused
+    with pytest.raises(ValueError, match="cannot be finished"):
+        check_room(schema, tok, min_tokens(schema, tok) - 1, "max_tokens")
