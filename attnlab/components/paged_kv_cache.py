@@ -58,7 +58,7 @@ Shapes: B batch, K kv heads, T new tokens, S keys gathered per row (blocks * blo
 D head_dim, L layers.
 """
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -88,7 +88,9 @@ class BlockAllocator:
         if n_blocks < 1:
             raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
         self.n_blocks = n_blocks
-        self.free: deque[int] = deque(range(n_blocks))  # hold nothing reusable
+        # Blocks holding nothing reusable, taken from the end: the last released first (its
+        # memory is in use already), then the never-used ones in order 0, 1, ...
+        self.free: list[int] = list(range(n_blocks - 1, -1, -1))
         self.cached: OrderedDict[int, None] = OrderedDict()  # unowned, holding a prefix
         self.refs = [0] * n_blocks  # sequences sharing each block
 
@@ -101,7 +103,7 @@ class BlockAllocator:
         """Take one block no sequence owns: a free one, else the least recently cached one
         (whose prefix the caller must forget)."""
         if self.free:
-            block = self.free.popleft()
+            block = self.free.pop()
         elif self.cached:
             block, _ = self.cached.popitem(last=False)
         else:
@@ -172,9 +174,12 @@ class PagedLayer(nn.Module):
     def __init__(self, n_blocks: int, K: int, block_size: int, D: int, dtype, device=None):
         super().__init__()
         shape = (n_blocks, block_size, K, D)
-        # Non-persistent: a cache is scratch space, never part of a checkpoint.
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # Non-persistent: a cache is scratch space, never part of a checkpoint. Left unwritten
+        # (empty, not zeros): the operating system maps a page of it only when it is first
+        # written, so a pool holds memory as its blocks are used (each zeroed when first taken:
+        # PagedKVCache.reserve), not all of it at start.
+        self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
 
     def slots_view(self) -> tuple[Tensor, Tensor]:
         """The pools as flat (n_blocks * block_size, K, D) arrays of slots (views, no copy)."""
@@ -375,11 +380,29 @@ class PagedKVCache(nn.Module):
         # from the pool, (q, k_pool, v_pool, key_slots, mask, bias, scale) -> out. None: gather.
         self.decode_attention: Callable | None = None
         self.allocator = BlockAllocator(n_blocks)
+        self.used: set[int] = set()  # blocks taken at least once (zeroed then)
         self.tables: dict[Hashable, list[int]] = {}
         # Prefix caching: the prompt tokens up to the end of a full block -> the block holding
         # their keys/values (keys and values at a position depend on the tokens up to it only).
         self.prefixes: dict[tuple[int, ...], int] = {}
         self.prefix_of: dict[int, tuple[int, ...]] = {}  # block -> its key in `prefixes`
+
+    @staticmethod
+    def token_bytes(decoder: nn.Module, dtype=None) -> int:
+        """Bytes one token's keys and values take in a pool for `decoder` (all its layers)."""
+        dtype = decoder.embed.weight.dtype if dtype is None else dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * b.self_attn.n_kv_heads * b.self_attn.head_dim * size for b in decoder.blocks)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the pool holds."""
+        return self.n_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool (keys and values of every layer)."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
 
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks that hold n_tokens tokens."""
@@ -408,6 +431,10 @@ class PagedKVCache(nn.Module):
             block = self.allocator.allocate()
             if block in self.prefix_of:  # a cached prefix block taken back: forget its prefix
                 del self.prefixes[self.prefix_of.pop(block)]
+            if block not in self.used:  # first taken: zeroed (masked slots are read as 0 * v)
+                self.used.add(block)
+                for layer in self.layers:
+                    layer.clear([block])
             table.append(block)
 
     def match_prefix(self, seq: Hashable, prompt: Sequence[int], salt: tuple = ()) -> int:

@@ -70,6 +70,7 @@ from attnlab.serve.types import (
     Request,
     TokenEvent,
     check_params,
+    default_kv_memory,
     prompt_scores,
 )
 
@@ -103,12 +104,15 @@ class Engine:
         self.context, _ = context_window(model, c.max_context)  # None: no limit but the pool's
         n_blocks = c.n_blocks
         if n_blocks is None:
-            if self.context is None:
+            device = self.decoder.head.weight.device
+            budget = c.kv_cache_memory or default_kv_memory(device)
+            per_block = c.block_size * PagedKVCache.token_bytes(self.decoder)
+            n_blocks = budget // per_block
+            if n_blocks < 1:
                 raise ValueError(
-                    "this model has no position table: give max_context (e.g. max_seq_len) "
-                    "or n_blocks"
+                    f"a KV pool of {budget} bytes holds no block of {c.block_size} tokens "
+                    f"({per_block} bytes): give it more memory"
                 )
-            n_blocks = c.max_batch * -(-(self.n_prefix + self.context) // c.block_size)
         self.cache = PagedKVCache(self.decoder, n_blocks, c.block_size)
         self.compile_attention, self._prepared = c.compile_attention, False
         self.threads = torch.get_num_threads() if c.threads is None else c.threads
@@ -133,6 +137,7 @@ class Engine:
                 "generation_tokens_total",
                 "requests_finished_total",
                 "prefix_cache_hits_total",
+                "preemptions_total",
                 "time_to_first_token_seconds_sum",
                 "time_to_first_token_seconds_count",
             ),
@@ -254,8 +259,8 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Gauges and counters for /metrics: running, waiting, kv_blocks_used,
         kv_blocks_total, prompt/generation tokens, finished requests, prefix-cache hits
-        (prompt tokens whose keys/values were shared, not computed), time-to-first-token sum
-        and count."""
+        (prompt tokens whose keys/values were shared, not computed), preemptions (scheduler.py,
+        rule 2), time-to-first-token sum and count."""
         with self._cond:
             return {
                 "running": float(len(self.scheduler.running)),
@@ -300,8 +305,10 @@ class Engine:
                     self._finish(self._active[rid], "cancelled")
             if not self._stopping:
                 for seq in self.scheduler.admit():
-                    self._counters["prompt_tokens_total"] += seq.n_prompt
-                    self._counters["prefix_cache_hits_total"] += seq.prefix_hits
+                    if not seq.resume_at:
+                        self._counters["prompt_tokens_total"] += seq.n_prompt
+                        self._counters["prefix_cache_hits_total"] += seq.prefix_hits
+            self._counters["preemptions_total"] += len(self.scheduler.make_room())
         for seq, n in self.scheduler.prefill_work():
             self._guarded(seq, self._prefill, seq, n)
         ready = []
@@ -326,14 +333,15 @@ class Engine:
             return False
 
     def _prefill(self, seq: Sequence, n: int) -> None:
-        """Write prompt tokens seq.cached .. seq.cached + n - 1 into the cache."""
+        """Write tokens seq.cached .. seq.cached + n - 1 into the cache (the prompt's, or a
+        preempted sequence's tokens so far)."""
         start = seq.cached
         if start == 0 and self.prefixed is not None:  # the learned prefix, before the prompt
             first = self.cache.step([seq.id], [0], self.n_prefix)
             self.prefixed.write_prefix(first, first.slots)
         ids = torch.tensor([seq.tokens[start : start + n]], device=self.device)  # (1, n)
         step = self.cache.step([seq.id], [seq.offset + start], n)
-        want_all = seq.request.params.prompt_logprobs
+        want_all = seq.request.params.prompt_logprobs and not seq.resume_at  # scored once
         with self._adapters([seq]):
             logits = self.decoder(ids, cache=step, slots=step.slots, last_only=not want_all)[0]
         if want_all:  # logits[i] scores token start + i + 1 of the prompt
@@ -347,7 +355,7 @@ class Engine:
             seq.prompt_top += tops
         seq.cached += n
         if self.scheduler.prefix_caching and not seq.offset:
-            self.cache.register_prefix(seq.id, seq.prompt, start, seq.cached, seq.salt)
+            self.cache.register_prefix(seq.id, seq.tokens, start, seq.cached, seq.salt)
         if not seq.prefilling:
             seq.logits = logits[-1]  # (V,)
 
@@ -519,11 +527,12 @@ class Engine:
                 f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
                 f"context of {self.context} tokens: shorten the prompt or lower max_tokens"
             )
-        need = self.cache.blocks_for(self.n_prefix + n + p.max_tokens)
-        if need > self.cache.n_blocks:
+        need = self.n_prefix + n + p.max_tokens
+        if self.cache.blocks_for(need) > self.cache.n_blocks:
             raise ValueError(
-                f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) needs {need} KV blocks, "
-                f"the pool has {self.cache.n_blocks}: lower max_tokens or raise n_blocks"
+                f"the prompt ({n} tokens) + max_tokens ({p.max_tokens}) needs room for {need} "
+                f"tokens, more than the whole KV pool holds ({self.cache.capacity}): lower "
+                "max_tokens, or give the pool more memory (attnlab serve --kv-cache-memory)"
             )
         check_params(p, self.vocab_size)
         if p.stop and self.tokenizer is None:

@@ -3,16 +3,22 @@
 Policy, applied at every engine step:
 
 1. **Admission, first come first served.** The oldest waiting request joins the running batch
-   while the batch has fewer than `max_batch` sequences and the pool can promise it every block
-   it may ever need: blocks for its prompt plus a reserve of blocks for its `max_tokens` new
-   tokens, counted against the free blocks that the running sequences have not already been
-   promised. If the oldest cannot be admitted, nobody behind it is (no overtaking: a long
-   request is never starved by short ones).
-2. **No preemption: requests wait instead.** Blocks are still taken from the pool one at a time
-   as a sequence grows (and its unused reserve goes back the moment it stops early), but since
-   every running sequence's worst case is covered, a running sequence never finds the pool empty,
-   and nothing is ever evicted or recomputed. The price is admitting fewer requests when many
-   ask for long outputs they do not use.
+   while the batch has fewer than `max_batch` sequences and the pool's free blocks hold what it
+   must compute now (its tokens and the first new one), with one block left over for every
+   sequence already running (so that their next tokens do not at once push it out again). If
+   the oldest cannot be admitted, nobody behind it is (no overtaking: a long request is never
+   starved by short ones).
+2. **Preemption when the pool is full** (Kwon et al. 2023, vLLM's recompute mode). Sequences
+   take blocks one at a time as they grow, and nothing reserves a request's worst case, so a
+   pool far smaller than max_batch full contexts serves that many short requests. When a step
+   needs more blocks than are free, the newest running sequence is preempted: its blocks go
+   back to the pool (its full prompt blocks stay in the prefix cache while nobody needs them),
+   and it goes back to the front of the queue with its tokens so far. Readmitted, it computes
+   the keys of all of them again (a prefill, sharing what the prefix cache still holds) and
+   goes on where it stopped: its stream continues, with the tokens it would have had (its
+   sampler state, generator and constraint are kept). The oldest sequence is never preempted
+   for a newer one, so it always finishes; a request that could not fit even alone is refused
+   when it is submitted (the engine's `_check`).
 3. **Bounded queue.** At most `max_queue` requests wait; one more raises QueueFull (the server
    answers 429) instead of letting memory grow.
 4. **Chunked prefill interleaved with decoding.** A step prefills at most `prefill_chunk` prompt
@@ -59,6 +65,8 @@ class Sequence:
         matcher: its constraint's state (inference/constraints.py), when it has one.
         offset: cache positions before the prompt's (a prefix- or prompt-tuned model's learned
             prefix, adapters/prompt_learning.py): token i sits at position offset + i.
+        resume_at: for a preempted sequence, how many of `tokens` go back into the cache before
+            it decodes again (0: it was never preempted; its prompt is what it prefills).
     """
 
     request: Request
@@ -77,6 +85,7 @@ class Sequence:
     counts: TokenCounts | None = None
     matcher: Matcher | None = None
     offset: int = 0
+    resume_at: int = 0
 
     @property
     def id(self) -> str:
@@ -98,18 +107,18 @@ class Sequence:
         return len(self.tokens) - self.n_prompt
 
     @property
-    def max_len(self) -> int:
-        """The most cache positions this sequence can take: offset + prompt + max_tokens."""
-        return self.offset + self.n_prompt + self.request.params.max_tokens
+    def to_prefill(self) -> int:
+        """How many of `tokens` the cache must hold before the next token is chosen."""
+        return self.resume_at or self.n_prompt
 
     @property
     def prefilling(self) -> bool:
-        return self.cached < self.n_prompt
+        return self.cached < self.to_prefill
 
 
 class Scheduler:
-    """FCFS admission with a per-request block reserve, a bounded queue, chunked prefill (see the
-    module docstring).
+    """FCFS admission, preemption when the pool is full, a bounded queue, chunked prefill (see
+    the module docstring).
 
     Args:
         cache: the paged KV cache whose blocks are handed out.
@@ -144,29 +153,51 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are waiting: try again later")
         self.waiting.append(seq)
 
-    def promised(self) -> int:
-        """Blocks the running sequences may still take: each one's worst case minus what it
-        holds."""
-        cache = self.cache
-        return sum(cache.blocks_for(s.max_len) - len(cache.tables[s.id]) for s in self.running)
-
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the batch, oldest first, while they fit (rule 1)."""
-        admitted = []
+        admitted, cache = [], self.cache
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if self.cache.blocks_for(seq.max_len) > self.cache.n_free - self.promised():
+            need = cache.blocks_for(seq.offset + seq.to_prefill + 1) + len(self.running)
+            if need > cache.n_free:
                 break
             self.waiting.popleft()
-            self.cache.add(seq.id)
+            cache.add(seq.id)
             if self.prefix_caching and not (seq.request.params.prompt_logprobs or seq.offset):
                 # Whole blocks of a prompt prefix seen before are shared, not recomputed
                 # (prompt log-probabilities need every position computed, so they skip this;
                 # so does a learned prefix, which shifts the prompt off the block boundaries).
-                seq.cached = seq.prefix_hits = self.cache.match_prefix(seq.id, seq.prompt, seq.salt)
+                tokens = seq.tokens[: seq.to_prefill]
+                seq.cached = cache.match_prefix(seq.id, tokens, seq.salt)
+                if not seq.resume_at:
+                    seq.prefix_hits = seq.cached
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def make_room(self) -> list[Sequence]:
+        """Preempt the newest running sequences until the pool holds this step's new blocks:
+        the prefill chunk's and one new position for each decoding sequence (rule 2).
+
+        Returns:
+            the preempted sequences (back at the front of the queue, oldest first).
+        """
+        preempted, cache = [], self.cache
+        while self.running:
+            grows = [(seq, n) for seq, n in self.prefill_work()]
+            grows += [(seq, 1) for seq in self.decoding()]
+            need = sum(
+                max(0, cache.blocks_for(s.offset + s.cached + n) - len(cache.tables[s.id]))
+                for s, n in grows
+            )
+            if need <= cache.n_free:
+                break
+            seq = self.running.pop()  # the newest
+            cache.free(seq.id)
+            seq.cached, seq.logits, seq.resume_at = 0, None, len(seq.tokens)
+            preempted.append(seq)
+        self.waiting.extendleft(preempted)  # the oldest of them first
+        return preempted[::-1]
 
     def prefill_work(self) -> list[tuple[Sequence, int]]:
         """(sequence, number of prompt tokens) to prefill this step, within `prefill_chunk`."""
@@ -175,7 +206,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.prefilling:
-                n = min(budget, seq.n_prompt - seq.cached)
+                n = min(budget, seq.to_prefill - seq.cached)
                 work.append((seq, n))
                 budget -= n
         return work

@@ -206,6 +206,7 @@ class SequentialEngine:
                 "kv_blocks_used": 0.0,
                 "kv_blocks_total": 0.0,
                 "prefix_cache_hits_total": 0.0,
+                "preemptions_total": 0.0,
                 **self._stats,
                 **self._speculative_stats(),
             }

@@ -25,7 +25,10 @@ class EngineConfig:
     Args:
         max_batch: most sequences decoded together.
         block_size: tokens per KV block.
-        n_blocks: blocks in the pool (default: room for max_batch full contexts).
+        kv_cache_memory: bytes of the batched engine's KV pool (default `default_kv_memory`:
+            KV_MEMORY, or KV_SHARE of the memory available at start, whichever is smaller).
+            Its blocks are touched as they are first used, so a quiet server holds less.
+        n_blocks: blocks in the pool, instead of kv_cache_memory.
         max_queue: waiting requests beyond this make `submit` raise QueueFull.
         prefill_chunk: most prompt tokens prefilled per step (longer prompts take several).
         max_context: most prompt + generated tokens per request (default: the model's position
@@ -38,6 +41,7 @@ class EngineConfig:
 
     max_batch: int = 16
     block_size: int = 16
+    kv_cache_memory: int | None = None
     n_blocks: int | None = None
     max_queue: int = 64
     prefill_chunk: int = 256
@@ -48,6 +52,31 @@ class EngineConfig:
 
 
 DEFAULT_ENGINE = EngineConfig()  # frozen, so one shared default instance is safe
+
+KV_MEMORY = 1 << 30  # the KV pool's default: 1 GiB (SmolLM2-135M, fp32: 23,296 tokens) ...
+KV_SHARE = 0.1  # ... or a tenth of the memory available at start, if that is less
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes the machine can still give a new allocation on `device`: the GPU's free memory,
+    Linux's MemAvailable (free memory plus the page cache it can drop); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except OSError:
+        pass
+    return None
+
+
+def default_kv_memory(device: torch.device) -> int:
+    """The KV pool's budget when none is given: KV_MEMORY, or KV_SHARE of the available memory
+    if that is smaller."""
+    available = available_memory(device)
+    return KV_MEMORY if available is None else min(KV_MEMORY, int(KV_SHARE * available))
 
 
 @dataclass(frozen=True)

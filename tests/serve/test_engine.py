@@ -5,6 +5,7 @@ with their request, prompt log-probabilities against the model's own log-softmax
 Most tests drive an engine that was never started by calling `step()` until it is idle: the same
 code the loop thread runs, deterministic and without sleeps."""
 
+import dataclasses
 import random
 import threading
 
@@ -168,10 +169,16 @@ def test_a_batched_sampling_call_that_raises_is_rerun_row_by_row(llama, monkeypa
         assert got.tokens(r.request_id) == alone(llama, r)
 
 
-def test_waits_for_blocks_and_stays_exact(llama):
-    """A pool with room for about two requests: the others wait (FCFS, no preemption), every
-    request still gets exactly its own tokens, and the pool ends empty."""
-    requests = mixed_requests(6, seed=2, temperature=0.0)
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"top_k": 20, "presence_penalty": 1}])
+def test_a_full_pool_preempts_and_stays_exact(llama, params):
+    """A pool of 64 tokens under 8 requests of up to 60: the newest running ones are preempted
+    and recomputed (scheduler.py, rule 2), yet every request gets exactly its own tokens (greedy,
+    or seeded sampling), each token once, no error; first admissions are FCFS; the pool ends
+    empty."""
+    requests = [
+        dataclasses.replace(r, params=dataclasses.replace(r.params, seed=i))  # seeded: exact
+        for i, r in enumerate(mixed_requests(8, seed=2, **params))
+    ]
     engine = Engine(llama, None, EngineConfig(block_size=4, n_blocks=16, prefill_chunk=8))
     order = []
     got, most = run(
@@ -181,11 +188,22 @@ def test_waits_for_blocks_and_stays_exact(llama):
             s.id for s in engine.scheduler.running if s.id not in order
         ),
     )
-    assert most < 6
+    assert engine.stats()["preemptions_total"] > 0 and most > 1
     assert order == [r.request_id for r in requests], "admitted first come, first served"
     for r in requests:
         assert got.tokens(r.request_id) == alone(llama, r)
+        assert got.reason(r.request_id) == "length"
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_request_the_whole_pool_cannot_hold_is_refused(llama):
+    """Alone it would need more blocks than the pool has: refused at submit, in one line."""
+    engine = Engine(llama, None, EngineConfig(block_size=4, n_blocks=4))
+    with pytest.raises(
+        ValueError, match=r"room for 17 tokens, more than the whole KV pool holds \(16\)"
+    ):
+        engine.submit(Request("a", (1,) * 7, SamplingParams(max_tokens=10)), print)
+    engine.submit(Request("b", (1,) * 6, SamplingParams(max_tokens=10)), print)  # 16: fits
 
 
 def test_stop_token_ends_the_request(gpt2):
@@ -511,19 +529,34 @@ def test_long_prefill_is_chunked_between_decode_steps(gpt2):
 
 
 def test_engine_arguments_are_checked(llama):
-    """An encoder-decoder model, or a model without a position table and no bound on the
-    context, is refused with a line that says what to do."""
+    """An encoder-decoder model, a bad setting, or a pool too small for one block is refused
+    with a line that says what to do; a model without a position table is bounded by its pool."""
     with pytest.raises(ValueError, match="decoder-only models, got a"):
         Engine(build_model(get_preset("t5-tiny")), None)
-    with pytest.raises(ValueError, match="give max_context"):
-        Engine(llama, None)
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
         Engine(llama, None, EngineConfig(max_context=64, prefill_chunk=0))
-    engine = Engine(
-        llama, None, EngineConfig(n_blocks=4, block_size=4)
-    )  # no table: the pool is the bound
-    with pytest.raises(ValueError, match="needs 5 KV blocks, the pool has 4"):
+    with pytest.raises(ValueError, match="holds no block of 16 tokens"):
+        Engine(llama, None, EngineConfig(kv_cache_memory=100))
+    engine = Engine(llama, None, EngineConfig(n_blocks=4, block_size=4))  # no table: the pool
+    with pytest.raises(ValueError, match=r"room for 20 tokens, more than the whole KV pool"):
         engine.submit(Request("x", (1,) * 10, SamplingParams(10)), lambda e: None)
+
+
+def test_the_pool_is_sized_by_its_memory(llama):
+    """kv_cache_memory bytes give that many bytes of whole blocks (keys and values of every
+    layer: 2 * layers * kv heads * head_dim * 4 bytes a token in fp32); the default is the
+    smaller of KV_MEMORY and KV_SHARE of the available memory."""
+    from attnlab.components.paged_kv_cache import PagedKVCache
+    from attnlab.serve.types import KV_MEMORY, default_kv_memory
+
+    attn, layers = llama.blocks[0].self_attn, len(llama.blocks)
+    per_token = 2 * layers * attn.n_kv_heads * attn.head_dim * 4
+    assert PagedKVCache.token_bytes(llama) == per_token
+    engine = Engine(llama, None, EngineConfig(block_size=4, kv_cache_memory=10 * 4 * per_token + 5))
+    assert engine.cache.n_blocks == 10 and engine.cache.capacity == 40
+    assert engine.cache.nbytes == 40 * per_token
+    assert 0 < default_kv_memory(torch.device("cpu")) <= KV_MEMORY
+    assert Engine(llama, None).cache.nbytes <= KV_MEMORY
 
 
 def test_threaded_loop_with_concurrent_submitters(gpt2):
