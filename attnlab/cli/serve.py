@@ -33,6 +33,7 @@ it runs the sequential engine, and /metrics gains the acceptance rate and tokens
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ from attnlab.models.config import ModelConfig
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
 from attnlab.serve.sequential import SequentialEngine, context_length
-from attnlab.serve.types import DEFAULT_ENGINE, EngineConfig
+from attnlab.serve.types import DEFAULT_ENGINE, EngineConfig, available_memory
 
 ENGINE_DEFAULTS = DEFAULT_ENGINE
 SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
@@ -78,6 +79,58 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port: choose one in [0, 65535]")
     return port
+
+
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+}
+
+
+SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*|%)\s*")
+
+
+def memory_size(text: str) -> str:
+    """--kv-cache-memory's value, checked: a size (512MiB, 2G, 1.5GB) or a share (25%)."""
+    match = SIZE.fullmatch(text)
+    number, unit = (float(match[1]), match[2].lower()) if match else (0.0, "?")
+    if unit == "%":
+        ok = 0 < number <= 100
+    else:
+        ok = unit in UNITS and number * UNITS[unit] >= 1
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: give bytes with a unit (512MiB, 2G) or a share "
+            "of the available memory (25%)"
+        )
+    return text
+
+
+def kv_memory_bytes(size: str | None, device: torch.device) -> int | None:
+    """--kv-cache-memory in bytes (None: the engine's default); a share of the memory
+    available now, for N%."""
+    if size is None:
+        return None
+    match = SIZE.fullmatch(size)
+    number, unit = float(match[1]), match[2].lower()
+    if unit == "%":
+        available = available_memory(device)
+        if available is None:
+            raise ValueError(
+                f"--kv-cache-memory {size}: this machine does not say how much memory is "
+                "available; give a size (e.g. 1GiB)"
+            )
+        return int(number / 100 * available)
+    return int(number * UNITS[unit])
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -116,6 +169,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="prompt + new tokens per request (default: the model's max_seq_len)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="memory of the batched engine's KV pool, shared by all requests: bytes with a "
+        "unit (512MiB, 2G) or a share of the memory available at start (25%%); when it is "
+        "full the newest request is paused and recomputed later (default: 1GiB or 10%%, "
+        "the smaller)",
     )
     p.add_argument(
         "--api-key",
@@ -235,7 +297,10 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
         engine = Engine(model, tokenizer, options, speculative_from_args(args, device, tokenizer))
     else:
         options = dataclasses.replace(
-            options, threads=threads, compile_attention=args.compile_attention
+            options,
+            threads=threads,
+            compile_attention=args.compile_attention,
+            kv_cache_memory=kv_memory_bytes(args.kv_cache_memory, torch.device(device)),
         )
         engine = Engine(model, tokenizer, options)
         try:
@@ -262,9 +327,22 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
         f"attnlab serve: {name}{served} on http://{host}:{port}/v1 ({Engine.__name__}){page}",
         flush=True,
     )
+    if Engine is not SequentialEngine:
+        print(f"attnlab serve: {pool_line(engine.cache, context)}", flush=True)
     run_server(create_app(engine, tokenizer, settings), sock, args.stop_timeout)
     print("attnlab serve: stopped", flush=True)
     return 0
+
+
+def pool_line(cache, context: int) -> str:
+    """What the KV pool holds, in tokens, bytes and full-length requests."""
+    full = cache.capacity / context
+    return (
+        f"KV pool of {cache.capacity:,} tokens ({cache.nbytes / 2**20:,.0f} MiB, "
+        f"{cache.layers[0].k.dtype}, taken as used): {full:.1f} requests of the full "
+        f"{context:,}-token context at once, more when shorter; when it is full the newest "
+        "request waits and is recomputed (--kv-cache-memory)"
+    )
 
 
 def open_served(ckpt: str, device: str = "cpu") -> Loaded:

@@ -66,3 +66,25 @@ def test_a_kernel_that_does_not_compile_is_one_line(tmp_path, capsys, monkeypatc
         "attnlab serve: error: the paged decode attention did not compile (OSError: no C "
         "compiler): serve without --compile-attention"
     ]
+
+
+def test_kv_cache_memory_takes_sizes_and_shares(tmp_path, capsys):
+    """--kv-cache-memory: bytes with a unit or a share of the available memory; anything else
+    is one line from argparse, naming the value and the forms it takes."""
+    from attnlab.cli.serve import kv_memory_bytes, memory_size
+
+    cpu = torch.device("cpu")
+    assert kv_memory_bytes(memory_size("512MiB"), cpu) == 512 << 20
+    assert kv_memory_bytes(memory_size("2G"), cpu) == 2 << 30
+    assert kv_memory_bytes(memory_size("1.5GB"), cpu) == 1_500_000_000
+    assert kv_memory_bytes(memory_size("4096"), cpu) == 4096
+    assert 0 < kv_memory_bytes(memory_size("25%"), cpu) < kv_memory_bytes("50%", cpu)
+    assert kv_memory_bytes(None, cpu) is None
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    for bad in ("lots", "0.2", "150%", "3 parsecs"):
+        try:
+            main(["serve", "--ckpt", str(ckpt), "--kv-cache-memory", bad])
+        except SystemExit as err:
+            assert err.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"{bad!r} is not a memory size" in err, err

@@ -3,6 +3,7 @@ server exits 0."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,7 +99,10 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(tmp_path, engine):
     assert not stream.errors and stream.chunks[-1] == "[DONE]", stream.errors
     events = [json.loads(c) for c in stream.chunks[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"  # ran to the end, not cut
-    assert "attnlab serve: stopped" in proc.stdout.read()
+    out = proc.stdout.read()
+    assert "attnlab serve: stopped" in out
+    if engine == "batched":  # the start-up line that says what the KV pool holds
+        assert re.search(r"KV pool of [\d,]+ tokens \([\d,]+ MiB, torch.float32", out), out
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")
 
