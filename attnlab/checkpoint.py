@@ -24,6 +24,7 @@ directory, or a run directory resolved to its latest checkpoint), and gets the s
 """
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ from attnlab.interop.hf.auto import load_hf, load_tokenizer
 from attnlab.interop.hub import is_hub_name, resolve_hub_name
 from attnlab.models.build import build_model
 from attnlab.models.config import HeadConfig, ModelConfig
-from attnlab.models.heads import config_with_head
+from attnlab.models.heads import config_with_head, copy_body
 from attnlab.models.weights import load_weights, with_tied_names, without_tied_names
 from attnlab.quantize.handler import (
     QuantScheme,
@@ -265,11 +266,16 @@ def _read(path: Path, load):
         ) from None
 
 
-def copy_weights(model: nn.Module, weights: dict, where: str = "the checkpoint") -> None:
+def copy_weights(
+    model: nn.Module, weights: dict, where: str = "the checkpoint", only: set[str] | None = None
+) -> None:
     """Copy `weights` into the existing parameters of `model` (an optimizer keeps pointing at
     them; compare models.weights.load_weights, which adopts the tensors of a model built on
-    the meta device). ValueError naming any missing or unexpected names."""
+    the meta device). ValueError naming any missing or unexpected names. only: the names
+    `weights` should hold (the trained ones of a run on a frozen base); None: all of them."""
     missing, unexpected = model.load_state_dict(with_tied_names(weights, model), strict=False)
+    if only is not None:
+        missing = [name for name in missing if name in only]
     if missing or unexpected:
         raise ValueError(
             f"{where} does not fit this model: "
@@ -595,12 +601,15 @@ def _prompt_method(run: dict) -> str:
 
 
 def _open_prompt_learning(path: Path, run: dict, device, dtype) -> Loaded:
-    """A prefix- or prompt-tuning run: the frozen base and its prefix, as the PromptLearningLM
-    it trained (adapters/prompt_learning.py), which generation knows how to run."""
+    """A prefix- or prompt-tuning run: the frozen base (run["base"], as for LoRA) and its
+    prefix, as the PromptLearningLM it trained (adapters/prompt_learning.py), which generation
+    knows how to run."""
     cfg = from_dict(ModelConfig, run["model"])
     p = from_dict(PromptLearningConfig, run["peft"])
-    model = PromptLearningLM(build_model(cfg), p.method, p.num_virtual_tokens, p.prefix_projection)
-    copy_weights(model, load_file(str(path / WEIGHTS)), f"checkpoint {str(path)!r}")
+    weights = load_file(str(path / WEIGHTS))
+    base = _open_base(path, run, cfg) if run.get("base_sha256") else build_model(cfg)
+    model = PromptLearningLM(base, p.method, p.num_virtual_tokens, p.prefix_projection)
+    _copy_trained(model, weights, path, run)
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
@@ -608,17 +617,20 @@ def _open_prompt_learning(path: Path, run: dict, device, dtype) -> Loaded:
 
 
 def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loaded:
-    """A LoRA fine-tuning run: its checkpoint holds the frozen base's weights and the adapters
-    apart (so that a resume is exact), and its run config the LoRA section. The adapters go
-    back on a model of the run's config (and what trained beside them trainable again: the
-    section's bias and modules_to_save), then (unless `keep_adapters`) merge into a float
-    base: a plain model with the same logits. A quantized (QLoRA) base keeps its adapters
-    unmerged (re-quantizing W0 + BA would lose the update); its int8 / int4 layout is read
-    from the base checkpoint the run recorded (run["base"])."""
+    """A LoRA fine-tuning run: its checkpoint holds the adapters (and what trained beside them:
+    the section's bias and modules_to_save, a task head), its run config the LoRA section and
+    the base it started from (run["base"], checked against run["base_sha256"]), as peft names
+    its base. (A run written before it stored only these holds the base's weights too.) The
+    adapters go back on the base, then (unless `keep_adapters`) merge into a float base: a
+    plain model with the same logits. A quantized (QLoRA) base keeps its adapters unmerged
+    (re-quantizing W0 + BA would lose the update)."""
     cfg, lora = from_dict(ModelConfig, run["model"]), from_dict(LoraConfig, run["lora"])
     weights = load_file(str(path / WEIGHTS))
     quantized = any(not t.is_floating_point() for t in weights.values())
-    if quantized:
+    if run.get("base_sha256"):  # the adapters alone: the base from where the run recorded it
+        model = _open_base(path, run, cfg)
+        quantized = any(not t.is_floating_point() for t in model.state_dict().values())
+    elif quantized:
         try:
             model = open_checkpoint(run.get("base") or "").model
         except ValueError as e:
@@ -640,7 +652,7 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
         lora.save_names,
         rslora=lora.rslora,
     )
-    copy_weights(model, weights, f"checkpoint {str(path)!r}")
+    _copy_trained(model, weights, path, run)
     if not (
         quantized or keep_adapters
     ):  # a plain model, trainable as any other (add_lora froze it)
@@ -649,6 +661,49 @@ def _open_lora(path: Path, run: dict, device, dtype, keep_adapters: bool) -> Loa
         model = model.to(dtype)
     tokenizer = Tokenizer.from_file(path) if (path / TOKENIZER).is_file() else None
     return Loaded(model.to(device).eval(), cfg, tokenizer, run, path)
+
+
+def fingerprint(path: str | Path) -> str:
+    """The sha256 of what a model is read from: a file (a .gguf), or a checkpoint directory's
+    config.json and weights (*.safetensors, in name order). A run that stores only what it
+    trains records its base's, so that a base changed since is refused, never combined."""
+    path = Path(path)
+    files = [path] if path.is_file() else [path / CONFIG, *sorted(path.glob("*.safetensors"))]
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def _open_base(path: Path, run: dict, cfg: ModelConfig) -> nn.Module:
+    """The base a run that stores only what it trains started from (run["base"], checked
+    against run["base_sha256"]), as a model of the run's config `cfg`: the base itself, or with
+    the fresh task head the run put on it (the head's weights are the run's)."""
+    base = run.get("base") or ""
+    where = f"{str(path)!r} holds what a run trained on the base {base!r}"
+    fix = f'put the base back there, or set "base" in {str(path / CONFIG)!r} to where it is now'
+    if not base or not Path(base).exists():
+        raise ValueError(f"{where}, which is not there: {fix}")
+    try:
+        if fingerprint(base) != run["base_sha256"]:
+            raise ValueError(
+                f"{where}, which has changed since the run (its sha256 differs): the adapters "
+                "fit only the base they trained on; " + fix
+            )
+        loaded = open_checkpoint(base)
+    except OSError as e:
+        raise ValueError(f"{where}, which cannot be read ({e.strerror or e})") from None
+    if loaded.config == cfg:
+        return loaded.model
+    return copy_body(quantized_like(build_model(cfg), loaded.model), loaded.model)
+
+
+def _copy_trained(model: nn.Module, weights: dict, path: Path, run: dict) -> None:
+    """Copy a run's checkpoint `weights` into `model`: all of its weights, or (a run that
+    stores only what it trains: run["base_sha256"]) the trained ones, the rest the base's."""
+    trained = set(weights) if run.get("base_sha256") else None
+    copy_weights(model, weights, f"checkpoint {str(path)!r}", only=trained)
 
 
 def _open_hf(path: Path, device, layout: str, dtype: torch.dtype | None) -> Loaded:

@@ -80,7 +80,7 @@ def main() -> None:
     print(f"start-up: a new process to 2 greedy tokens and exit, {Path(path).name}")
     print(f"CPU: {cpu_name()}; threads: {threads}; rounds {args.rounds}, medians")
     print(isa_header(args.isa))
-    for name, (command, e) in candidates.items():  # the page cache, the kernels, the warm cache
+    for command, e in candidates.values():  # the page cache, the kernels, the warm cache
         run(command, e)
     times = {name: [] for name in candidates}
     for r in range(args.rounds):

@@ -16,8 +16,9 @@ progress bar, metrics.jsonl, checkpoints and exact --resume (give the same flags
 
 A thin command over attnlab/finetune/run.py (what each task trains, LoRA, DPO's reference).
 A new run prints the base's metrics first, so a run reports them before and after. A LoRA
-run's checkpoints hold the frozen base weights and the adapters (so --resume is exact);
-`open_checkpoint` merges them on opening, as `attnlab eval` (the run's own task metrics) and
+(or prefix) run's checkpoints hold the adapters alone and name the base by path and sha256 (a
+base moved or changed since is a one-line error); `open_checkpoint` rebuilds base + adapters
+and merges them on opening, as `attnlab eval` (the run's own task metrics) and
 `attnlab generate` do; `attnlab convert --from attnlab RUN --to peft DIR` writes them as a
 peft adapter.
 """

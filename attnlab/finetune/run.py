@@ -15,8 +15,10 @@ its evaluation. `attnlab finetune` (attnlab/cli/finetune.py) is a thin command o
   preference pairs; grpo trains a decoder LM on its own samples, scored by grpo.reward
   (finetune/grpo.py, finetune/rewards.py), against the same kind of reference as DPO.
 
-A LoRA run's checkpoints hold the frozen base weights and the adapters (so a resume is exact)
-and its LoRA section (adapters/config.py); `open_checkpoint` merges them on opening. A run's
+A run on a frozen base (LoRA, prefix or prompt tuning) stores in its checkpoints only what it
+trains (the adapters, a prefix, a head, what trains beside them), with its LoRA section
+(adapters/config.py) and its base's path and sha256, as peft names its base;
+`open_checkpoint` rebuilds base + adapters and merges them on opening. A run's
 own task metrics, from its own run config: `evaluate_finetuned`.
 """
 
@@ -31,7 +33,7 @@ import torch
 from attnlab.adapters.config import LoraConfig, PromptLearningConfig
 from attnlab.adapters.lora import add_lora
 from attnlab.adapters.prompt_learning import PromptLearningLM
-from attnlab.checkpoint import Loaded, open_checkpoint, plain_model
+from attnlab.checkpoint import Loaded, fingerprint, open_checkpoint, plain_model
 from attnlab.configs import from_dict
 from attnlab.finetune import data
 from attnlab.finetune.config import (
@@ -86,10 +88,13 @@ DEFAULT_SECTIONS = {  # the run's sections beside its model, as they start
 @dataclass(frozen=True)
 class FinetuneRun:
     """A fine-tuning run, saved in each of its checkpoints: the base's model config, the base
-    checkpoint it started from, and the sections below."""
+    checkpoint it started from, and the sections below. A run on a frozen base (LoRA, prefix
+    or prompt tuning) records the base's sha256 (checkpoint.fingerprint) too: its checkpoints
+    then hold only the tensors it trains, and opening one rebuilds base + adapters."""
 
     model: ModelConfig
     base: str = ""
+    base_sha256: str = ""
     train: TrainConfig = FINETUNE_TRAIN
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -320,7 +325,12 @@ def build_finetune(configs: dict, ckpt: str | Path):
             f"sft, dpo or grpo); --task {d.task} trains a head: use LoRA or full fine-tuning"
         )
     loaded = open_base(ckpt, d.task)
-    run = FinetuneRun(model=loaded.config, base=str(loaded.path.resolve()), **configs)
+    frozen = lora.rank or configs["peft"].method != "none"  # checkpoints store the adapters
+    base = loaded.path.resolve()
+    run = FinetuneRun(
+        model=loaded.config, base=str(base), base_sha256=fingerprint(base) if frozen else "",
+        **configs,
+    )
     torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run
     if d.task in HEAD_TASKS:  # a fresh head on the base's body; run.model gains the head
         codes = [k for k, t in loaded.model.state_dict().items() if not t.is_floating_point()]

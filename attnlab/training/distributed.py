@@ -185,18 +185,27 @@ class Ranks:
         return (self.unwrap(model), optimizer) if self.main else (None, None)
 
     def load_checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, weights, optim_state
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        weights,
+        optim_state,
+        only: set[str] | None = None,
     ) -> None:
         """Load full state dicts that rank 0 read from a checkpoint into every rank's model and
-        optimizer (rank 0 broadcasts; each rank keeps its shard). Other ranks pass None."""
+        optimizer (rank 0 broadcasts; each rank keeps its shard). Other ranks pass None.
+        only: the names the weights hold (a run on a frozen base stores what trains), the
+        model's other weights kept as they are; None: all of them."""
         inner = self.unwrap(model)
         if self.kind == "none":
-            copy_weights(model, weights)
+            copy_weights(model, weights, only=only)
             optimizer.load_state_dict(optim_state)
             return
         if self.main:
             weights = _first_module_names(with_tied_names(weights, inner), inner)
             expected = _first_module_names(inner.state_dict(), inner).keys()
+            if only is not None:
+                expected = expected & only
             if weights.keys() != expected:
                 raise ValueError(
                     f"the checkpoint does not fit this model: missing "

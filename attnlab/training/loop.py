@@ -202,13 +202,16 @@ def _start(model: nn.Module, task, run: RunConfig, resume: bool, overwrite: bool
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     data_gen = torch.Generator().manual_seed(cfg.seed)
     ckpts = CheckpointDir(out / "checkpoints", cfg.keep_last) if ranks.main else None
-    state = _resume(ckpts, model, optimizer, data_gen, run, ranks) if resume else TrainState()
+    stored = stored_names(ranks.unwrap(model), run)
+    state = TrainState()
+    if resume:
+        state = _resume(ckpts, model, optimizer, data_gen, run, ranks, stored)
     if ranks.main:
         _truncate_metrics(out / "metrics.jsonl", state.step)
     loss_sum_of = partial(task.loss_sum, model)
     if cfg.compile:
         loss_sum_of = compile_loss(task.loss_sum, model, device)
-    saver = Saver(ckpts, ranks, saved_step=state.step)
+    saver = Saver(ckpts, ranks, saved_step=state.step, stored=stored)
     vocab_size = run.model.vocab_size if run.data.task in CE_TASKS else None
     watch = DivergenceWatch(vocab_size)  # None: a loss the rule does not hold for
     return _Run(
@@ -317,18 +320,34 @@ def _evaluate(r: _Run) -> tuple[dict, bool]:
     return metrics, new_best
 
 
+def stored_names(model: nn.Module, run: RunConfig) -> set[str] | None:
+    """The weights a run's checkpoints store: all of them (None), or, for a fine-tuning run on a
+    frozen base (LoRA, prefix or prompt tuning: its config names the base and its sha256), the
+    names of the parameters that train; opening the checkpoint takes the rest from the base."""
+    if not getattr(run, "base_sha256", ""):
+        return None
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
 class Saver:
     """Writes a run's checkpoints (rank 0 writes, every rank takes part: FSDP gathers the
-    shards) and remembers the newest step on disk, so Ctrl-C saves only what is newer."""
+    shards) and remembers the newest step on disk, so Ctrl-C saves only what is newer.
+    stored: the names of the weights to write (`stored_names`; None: all)."""
 
-    def __init__(self, ckpts: CheckpointDir | None, ranks: Ranks, saved_step: int):
+    def __init__(
+        self, ckpts: CheckpointDir | None, ranks: Ranks, saved_step: int, stored=None
+    ):
         self.ckpts, self.ranks, self.saved_step = ckpts, ranks, saved_step
+        self.stored = stored
 
     def save(self, r: _Run, best: bool = False) -> None:
         """Save `r`'s state as the step's checkpoint, or as the best one; never one whose
         weights are not finite (TrainingDiverged), and a failed write names what is left."""
         ranks, ckpts, state = self.ranks, self.ckpts, r.state
         weights, optim_state = ranks.checkpoint_state(r.model, r.optimizer)
+        if ranks.main and self.stored is not None:  # what trains, not the frozen base
+            tensors = weights.state_dict() if isinstance(weights, nn.Module) else weights
+            weights = {k: v for k, v in tensors.items() if k in self.stored}
         bad = ranks.broadcast(_first_non_finite(weights) if ranks.main else None)
         if bad is not None:
             raise self.diverged(f"weight {bad} is not finite", state.step, before="saving")
@@ -405,9 +424,11 @@ def trained_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> TrainState:
+def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks, stored) -> TrainState:
     """Rank 0 reads the latest checkpoint; every rank loads it (weights and optimizer broadcast
-    from rank 0, so the number of ranks may differ from the run that wrote it)."""
+    from rank 0, so the number of ranks may differ from the run that wrote it). stored: the
+    names a checkpoint of a run on a frozen base holds (`stored_names`); the model built for
+    the resumed run has the base's weights for the rest."""
     path = ranks.broadcast(ckpts.resumable() if ranks.main else None)
     if path is None:  # check_resumable found one; it is gone since
         where = Path(run.train.out_dir) / "checkpoints"
@@ -415,7 +436,8 @@ def _resume(ckpts, model, optimizer, data_gen, run: RunConfig, ranks: Ranks) -> 
     files = read_checkpoint(path) if ranks.main else {}
     saved, trainer, rng = ranks.broadcast([files.get(k) for k in ("run", "trainer", "rng")])
     check_same_model(saved["model"], to_dict(run.model), path)
-    ranks.load_checkpoint_state(model, optimizer, files.get("weights"), files.get("optimizer"))
+    weights, optim_state = files.get("weights"), files.get("optimizer")
+    ranks.load_checkpoint_state(model, optimizer, weights, optim_state, only=stored)
     ranks.set_rng_state(rng, data_gen, run.train.seed)
     if ranks.main:
         print(f"resuming from step {trainer['step']} ({path})")

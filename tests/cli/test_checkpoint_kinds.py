@@ -154,16 +154,17 @@ def test_serve_opens_every_checkpoint_kind(ckpts, kind):
 
 def test_a_lora_run_opens_as_its_merged_weights(ckpts):
     """The LoRA run every command opens is the base plus (alpha / r) B A, computed here by hand
-    from the checkpoint's tensors (not through the adapters' own merge)."""
+    from the base checkpoint's tensors and the run's adapters (not through their own merge)."""
     from safetensors.torch import load_file
 
     loaded = open_checkpoint(ckpts["lora"])
     saved = load_file(str(loaded.path / "model.safetensors"))
+    base = load_file(str(Path(loaded.run["base"]) / "model.safetensors"))
     scale = 16.0 / 2  # LoraConfig's alpha over --lora.rank
     state = loaded.model.state_dict()
-    adapted = [k.removesuffix(".base.weight") for k in saved if k.endswith(".base.weight")]
-    assert adapted
+    adapted = [k.removesuffix(".lora_A") for k in saved if k.endswith(".lora_A")]
+    assert adapted and all(k.endswith(("lora_A", "lora_B")) for k in saved)  # no base stored
     for m in adapted:
-        by_hand = saved[m + ".base.weight"] + scale * saved[m + ".lora_B"] @ saved[m + ".lora_A"]
+        by_hand = base[m + ".weight"] + scale * saved[m + ".lora_B"] @ saved[m + ".lora_A"]
         torch.testing.assert_close(state[m + ".weight"], by_hand, rtol=0, atol=1e-6)
-        assert not torch.equal(by_hand, saved[m + ".base.weight"])  # one step moved B off 0
+        assert not torch.equal(by_hand, base[m + ".weight"])  # one step moved B off 0

@@ -4,13 +4,14 @@ import argparse
 import copy
 import json
 import random
+import shutil
 import string
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from attnlab.adapters.lora import lora_modules
 from attnlab.checkpoint import open_checkpoint, save_checkpoint
@@ -224,8 +225,8 @@ def test_a_base_that_is_not_a_decoder_is_one_clear_error(base, tmp_path, capsys)
 @pytest.mark.slow  # among the slowest of the fast tier (kept under 2 minutes)
 def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsys):
     """--lora.* put attnlab.adapters.lora adapters on the targets; DPO's reference is then the
-    policy with its adapters off (the first loss is log 2: B = 0), and the base weights in the
-    checkpoint do not move."""
+    policy with its adapters off (the first loss is log 2: B = 0); the checkpoint stores the
+    adapters alone (as peft does) and the base they sit on is the base checkpoint's."""
     out = tmp_path / "lora"
     extra = ("--train.steps=3", "--train.eval_every=3", "--lora.rank=4", "--lora.alpha=8")
     assert main(args(base, "dpo", out, *extra, "--lora.targets", "q_proj, v_proj")) == 0
@@ -233,17 +234,59 @@ def test_lora_flags_reach_add_lora_and_only_adapters_train(base, tmp_path, capsy
     assert "trained: LoRA rank 4 on q_proj, v_proj" in text
     assert records(out)[0]["train_loss"] == pytest.approx(0.6931, abs=1e-4)
     before = load_file(str(base["ckpt"] / "model.safetensors"))
-    after = load_file(str(out / "checkpoints" / "step_000003" / "model.safetensors"))
+    adapters = load_file(str(out / "checkpoints" / "step_000003" / "model.safetensors"))
+    assert len(adapters) == 4 and all(k.split(".")[-2] in ("q_proj", "v_proj") for k in adapters)
+    assert all(k.endswith(("lora_A", "lora_B")) for k in adapters)
+    kept = open_checkpoint(out, keep_adapters=True).model.state_dict()
     renamed = {k.replace("q_proj.base.", "q_proj.").replace("v_proj.base.", "v_proj."): v
-               for k, v in after.items() if "lora_" not in k}  # fmt: skip
+               for k, v in kept.items() if "lora_" not in k}  # fmt: skip
     assert renamed.keys() == before.keys()
     assert all(torch.equal(renamed[k], before[k]) for k in before)
-    adapters = {k: v for k, v in after.items() if "lora_" in k}
-    assert len(adapters) == 4 and all(k.split(".")[-2] in ("q_proj", "v_proj") for k in adapters)
     assert all(v.shape[0] == 4 for k, v in adapters.items() if k.endswith("lora_A"))
     assert any(
         not torch.equal(v, torch.zeros_like(v)) for k, v in adapters.items() if "lora_B" in k
     )
+
+
+def test_a_lora_run_names_its_base_and_a_moved_or_changed_base_is_one_line(base, tmp_path, capsys):
+    """A LoRA run stores the adapters and points at its base (path and sha256, as peft names
+    its base); a base moved away or changed since is refused in one line naming it, never
+    combined with the adapters; a checkpoint written before (base weights inside, no sha256)
+    still opens to the same model."""
+    own = tmp_path / "base"
+    shutil.copytree(base["ckpt"], own)
+    b = {**base, "ckpt": own}
+    out = tmp_path / "lora"
+    extra = ("--train.steps=2", "--train.eval_every=2", "--lora.rank=4")
+    assert main(args(b, "sft", out, *extra)) == 0
+    step = out / "checkpoints" / "step_000002"
+    run = json.loads((step / "config.json").read_text())
+    assert run["base"] == str(own.resolve()) and len(run["base_sha256"]) == 64
+    adapters = (step / "model.safetensors").stat().st_size
+    assert adapters < (own / "model.safetensors").stat().st_size / 10
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        want = open_checkpoint(out).model(ids)
+    # written the old way: the base's weights inside, no sha256; it opens to the same logits
+    old = tmp_path / "old"
+    shutil.copytree(step, old)
+    kept = open_checkpoint(out, keep_adapters=True).model
+    save_file({k: v.contiguous() for k, v in kept.state_dict().items()}, old / "model.safetensors")
+    (old / "config.json").write_text(json.dumps({**run, "base_sha256": ""}))
+    with torch.no_grad():
+        torch.testing.assert_close(open_checkpoint(old).model(ids), want, rtol=0, atol=0)
+    weights = load_file(str(own / "model.safetensors"))
+    save_file({k: v + 1e-3 for k, v in weights.items()}, own / "model.safetensors")
+    capsys.readouterr()
+    argv = ["generate", "--ckpt", str(out), "--prompt", "up ab:", "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has changed since the run" in err and repr(str(own.resolve())) in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    shutil.rmtree(own)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "which is not there" in err and "set \"base\"" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.slow
@@ -256,14 +299,12 @@ def test_a_lora_checkpoint_reopens_merged_for_eval_and_generate(base, tmp_path, 
     last = [r for r in records(out) if "val_loss" in r][-1]
     loaded = open_checkpoint(out)
     assert not any("lora" in k for k in loaded.model.state_dict())  # merged: a plain model
-    saved = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
-    by_hand = {}
-    for k, v in saved.items():
-        if k.endswith(".base.weight"):
-            m = k.removesuffix(".base.weight")
-            v = v + 2.0 * saved[m + ".lora_B"] @ saved[m + ".lora_A"]  # alpha / r = 8 / 4
-        if "lora_" not in k:
-            by_hand[k.replace(".base.", ".")] = v
+    adapters = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    by_hand = load_file(str(base["ckpt"] / "model.safetensors"))  # the run stores no base
+    for k in by_hand:
+        m = k.removesuffix(".weight")
+        if m + ".lora_B" in adapters:  # alpha / r = 8 / 4
+            by_hand[k] = by_hand[k] + 2.0 * adapters[m + ".lora_B"] @ adapters[m + ".lora_A"]
     plain = build_model(loaded.config)
     plain.load_state_dict(by_hand, strict=False)
     ids = torch.tensor([[3, 4, 5, 6, 7]])
@@ -294,10 +335,12 @@ def test_prefix_and_prompt_tuning_train_only_the_prefix_and_reopen(base, tmp_pat
     losses = [r["train_loss"] for r in rows]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     saved = load_file(str(out / "checkpoints" / "step_000012" / "model.safetensors"))
+    assert saved and not any(k.startswith("decoder.") for k in saved)  # the prefix alone
     before = load_file(str(base["ckpt"] / "model.safetensors"))
-    assert all(torch.equal(saved[f"decoder.{k}"], v) for k, v in before.items())
     loaded = open_checkpoint(out)
     assert type(loaded.model).__name__ == "PromptLearningLM"
+    frozen = loaded.model.decoder.state_dict()
+    assert all(torch.equal(frozen[k], v) for k, v in before.items())
     last = {k: v for k, v in rows[-1].items() if k.startswith("val_")}
     assert evaluate_checkpoint(str(out), device="cpu") == pytest.approx(last, abs=1e-5)
     capsys.readouterr()
@@ -495,10 +538,11 @@ def test_tag_learns_entities_with_lora_and_the_head_trains(heads, tmp_path):
     assert last["val_f1"] >= 0.9, last
     after = load_file(str(out / "checkpoints" / "step_000040" / "model.safetensors"))
     before = load_file(str(heads["ckpt"] / "model.safetensors"))
-    body = {k.replace(".base.", "."): v for k, v in after.items() if "lora_" not in k}
+    assert {k for k in after if "lora_" not in k} == {"classifier.weight", "classifier.bias"}
+    opened = open_checkpoint(out, keep_adapters=True).model.state_dict()
+    body = {k.replace(".base.", "."): v for k, v in opened.items() if "lora_" not in k}
     kept = [k for k in body if k in before]
     assert kept and all(torch.equal(body[k], before[k]) for k in kept)
-    assert {k for k in body if k not in before} == {"classifier.weight", "classifier.bias"}
     assert evaluate_checkpoint(str(out), device="cpu")["val_f1"] == pytest.approx(last["val_f1"])
 
 
@@ -659,10 +703,12 @@ def test_a_head_on_a_quantized_base_trains_qlora_or_is_one_clear_error(heads, tm
     assert main(argv + ["--train.eval_every=4"]) == 0
     base = load_file(str(int8 / "model.safetensors"))
     after = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert all(t.is_floating_point() for t in after.values())  # no int8 body: the base's
+    opened = open_checkpoint(out).model.state_dict()  # QLoRA: the adapters kept unmerged
     q = "encoder.blocks.0.self_attn.q_proj"
-    assert after[f"{q}.base.weight"].dtype == torch.int8
+    assert opened[f"{q}.base.weight"].dtype == torch.int8
     for leaf in ("weight", "scales"):
-        assert torch.equal(after[f"{q}.base.{leaf}"], base[f"{q}.{leaf}"])
+        assert torch.equal(opened[f"{q}.base.{leaf}"], base[f"{q}.{leaf}"])
     assert after[f"{q}.lora_B"].abs().max() > 0 and after["classifier.weight"].is_floating_point()
     last = records(out)[-1]
     got = evaluate_checkpoint(str(out), device="cpu")
@@ -701,7 +747,9 @@ def test_lora_bias_norms_and_mean_pooling_reach_the_run_and_reopen(heads, tmp_pa
     before = load_file(str(heads["ckpt"] / "model.safetensors"))
     after = load_file(str(out / "checkpoints" / "step_000004" / "model.safetensors"))
     q = "encoder.blocks.0.self_attn.q_proj"
-    assert torch.equal(after[f"{q}.base.weight"], before[f"{q}.weight"])
+    assert f"{q}.base.weight" not in after  # frozen: the base's
+    opened = open_checkpoint(out, keep_adapters=True).model.state_dict()
+    assert torch.equal(opened[f"{q}.base.weight"], before[f"{q}.weight"])
     assert not torch.equal(after[f"{q}.base.bias"], before[f"{q}.bias"])
     norm = "encoder.embed_norm.weight"
     assert not torch.equal(after[norm], before[norm])
