@@ -32,10 +32,12 @@ from attnlab.checkpoint import open_checkpoint
 from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
+    add_kv_cache_dtype_flag,
     add_sampling_flags,
     add_speculative_flags,
     add_steer_flag,
     device_from_args,
+    kv_cache_dtype_from_args,
     sampling_from_args,
     speculative_from_args,
 )
@@ -139,6 +141,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="print the generation's speed to stderr (with --speculative: its acceptance rate)",
     )
     add_steer_flag(p)
+    add_kv_cache_dtype_flag(p)
     add_sampling_flags(p)
     add_speculative_flags(p)
 
@@ -181,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         min_new_tokens=args.min_new_tokens,
         ignore_eos=args.ignore_eos,
         constraint=constraint_of(args),
+        kv_cache_dtype=kv_cache_dtype_from_args(args),
     )
     speculative = speculative_from_args(args, device, tokenizer)
     step_fn = compiled_step(model, args, speculative)

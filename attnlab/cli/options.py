@@ -309,6 +309,33 @@ def add_steer_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:
+    """`--kv-cache-dtype auto|int8|fp8` (`generate` and `serve` share it)."""
+    from attnlab.components.kv_cache import KV_CACHE_DTYPES
+
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=tuple(KV_CACHE_DTYPES),
+        default="auto",
+        help="keep the KV cache in the model's dtype (auto), or as 8-bit codes with one scale "
+        "per token and head: int8 or fp8 (e4m3), a quarter of fp32's memory (default auto)",
+    )
+
+
+def kv_cache_dtype_from_args(args: argparse.Namespace):
+    """--kv-cache-dtype as a torch dtype (None: the model's); refused with --speculative, whose
+    caches are the model's."""
+    from attnlab.components.kv_cache import kv_cache_dtype
+
+    dtype = kv_cache_dtype(args.kv_cache_dtype)
+    if dtype is not None and getattr(args, "speculative", None):
+        raise ValueError(
+            f"--kv-cache-dtype {args.kv_cache_dtype} is for plain decoding: drop it or "
+            "--speculative"
+        )
+    return dtype
+
+
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     """The flags of speculative decoding (`generate` and `serve` share them; off by default)."""
     from attnlab.inference.speculative import DEFAULT_DRAFT_TOKENS

@@ -49,8 +49,10 @@ from attnlab.checkpoint import CONFIG, Loaded, open_checkpoint, resolve_checkpoi
 from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
+    add_kv_cache_dtype_flag,
     add_speculative_flags,
     add_steer_flag,
+    kv_cache_dtype_from_args,
     speculative_from_args,
 )
 from attnlab.configs import from_dict
@@ -214,6 +216,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
     add_steer_flag(p)
+    add_kv_cache_dtype_flag(p)
     add_speculative_flags(p)
     p.add_argument(
         "--compile-attention",
@@ -290,7 +293,12 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
         enable_fast_linear(model)
     max_context = args.max_context or loaded.config.max_seq_len
     context = context_length(model, max_context)
-    options = EngineConfig(args.max_batch, max_queue=args.max_queue, max_context=context)
+    options = EngineConfig(
+        args.max_batch,
+        max_queue=args.max_queue,
+        max_context=context,
+        kv_cache_dtype=kv_cache_dtype_from_args(args),
+    )
     if Engine is SequentialEngine:
         if args.compile_attention:
             raise ValueError("--compile-attention is for the batched engine (--engine batched)")
@@ -339,7 +347,7 @@ def pool_line(cache, context: int) -> str:
     full = cache.capacity / context
     return (
         f"KV pool of {cache.capacity:,} tokens ({cache.nbytes / 2**20:,.0f} MiB, "
-        f"{cache.layers[0].k.dtype}, taken as used): {full:.1f} requests of the full "
+        f"{cache.dtype}, taken as used): {full:.1f} requests of the full "
         f"{context:,}-token context at once, more when shorter; when it is full the newest "
         "request waits and is recomputed (--kv-cache-memory)"
     )

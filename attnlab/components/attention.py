@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from attnlab.components.backends import BACKENDS, Backend, eager_attention
 from attnlab.components.context import NO_CONTEXT, AttentionContext
 from attnlab.components.hooks import HookPoint, attend_heads
-from attnlab.components.kv_cache import KVCache
+from attnlab.components.kv_cache import KV_CODE_MAX, KVCache, QuantizedKVCache
 from attnlab.components.qk_norm import QKNorm, Scope
 
 
@@ -158,5 +158,8 @@ class Attention(nn.Module):
         return k, v
 
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
-        """A `KVCache` for this layer's self-attention: (B, K, S_max, D) keys and values."""
+        """A `KVCache` for this layer's self-attention: (B, K, S_max, D) keys and values (a
+        `QuantizedKVCache` for dtype torch.int8 or torch.float8_e4m3fn)."""
+        if dtype in KV_CODE_MAX:
+            return QuantizedKVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)
         return KVCache(B, self.n_kv_heads, S_max, self.head_dim, dtype, device)

@@ -24,6 +24,15 @@ layer and the model ask every kind of cache the same questions and never which k
     StepCache.positions_and_mask(slots, window)             one forward: each row's positions
                                                             and what each new token may see
 
+A quantized cache (`QuantizedKVCache`, and the paged pool's `QuantizedPagedLayer`) keeps each
+token's key and value of each head as 8-bit codes and one fp32 scale, amax / qmax of that vector
+(the largest entry maps to the largest code), and hands attention the dequantized codes:
+
+    int8:      codes = round(x / scale) in [-127, 127]      error <= scale / 2 per entry
+    fp8 e4m3:  codes = x / scale rounded to e4m3 (<= 448)   error <= 2^-4 of each entry (3 bits
+                                                            of mantissa), less for small ones
+    per token and layer: 2 * K * (D + 4) bytes against 2 * K * D * 4 in fp32 (D = 64: 0.27x)
+
 Shapes: B batch, K kv heads, S_max slots, T new tokens, M memory length, D head_dim,
 r kv_lora_rank, R qk_rope_head_dim.
 """
@@ -37,6 +46,59 @@ from attnlab.components.masks import cached_attention_mask
 
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None], Tensor]
 """(q, k, v, mask, bias) -> (B, H, T, D): a layer's attention over the keys it is given."""
+
+
+KV_CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+"""The quantized cache dtypes and the largest code of each (the others keep floats as given)."""
+
+
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+"""--kv-cache-dtype's names: auto keeps the model's float dtype (the reference)."""
+
+
+def kv_cache_dtype(name: str) -> torch.dtype | None:
+    """The cache dtype a --kv-cache-dtype name stands for; a ValueError naming the choices, or
+    saying that this torch build cannot convert to fp8."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype == torch.float8_e4m3fn:
+        try:
+            torch.ones(1).to(dtype).float()
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"kv cache dtype fp8: this torch build cannot convert to float8_e4m3fn ({err}); "
+                "use int8"
+            ) from None
+    return dtype
+
+
+def quantize_kv(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Keys or values (..., D) -> 8-bit codes (..., D) and one scale per vector (..., 1).
+
+    Symmetric (no zero point): scale = amax / qmax over the vector's D entries. fp8 codes are
+    kept as their bytes (uint8), since CPU torch cannot index_copy_ a float8 tensor.
+    """
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / KV_CODE_MAX[dtype]  # (..., 1)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector: codes 0
+    if dtype == torch.int8:
+        return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+    return (x / scale).to(dtype).view(torch.uint8), scale
+
+
+def dequantize_kv(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """The float32 keys or values that `quantize_kv(x, dtype)`'s codes and scales stand for."""
+    if dtype != torch.int8:
+        codes = codes.view(dtype)
+    return codes.float() * scale
+
+
+def kv_token_bytes(K: int, D: int, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take in one layer's cache of `dtype`."""
+    if dtype in KV_CODE_MAX:
+        return 2 * K * (D + 4)  # one byte per entry, one fp32 scale per head
+    return 2 * K * D * torch.empty((), dtype=dtype).element_size()
 
 
 class LayerCache:
@@ -115,6 +177,46 @@ class KVCache(LayerCache, nn.Module):
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows `index` (beam search)."""
         self.k, self.v = self.k[index], self.v[index]
+
+
+class QuantizedKVCache(LayerCache, nn.Module):
+    """A `KVCache` that keeps 8-bit codes and per-(token, head) scales (see the module's
+    docstring) and hands attention the dequantized keys and values.
+
+    Args:
+        B, K, S_max, D: as KVCache's.  dtype: torch.int8 or torch.float8_e4m3fn.  device.
+    """
+
+    def __init__(self, B: int, K: int, S_max: int, D: int, dtype=torch.int8, device=None):
+        super().__init__()
+        self.dtype = dtype
+        codes = torch.int8 if dtype == torch.int8 else torch.uint8  # fp8 kept as its bytes
+        shape, scales = (B, K, S_max, D), (B, K, S_max, 1)
+        # Non-persistent: a cache is scratch space, never part of a checkpoint.
+        for name in ("k", "v"):
+            self.register_buffer(
+                name, torch.zeros(shape, dtype=codes, device=device), persistent=False
+            )
+            self.register_buffer(
+                f"{name}_scale", torch.ones(scales, device=device), persistent=False
+            )
+
+    def update(self, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Quantize the new keys/values (B, K, T, D) into `slots`; return every key and value
+        dequantized, (B, K, S_max, D) in k's dtype."""
+        for name, x in (("k", k), ("v", v)):
+            codes, scale = quantize_kv(x, self.dtype)
+            getattr(self, name).index_copy_(2, slots, codes)
+            getattr(self, f"{name}_scale").index_copy_(2, slots, scale)
+        return (
+            dequantize_kv(self.k, self.k_scale, self.dtype).to(k.dtype),
+            dequantize_kv(self.v, self.v_scale, self.dtype).to(v.dtype),
+        )
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (beam search)."""
+        self.k, self.v = self.k[index], self.v[index]
+        self.k_scale, self.v_scale = self.k_scale[index], self.v_scale[index]
 
 
 class LatentCache(nn.Module):

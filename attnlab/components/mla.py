@@ -175,4 +175,9 @@ class MultiHeadLatentAttention(nn.Module):
 
     def make_cache(self, B: int, S_max: int, dtype: torch.dtype, device=None):
         """A `LatentCache` for this layer: c_kv (B, S_max, r) and k_pe (B, S_max, R) only."""
+        if not dtype.is_floating_point or dtype.itemsize == 1:
+            raise ValueError(
+                f"an MLA layer's latent cache is kept in float, not {dtype}: a quantized KV "
+                "cache holds the keys and values of standard attention"
+            )
         return LatentCache(B, S_max, self.kv_lora_rank, self.qk_rope_head_dim, dtype, device)

@@ -65,7 +65,15 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.components.attention import Attention
-from attnlab.components.kv_cache import Attend, LayerCache, StepCache
+from attnlab.components.kv_cache import (
+    KV_CODE_MAX,
+    Attend,
+    LayerCache,
+    StepCache,
+    dequantize_kv,
+    kv_token_bytes,
+    quantize_kv,
+)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -220,6 +228,69 @@ class PagedLayer(nn.Module):
         self.v[index] = 0
 
 
+class QuantizedPagedLayer(nn.Module):
+    """A `PagedLayer` of 8-bit codes and per-(slot, head) fp32 scales (kv_cache.py's
+    `quantize_kv`); `gather` hands back the dequantized keys and values.
+
+    Args:
+        n_blocks, K, block_size, D: pool shape.  dtype: torch.int8 or torch.float8_e4m3fn.
+        out_dtype: what `gather` returns (the model's).  device.
+    """
+
+    def __init__(
+        self, n_blocks: int, K: int, block_size: int, D: int, dtype, out_dtype, device=None
+    ):
+        super().__init__()
+        self.dtype, self.out_dtype = dtype, out_dtype
+        codes = torch.int8 if dtype == torch.int8 else torch.uint8  # fp8 kept as its bytes
+        for name in ("k", "v"):  # empty, as PagedLayer's: touched as first used
+            self.register_buffer(
+                name,
+                torch.empty(n_blocks, block_size, K, D, dtype=codes, device=device),
+                persistent=False,
+            )
+            self.register_buffer(
+                f"{name}_scale",
+                torch.empty(n_blocks, block_size, K, 1, device=device),
+                persistent=False,
+            )
+
+    def slots_view(self) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError("a quantized pool is read through `gather` (dequantized)")
+
+    def write(self, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """Quantize and store the new tokens' keys and values: k, v (B, K, T, D), slots (B, T)."""
+        for name, x in (("k", k), ("v", v)):
+            codes, scale = quantize_kv(x.transpose(1, 2), self.dtype)  # (B, T, K, D), (B, T, K, 1)
+            self._flat(name)[slots] = codes
+            self._flat(f"{name}_scale")[slots] = scale
+
+    def gather(self, key_slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's keys and values in position order, dequantized: each (B, K, S, D)."""
+        B, S = key_slots.shape
+        index = key_slots.reshape(B * S)
+        out = []
+        for name in ("k", "v"):
+            codes = self._flat(name).index_select(0, index)  # (B * S, K, D)
+            scale = self._flat(f"{name}_scale").index_select(0, index)  # (B * S, K, 1)
+            x = dequantize_kv(codes, scale, self.dtype).to(self.out_dtype)
+            out.append(x.view(B, S, *x.shape[1:]).transpose(1, 2))  # (B, K, S, D)
+        return out[0], out[1]
+
+    def clear(self, blocks: Sequence[int]) -> None:
+        """Zero `blocks`' codes (scales 1), as PagedLayer.clear."""
+        index = torch.as_tensor(list(blocks), dtype=torch.long, device=self.k.device)
+        self.k[index] = 0
+        self.v[index] = 0
+        self.k_scale[index] = 1
+        self.v_scale[index] = 1
+
+    def _flat(self, name: str) -> Tensor:
+        """Buffer `name` as a flat (n_blocks * block_size, K, ...) array of slots."""
+        buf = getattr(self, name)
+        return buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:])
+
+
 class PagedLayerView(LayerCache):
     """What one attention layer sees as its cache for one step: `update` as KVCache's, with
     per-row slots, and `attend`, which attends each group of rows on its own."""
@@ -345,7 +416,8 @@ class PagedKVCache(nn.Module):
             layer keeps a latent cache, which this pool does not hold).
         n_blocks: blocks in each layer's pool.
         block_size: tokens per block.
-        dtype: of the pools (default: the embedding's).
+        dtype: of the pools (default: the embedding's); torch.int8 or torch.float8_e4m3fn keep
+            8-bit codes and scales (`QuantizedPagedLayer`).
         group_cost: the price of one more row group in a step, in blocks (`row_groups`).
     """
 
@@ -371,11 +443,18 @@ class PagedKVCache(nn.Module):
                     f"{type(attn).__name__} (MLA and cross-attention models: use the static cache)"
                 )
             K, D = attn.n_kv_heads, attn.head_dim
-            layers.append(PagedLayer(n_blocks, K, block_size, D, dtype, weight.device))
+            if dtype in KV_CODE_MAX:
+                layer = QuantizedPagedLayer(
+                    n_blocks, K, block_size, D, dtype, weight.dtype, weight.device
+                )
+            else:
+                layer = PagedLayer(n_blocks, K, block_size, D, dtype, weight.device)
+            layers.append(layer)
         if getattr(decoder.blocks[0], "cross_attn", None) is not None:
             raise ValueError("a paged cache is for decoder-only models (this one cross-attends)")
         self.layers = nn.ModuleList(layers)
         self.block_size, self.n_blocks, self.group_cost = block_size, n_blocks, group_cost
+        self.dtype = dtype
         # Set by an accelerator (accel/paged_attention.py): attends one query per row straight
         # from the pool, (q, k_pool, v_pool, key_slots, mask, bias, scale) -> out. None: gather.
         self.decode_attention: Callable | None = None
@@ -391,8 +470,10 @@ class PagedKVCache(nn.Module):
     def token_bytes(decoder: nn.Module, dtype=None) -> int:
         """Bytes one token's keys and values take in a pool for `decoder` (all its layers)."""
         dtype = decoder.embed.weight.dtype if dtype is None else dtype
-        size = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * b.self_attn.n_kv_heads * b.self_attn.head_dim * size for b in decoder.blocks)
+        return sum(
+            kv_token_bytes(b.self_attn.n_kv_heads, b.self_attn.head_dim, dtype)
+            for b in decoder.blocks
+        )
 
     @property
     def capacity(self) -> int:
@@ -402,7 +483,7 @@ class PagedKVCache(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of the pool (keys and values of every layer)."""
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        return sum(buffer.nbytes for buffer in self.buffers())
 
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks that hold n_tokens tokens."""

@@ -328,7 +328,9 @@ def build_finetune(configs: dict, ckpt: str | Path):
     frozen = lora.rank or configs["peft"].method != "none"  # checkpoints store the adapters
     base = loaded.path.resolve()
     run = FinetuneRun(
-        model=loaded.config, base=str(base), base_sha256=fingerprint(base) if frozen else "",
+        model=loaded.config,
+        base=str(base),
+        base_sha256=fingerprint(base) if frozen else "",
         **configs,
     )
     torch.manual_seed(t.seed)  # the same head and adapter initialisation on every run

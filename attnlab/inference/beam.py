@@ -96,7 +96,9 @@ def beam_search(
             f"model's {limit} positions (beam search does not crop the context)"
         )
     memory = encode_source(model, source, source_mask)  # (B, M, C) or None
-    logits, cache, slot = fill_cache(model, ids, mask, max_new_tokens, memory, source_mask, source)
+    logits, cache, slot = fill_cache(
+        model, ids, mask, max_new_tokens, memory, source_mask, source, config.kv_cache_dtype
+    )
     rows = torch.arange(B, device=device).repeat_interleave(W)  # (B*W,) each prompt W times
     cache.reorder(rows)
     memory_mask = None if source_mask is None else source_mask[rows]  # (B*W, M)

@@ -8,6 +8,8 @@ prompts, source tensors, callbacks) stays an argument of the function that uses 
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.sampling import SamplingConfig
 
@@ -40,6 +42,9 @@ class GenerationConfig:
             choices (constraints.py); needs the tokenizer (`generate(..., tokenizer=)`) and a
             stop token, and ends the row only where the text is complete. One that no text
             of max_new_tokens tokens can finish is refused (a ValueError) before generating.
+        kv_cache_dtype: the KV cache's dtype (None: the model's; torch.int8 or
+            torch.float8_e4m3fn: 8-bit codes with per-token, per-head scales, dequantized for
+            attention: components/kv_cache.py).
     """
 
     max_new_tokens: int = 200
@@ -57,6 +62,7 @@ class GenerationConfig:
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = 1
     constraint: Constraint | None = None
+    kv_cache_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         # Lists are accepted and kept as tuples, so the config stays hashable and frozen.

@@ -141,7 +141,8 @@ def stream_tokens(
         ids, mask = ids[:, -keep:], mask[:, -keep:]
         notice.give()
     room = n_new if window is None else window - ids.shape[1]
-    logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source)
+    kv = config.kv_cache_dtype
+    logits, cache, slot = fill_cache(model, ids, mask, room, memory, source_mask, source, kv)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
     rows = SamplingRows.stack([config.sampling] * B, V, device)
@@ -175,7 +176,13 @@ def stream_tokens(
         else:  # the cache is full: refill it from the last `keep` tokens
             notice.give()
             logits, cache, slot = fill_cache(
-                model, history[:, -keep:], seen[:, -keep:], window - keep, memory, source_mask
+                model,
+                history[:, -keep:],
+                seen[:, -keep:],
+                window - keep,
+                memory,
+                source_mask,
+                kv_dtype=kv,
             )
 
 

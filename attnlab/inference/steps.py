@@ -113,6 +113,7 @@ def fill_cache(
     memory: Tensor | None = None,
     memory_mask: Tensor | None = None,
     images: Tensor | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ModelCache, int]:
     """A new cache with the prompts prefilled and `room` free slots after them.
 
@@ -121,6 +122,8 @@ def fill_cache(
         room: slots left for new tokens (S_max = prefix + T0 + room).
         memory, memory_mask: (B, M, C) encoder output and (B, M) its mask (encoder-decoder).
         images: (B, C_in, H, W) for an image-prefix model (PrefixVisionLM), else None.
+        kv_dtype: the cache's (None: the model's; torch.int8 / torch.float8_e4m3fn: quantized,
+            components/kv_cache.py).
 
     Returns:
         logits (B, V) of each row's next token, the cache, and the slot of the first new token.
@@ -128,7 +131,9 @@ def fill_cache(
     B, T0 = ids.shape
     N = prefix_length(model)
     key_valid = torch.cat([mask.new_ones(B, N), mask, mask.new_ones(B, room)], dim=1)  # (B, S_max)
-    cache = ModelCache.for_decoder(decoder_of(model), key_valid, cross=memory is not None)
+    cache = ModelCache.for_decoder(
+        decoder_of(model), key_valid, cross=memory is not None, dtype=kv_dtype
+    )
     if isinstance(model, PromptLearningLM):  # the learned prefix first, then the prompt
         model.write_prefix(cache)
         logits = prefill(model, ids, cache, last_only=True, start=N)  # (B, 1, V)

@@ -106,14 +106,19 @@ class Engine:
         if n_blocks is None:
             device = self.decoder.head.weight.device
             budget = c.kv_cache_memory or default_kv_memory(device)
-            per_block = c.block_size * PagedKVCache.token_bytes(self.decoder)
+            per_block = c.block_size * PagedKVCache.token_bytes(self.decoder, c.kv_cache_dtype)
             n_blocks = budget // per_block
             if n_blocks < 1:
                 raise ValueError(
                     f"a KV pool of {budget} bytes holds no block of {c.block_size} tokens "
                     f"({per_block} bytes): give it more memory"
                 )
-        self.cache = PagedKVCache(self.decoder, n_blocks, c.block_size)
+        if c.compile_attention and c.kv_cache_dtype is not None:
+            raise ValueError(
+                "the compiled attention reads a float KV pool in place: serve a quantized "
+                "KV cache without --compile-attention"
+            )
+        self.cache = PagedKVCache(self.decoder, n_blocks, c.block_size, c.kv_cache_dtype)
         self.compile_attention, self._prepared = c.compile_attention, False
         self.threads = torch.get_num_threads() if c.threads is None else c.threads
         self.scheduler = Scheduler(

@@ -109,7 +109,7 @@ class SequentialEngine:
         speculative: Speculative | None = None,
     ):
         self.model, self.tokenizer, self.speculative = model, tokenizer, speculative
-        self.max_queue = config.max_queue
+        self.max_queue, self.kv_dtype = config.max_queue, config.kv_cache_dtype
         self.context = context_length(model, config.max_context)
         self.vocab_size = decoder_of(model).head.out_features
         self.device = decoder_of(model).head.weight.device
@@ -310,7 +310,9 @@ class SequentialEngine:
         if p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
         mask = torch.ones_like(ids, dtype=torch.bool)
-        logits, cache, slot = fill_cache(self.model, ids, mask, p.max_tokens)  # (1, V)
+        logits, cache, slot = fill_cache(
+            self.model, ids, mask, p.max_tokens, kv_dtype=self.kv_dtype
+        )  # (1, V)
         matcher = None
         if p.constraint is not None:
             matcher = Matcher(p.constraint, self.tokenizer, p.stop_token_ids, self.vocab_size)

@@ -19,8 +19,8 @@ from attnlab.inference.sampling import SamplingConfig
 @dataclass(frozen=True)
 class EngineConfig:
     """The settings of an engine, the one home of their defaults, passed whole to `Engine` and
-    `SequentialEngine` (which reads max_queue and max_context only: one request runs at a time,
-    in a cache of its own).
+    `SequentialEngine` (which reads max_queue, max_context and kv_cache_dtype only: one request
+    runs at a time, in a cache of its own).
 
     Args:
         max_batch: most sequences decoded together.
@@ -37,6 +37,8 @@ class EngineConfig:
         compile_attention: decode steps attend through a compiled kernel that reads the pool in
             place (accel/paged_attention.py; compiled by `start`, or by the first `step`).
         threads: intra-op threads of the engine's steps (default: torch.get_num_threads() then).
+        kv_cache_dtype: of the KV cache (None: the model's; torch.int8 or torch.float8_e4m3fn:
+            8-bit codes and scales, components/kv_cache.py; not with compile_attention).
     """
 
     max_batch: int = 16
@@ -49,6 +51,7 @@ class EngineConfig:
     prefix_caching: bool = True
     compile_attention: bool = False
     threads: int | None = None
+    kv_cache_dtype: torch.dtype | None = None
 
 
 DEFAULT_ENGINE = EngineConfig()  # frozen, so one shared default instance is safe

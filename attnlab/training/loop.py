@@ -334,9 +334,7 @@ class Saver:
     shards) and remembers the newest step on disk, so Ctrl-C saves only what is newer.
     stored: the names of the weights to write (`stored_names`; None: all)."""
 
-    def __init__(
-        self, ckpts: CheckpointDir | None, ranks: Ranks, saved_step: int, stored=None
-    ):
+    def __init__(self, ckpts: CheckpointDir | None, ranks: Ranks, saved_step: int, stored=None):
         self.ckpts, self.ranks, self.saved_step = ckpts, ranks, saved_step
         self.stored = stored
 

@@ -388,3 +388,20 @@ def test_compile_prints_the_text_of_the_plain_steps(run_dir, capsys):
     assert err.count("compiling the decode step") == 1
     code, _, err = cli(capsys, *args, "--compile", "--num-beams", "2")
     assert code != 0 and "--compile is for" in err and "Traceback" not in err
+
+
+def test_kv_cache_dtype_int8_generates_and_refuses_speculative_in_one_line(run_dir, capsys):
+    """--kv-cache-dtype int8 / fp8 decode (tests/components/test_quantized_kv_cache.py checks
+    the numbers); with --speculative, whose
+    caches are the model's own, it is one line."""
+    args = ["--ckpt", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12"]
+    args += ["--temperature", "0"]
+    for dtype in ("int8", "fp8"):
+        code, out, _ = cli(capsys, *args, "--kv-cache-dtype", dtype)
+        assert code == 0 and out.startswith(PROMPT) and len(out) > len(PROMPT)
+    code, _, err = cli(capsys, *args, "--kv-cache-dtype", "int8", "--speculative", "ngram")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "attnlab generate: error: --kv-cache-dtype int8 is for plain decoding: drop it or "
+        "--speculative"
+    )
