@@ -286,7 +286,7 @@ def test_a_lora_run_names_its_base_and_a_moved_or_changed_base_is_one_line(base,
     shutil.rmtree(own)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "which is not there" in err and "set \"base\"" in err and len(err.splitlines()) == 1
+    assert "which is not there" in err and 'set "base"' in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.slow
