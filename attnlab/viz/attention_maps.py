@@ -17,19 +17,16 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from attnlab.models.encoder_decoder import EncoderDecoder
-from attnlab.viz.capture import AttentionMaps, attention_layers, capture_attention
+from attnlab.viz.capture import (
+    AttentionMaps,
+    attention_layers,
+    capture_attention,
+    display_token,
+)
 from attnlab.viz.figures import finish
 
 ANNOTATE_MAX = 12  # write the values into the cells up to this many tokens per axis
 LABEL_MAX = 48  # draw token labels up to this many tokens per axis
-
-
-def display_token(token: str) -> str:
-    """A token as a readable label: spaces and control characters made visible."""
-    visible = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5", "": "\u2205"}
-    if token in visible:
-        return visible[token]
-    return token.replace("\n", "\u21b5").replace("\t", "\u21e5")
 
 
 def model_kind(model: nn.Module) -> str:

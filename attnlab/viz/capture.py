@@ -142,3 +142,11 @@ def capture_attention(
     finally:
         for point, fn in installed:
             point.remove(fn)
+
+
+def display_token(token: str) -> str:
+    """A token as a readable label: spaces and control characters made visible."""
+    visible = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5", "": "\u2205"}
+    if token in visible:
+        return visible[token]
+    return token.replace("\n", "\u21b5").replace("\t", "\u21e5")

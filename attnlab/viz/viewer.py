@@ -13,8 +13,7 @@ import html
 import json
 from pathlib import Path
 
-from attnlab.viz.attention_maps import display_token
-from attnlab.viz.capture import AttentionMaps
+from attnlab.viz.capture import AttentionMaps, display_token
 
 DIGITS = 3  # decimals printed in the page
 STORED_DIGITS = 6  # decimals kept in the embedded JSON (so the printed rounding is the true one)

@@ -19,8 +19,7 @@ from attnlab.models.presets import get_preset
 from attnlab.serve.app import create_app
 from attnlab.serve.attention import DEFAULT_LAST
 from attnlab.serve.protocol import Settings
-from attnlab.viz.attention_maps import display_token
-from attnlab.viz.capture import capture_attention
+from attnlab.viz.capture import capture_attention, display_token
 from attnlab.viz.viewer import STORED_DIGITS
 from tests.serve.server_helpers import TEXT, Server, engines, reference, write_checkpoint
 from tests.viz.test_viewer import embedded

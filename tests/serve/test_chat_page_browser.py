@@ -10,7 +10,7 @@ import pytest
 
 from attnlab.serve.attention import DEFAULT_LAST
 from attnlab.serve.protocol import token_text
-from attnlab.viz.attention_maps import display_token
+from attnlab.viz.capture import display_token
 from tests.serve.server_helpers import Server, SlowEngine, write_checkpoint
 from tests.serve.test_server_faults import eventually, idle, spy_cancels
 from tests.viz.test_viewer_browser import browser_page  # noqa: F401 (a fixture)

@@ -206,3 +206,11 @@ def test_serve_steer_completes_what_generate_steer_generates(tmp_path, capsys):
     finally:
         proc.kill()
     assert "the cat" + reply["choices"][0]["text"] + "\n" == expected[0]
+
+
+def test_the_server_does_not_import_the_plotting_libraries():
+    """The attention button's data need no figures: a server holds no matplotlib or PIL (about
+    0.5 s of start-up and their memory in every serving process)."""
+    code = "import sys, attnlab.cli.serve; print(sorted({'matplotlib', 'PIL'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
