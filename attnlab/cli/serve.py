@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from attnlab.accel.fast_linear import enable_fast_linear
-from attnlab.accel.host_memory import keep_freed_memory
+from attnlab.accel.host_memory import keep_freed_memory, share_one_malloc_arena
 from attnlab.adapters.config import LoraConfig
 from attnlab.adapters.lora import lora_modules
 from attnlab.adapters.multi_lora import add_multi_lora
@@ -255,6 +255,7 @@ def engine_class(name: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    share_one_malloc_arena()  # the server's threads reuse each other's freed memory
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

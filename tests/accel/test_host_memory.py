@@ -43,3 +43,48 @@ def test_freed_memory_stays_resident_only_when_kept():
     assert kept_mb > 200  # the freed 256 MB stayed in the process
     _, default_mb = _probe(keep=False)
     assert default_mb < 50  # by default malloc unmapped it at once
+
+
+# Four threads allocate; then glibc's own account (malloc_info) says how many arenas it keeps.
+ARENAS = """
+import ctypes, threading
+from attnlab.accel.host_memory import glibc, share_one_malloc_arena
+
+libc = glibc()
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+libc.open_memstream.restype = ctypes.c_void_p
+took = share_one_malloc_arena() if {share} else False
+
+together = threading.Barrier(4)
+
+def allocate():  # all four at once, so none can take over an arena another has left
+    together.wait()
+    block = libc.malloc(5000)
+    together.wait()
+    libc.free(block)
+
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+text, size = ctypes.c_char_p(), ctypes.c_size_t()
+stream = ctypes.c_void_p(libc.open_memstream(ctypes.byref(text), ctypes.byref(size)))
+libc.malloc_info(0, stream)
+libc.fclose(stream)
+print(took, text.value.decode().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+def test_one_malloc_arena_serves_every_thread():
+    def arenas(share: bool) -> list[str]:
+        code = ARENAS.format(share=share)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        return run.stdout.split()
+
+    assert arenas(share=True) == ["True", "1"]
+    took, default = arenas(share=False)
+    assert int(default) > 1  # by default the threads had arenas of their own
