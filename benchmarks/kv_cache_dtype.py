@@ -48,7 +48,7 @@ def stdlib_text() -> str:
 
 
 @torch.no_grad()
-def cached_perplexity(model, ids: list[int], context: int, dtype) -> tuple[float, int]:
+def cached_perplexity(model, ids: list[int], context: int, dtype) -> float:
     """exp(mean cross-entropy) of each window's next tokens, attending through a `dtype` cache."""
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, context):
@@ -58,7 +58,7 @@ def cached_perplexity(model, ids: list[int], context: int, dtype) -> tuple[float
         logits = prefill(model, x, cache)  # (1, T, V)
         total += clm_loss(logits.float(), y, reduction="sum").item()
         count += y.numel()
-    return math.exp(total / count), count
+    return math.exp(total / count)
 
 
 def main() -> None:
@@ -68,13 +68,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="window (default 2048)")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     path = args.gguf or packaged_path(PACKAGED_MODELS["smollm2-135m-instruct"])
     if not path.exists():
         sys.exit(f"{path} is not there: attnlab download smollm2-135m-instruct")
     loaded = open_checkpoint(path)
     model, tok = loaded.model.eval(), loaded.tokenizer
-    head = f"{path.name} (fp32 weights), torch {torch.__version__}, {cpu_name()}"
+    isa = torch.backends.cpu.get_cpu_capability()
+    head = f"{path.name} (fp32 weights), torch {torch.__version__} ({isa}), {cpu_name()}"
     print(f"# kv_cache_dtype.py: {head}")
     ids = tok.encode(stdlib_text())[: args.tokens]
     print(f"# text: {', '.join(STDLIB)} sources, {len(ids)} tokens, windows of {args.context}")
@@ -85,7 +85,7 @@ def main() -> None:
     print(f"{'cache':<6}{'ppl':>9}{'change':>9}{'B/token':>9}{'1 GiB holds':>13}  greedy = auto")
     for name in DTYPES:
         dtype = kv_cache_dtype(name)
-        ppl, _ = cached_perplexity(model, ids, args.context, dtype)
+        ppl = cached_perplexity(model, ids, args.context, dtype)
         base_ppl = base_ppl or ppl
         config = GenerationConfig(
             args.new_tokens, greedy, stop_tokens=fmt.stop_tokens, kv_cache_dtype=dtype
@@ -94,7 +94,10 @@ def main() -> None:
         same = []
         for got, want in zip(outputs[name], outputs["auto"]):
             n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-            same.append("all" if n is None and len(got) == len(want) else f"{n}/{len(want)}")
+            if n is None and len(got) == len(want):
+                same.append("all")
+            else:  # the first n tokens equal
+                same.append(f"{min(len(got), len(want)) if n is None else n}/{len(want)}")
         per_token = PagedKVCache.token_bytes(model, dtype)
         print(
             f"{name:<6}{ppl:>9.4f}{100 * (ppl / base_ppl - 1):>+8.3f}%{per_token:>9,}"
