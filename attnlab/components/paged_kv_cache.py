@@ -32,7 +32,10 @@ block table) that grows one block at a time, and returns them when it finishes.
 Prefix caching: keys and values at a position depend only on the tokens up to it, so a full
 block of one prompt serves every later prompt that starts with the same tokens. Such blocks are
 indexed by those tokens (`register_prefix`); a new sequence shares them (`match_prefix`,
-reference counted) and computes only the rest. A prompt C that starts like A (a b c d ...):
+reference counted) and computes only the rest. The index is a chain: a block's key is (the
+entry of the block before it, its own block_size tokens), so each entry holds one block's tokens
+however long the prompt (a key of every token up to the block's end would hold, summed over an
+8k-token prompt's 512 blocks, 2 million token ids). A prompt C that starts like A (a b c d ...):
 
         seq A: [0, 2]            seq C: [0, 4]        block 0 shared: refs[0] = 2
 
@@ -461,10 +464,12 @@ class PagedKVCache(nn.Module):
         self.allocator = BlockAllocator(n_blocks)
         self.used: set[int] = set()  # blocks taken at least once (zeroed then)
         self.tables: dict[Hashable, list[int]] = {}
-        # Prefix caching: the prompt tokens up to the end of a full block -> the block holding
-        # their keys/values (keys and values at a position depend on the tokens up to it only).
-        self.prefixes: dict[tuple[int, ...], int] = {}
-        self.prefix_of: dict[int, tuple[int, ...]] = {}  # block -> its key in `prefixes`
+        # Prefix caching: (the entry of the block before, a full block's tokens) -> (the block
+        # holding their keys/values, this entry's id). The first block's "entry before" is the
+        # salt; ids are never reused, so a key naming a forgotten entry matches nothing.
+        self.prefixes: dict[tuple, tuple[int, int]] = {}
+        self.prefix_of: dict[int, tuple] = {}  # block -> its key in `prefixes`
+        self.entries = 0  # ids handed out
 
     @staticmethod
     def token_bytes(decoder: nn.Module, dtype=None) -> int:
@@ -526,26 +531,33 @@ class PagedKVCache(nn.Module):
         the same tokens (another LoRA adapter's: the serve engine's). Returns the number of
         tokens whose keys and values are already in its table.
         """
-        table, n = self.tables[seq], 0
+        table, n, before = self.tables[seq], 0, salt
         while (n + self.block_size) < len(prompt):
-            block = self.prefixes.get((*salt, *prompt[: n + self.block_size]))
-            if block is None:
+            entry = self.prefixes.get((before, tuple(prompt[n : n + self.block_size])))
+            if entry is None:
                 break
+            block, before = entry
             self.allocator.share(block)
             table.append(block)
             n += self.block_size
         return n
 
     def register_prefix(
-        self, seq: Hashable, prompt: Sequence[int], start: int, end: int, salt: tuple = ()
+        self, seq: Hashable, prompt: Sequence[int], end: int, salt: tuple = ()
     ) -> None:
-        """Offer the full blocks of `prompt` that `seq` wrote between positions start and end
-        to later prompts with the same prefix (and the same `salt`, as `match_prefix`)."""
-        table, size = self.tables[seq], self.block_size
-        for i in range(start // size, end // size):
-            key = (*salt, *prompt[: (i + 1) * size])
-            if key not in self.prefixes and table[i] not in self.prefix_of:
-                self.prefixes[key], self.prefix_of[table[i]] = table[i], key
+        """Offer the full blocks of `prompt` that `seq` holds up to position `end` to later
+        prompts with the same prefix (and the same `salt`, as `match_prefix`)."""
+        table, size, before = self.tables[seq], self.block_size, salt
+        for i in range(end // size):  # the chain from the first block (matched, or ours)
+            key = (before, tuple(prompt[i * size : (i + 1) * size]))
+            entry = self.prefixes.get(key)
+            if entry is None:  # new, or forgotten since (its block taken back): ours now
+                if table[i] in self.prefix_of:
+                    return  # ours is indexed under a forgotten entry: the chain ends here
+                self.entries += 1
+                entry = self.prefixes[key] = (table[i], self.entries)
+                self.prefix_of[table[i]] = key
+            before = entry[1]
 
     def free(self, seq: Hashable, clear: bool = False) -> None:
         """Return `seq`'s blocks to the pool. With `clear` (the sequence failed), the blocks it

@@ -360,7 +360,7 @@ class Engine:
             seq.prompt_top += tops
         seq.cached += n
         if self.scheduler.prefix_caching and not seq.offset:
-            self.cache.register_prefix(seq.id, seq.tokens, start, seq.cached, seq.salt)
+            self.cache.register_prefix(seq.id, seq.tokens, seq.cached, seq.salt)
         if not seq.prefilling:
             seq.logits = logits[-1]  # (V,)
 

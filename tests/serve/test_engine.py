@@ -498,7 +498,7 @@ def test_prefix_cache_forgets_blocks_it_hands_out_again(llama):
     got, _ = run(engine, [a])
     fill = [Request(f"f{i}", (200 + i,) * 30, SamplingParams(10, 0.0)) for i in range(2)]
     got, _ = run(engine, fill, got)
-    assert a.prompt_ids[:4] not in engine.cache.prefixes, "its first block was taken"
+    assert ((), a.prompt_ids[:4]) not in engine.cache.prefixes, "its first block was taken"
     again = Request("a2", a.prompt_ids, a.params)
     got, _ = run(engine, [again], got)
     assert got.tokens("a2") == got.tokens("a") == alone(llama, a)

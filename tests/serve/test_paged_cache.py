@@ -191,6 +191,36 @@ def test_blocks_are_allocated_as_sequences_grow_and_freed():
     assert cache.n_free == 5 and not cache.tables
 
 
+def test_prefix_index_shares_whole_prefixes_and_grows_with_blocks_only():
+    """A prompt of 40 blocks is matched block by block by a prompt that shares its first 30,
+    not at all by one that differs in its first token, nor past a block that was taken back;
+    its index holds each block's own tokens (40 * 4 ids), not every token up to each block's
+    end (4 + 8 + ... + 160 = 3280)."""
+    model = build_model(get_preset("gpt2-tiny"))
+    cache = PagedKVCache(model, n_blocks=100, block_size=4)
+    prompt = list(range(1, 162))  # 161 tokens: 40 full blocks
+    cache.add("a")
+    cache.step(["a"], [0], len(prompt))
+    cache.register_prefix("a", prompt, len(prompt))
+    assert sum(len(tokens) for _, tokens in cache.prefixes) == 40 * 4
+    cache.free("a")  # its blocks stay cached
+    cache.add("b")
+    assert cache.match_prefix("b", prompt[:120] + [0] * 20) == 120
+    cache.add("c")
+    assert cache.match_prefix("c", [0] + prompt[1:]) == 0
+    cache.add("d")
+    assert cache.match_prefix("d", prompt, salt=(("adapter", 1),)) == 0, "another adapter's"
+    cache.free("b")
+    cache.free("c")
+    cache.free("d")
+    block_5 = cache.prefixes[next(k for k in cache.prefixes if k[1] == tuple(prompt[20:24]))][0]
+    cache.allocator.cached.move_to_end(block_5, last=False)  # the least recently used
+    cache.add("e")
+    cache.reserve("e", 61 * 4)  # 61 blocks: the 60 never used, then block 5
+    cache.add("f")
+    assert cache.match_prefix("f", prompt) == 20, "blocks 0-4 only: block 5 was taken back"
+
+
 def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="n_blocks must be >= 1, got 0"):
         BlockAllocator(0)
