@@ -28,9 +28,11 @@ llama.cpp's extra buffer types (AMX, repacked weights) are off, as in benchmarks
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -78,9 +80,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def int4_checkpoint(path: Path) -> Path:
-    """An attnlab checkpoint directory of the GGUF file with its Q4_1 matrices kept (Int4Linear)."""
+    """An attnlab checkpoint directory of the GGUF file with its Q4_1 matrices kept (Int4Linear),
+    removed when this process exits."""
     loaded = open_checkpoint(path, scheme="int4")
     out = Path(tempfile.mkdtemp(prefix="attnlab-smollm2-int4-"))
+    atexit.register(shutil.rmtree, out, True)
     return save_quantized(loaded.model, out, "int4", 32, loaded.run, loaded.tokenizer)
 
 
