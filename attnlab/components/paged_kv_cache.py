@@ -87,9 +87,12 @@ class BlockAllocator:
     """The pool's books: which blocks are free, and how many sequences share each block.
 
     A block whose last owner finished goes back to the free list, unless it holds a registered
-    prompt prefix (prefix caching): then it waits in `cached`, still free to take but kept as
-    long as possible (least recently released is taken first), so that a later prompt with the
-    same prefix can share it.
+    prompt prefix (prefix caching): then it waits in `cached`, still free to take, so that a
+    later prompt with the same prefix can share it. A sequence that needs a block takes one in
+    this order: a free block that was used before, the least recently cached one, and only then
+    one never used. The pool's memory is touched as blocks are first used (a quiet server holds
+    little), and cached prefixes never make it grow: it grows to what the running sequences
+    have needed at once, not to its whole budget.
 
     Args:
         n_blocks: blocks in the pool.
@@ -99,24 +102,25 @@ class BlockAllocator:
         if n_blocks < 1:
             raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
         self.n_blocks = n_blocks
-        # Blocks holding nothing reusable, taken from the end: the last released first (its
-        # memory is in use already), then the never-used ones in order 0, 1, ...
-        self.free: list[int] = list(range(n_blocks - 1, -1, -1))
+        self.free: list[int] = []  # used before, holding nothing reusable: the last released first
         self.cached: OrderedDict[int, None] = OrderedDict()  # unowned, holding a prefix
+        self.fresh: list[int] = list(range(n_blocks - 1, -1, -1))  # never used: 0, 1, ... next
         self.refs = [0] * n_blocks  # sequences sharing each block
 
     @property
     def n_free(self) -> int:
-        """Blocks no sequence owns (free or cached)."""
-        return len(self.free) + len(self.cached)
+        """Blocks no sequence owns (free, cached or never used)."""
+        return len(self.free) + len(self.cached) + len(self.fresh)
 
     def allocate(self) -> int:
         """Take one block no sequence owns: a free one, else the least recently cached one
-        (whose prefix the caller must forget)."""
+        (whose prefix the caller must forget), else one never used."""
         if self.free:
             block = self.free.pop()
         elif self.cached:
             block, _ = self.cached.popitem(last=False)
+        elif self.fresh:
+            block = self.fresh.pop()
         else:
             raise NoFreeBlocks(f"all {self.n_blocks} KV blocks are in use")
         self.refs[block] = 1

@@ -198,7 +198,7 @@ def test_prefix_index_shares_whole_prefixes_and_grows_with_blocks_only():
     end (4 + 8 + ... + 160 = 3280)."""
     model = build_model(get_preset("gpt2-tiny"))
     cache = PagedKVCache(model, n_blocks=100, block_size=4)
-    prompt = list(range(1, 162))  # 161 tokens: 40 full blocks
+    prompt = list(range(1, 161))  # 40 full blocks
     cache.add("a")
     cache.step(["a"], [0], len(prompt))
     cache.register_prefix("a", prompt, len(prompt))
@@ -216,9 +216,23 @@ def test_prefix_index_shares_whole_prefixes_and_grows_with_blocks_only():
     block_5 = cache.prefixes[next(k for k in cache.prefixes if k[1] == tuple(prompt[20:24]))][0]
     cache.allocator.cached.move_to_end(block_5, last=False)  # the least recently used
     cache.add("e")
-    cache.reserve("e", 61 * 4)  # 61 blocks: the 60 never used, then block 5
+    cache.reserve("e", 4)  # one block: the least recently cached before any never used
     cache.add("f")
     assert cache.match_prefix("f", prompt) == 20, "blocks 0-4 only: block 5 was taken back"
+
+
+def test_a_block_used_before_is_taken_before_one_never_used():
+    """Freed blocks, then cached ones (least recent first), then never-used ones: the pool's
+    touched memory grows to what sequences needed at once, not with every prefix cached."""
+    allocator = BlockAllocator(6)
+    a, b, c = allocator.allocate(), allocator.allocate(), allocator.allocate()
+    assert (a, b, c) == (0, 1, 2)
+    allocator.release(a, keep=True)  # cached: 0, then 2
+    allocator.release(c, keep=True)
+    allocator.release(b)  # free: 1
+    assert [allocator.allocate() for _ in range(6)] == [1, 0, 2, 3, 4, 5]
+    with pytest.raises(NoFreeBlocks):
+        allocator.allocate()
 
 
 def test_bad_arguments_name_the_value():
