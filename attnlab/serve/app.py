@@ -7,6 +7,8 @@
                                 (both take the whole sampler: temperature, top_p, top_k, min_p,
                                 the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
+    GET  /props                 the chat defaults of the sampler and the context (llama.cpp's
+                                route and field names), which the chat page shows
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
     POST /v1/attention          a chat reply's (or a text's) attention maps as the viewer's
                                 HTML page (attention.py: the fields, and why the forward runs
@@ -163,6 +165,10 @@ async def models(request: Request):
     for name, path in settings.adapters.items():
         cards.append(card | {"id": name, "root": path, "parent": settings.model_name})
     return {"object": "list", "data": cards}
+
+
+async def props(request: Request):
+    return wire.props(request.app.state.settings)
 
 
 async def metrics(request: Request):
@@ -329,6 +335,7 @@ ROUTES = {
     "GET": {
         "/health": health,
         "/v1/models": models,
+        "/props": props,
         "/metrics": metrics,
         "/tokenizer_info": tokenizer_info,
     },

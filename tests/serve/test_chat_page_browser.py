@@ -52,9 +52,10 @@ def say(page, text: str, max_tokens: int) -> None:
 
 
 def last_reply(page, state: str) -> str:
-    """The text of the last reply once it reaches `state` (done, stopped)."""
+    """The text of the last reply once it reaches `state` (done, stopped), as the page keeps
+    it (drawn as Markdown, its text on screen may differ: a random model writes any bytes)."""
     page.wait_for_selector(f"#log .assistant:last-child[data-state={state}]", timeout=20000)
-    return page.eval_on_selector("#log .assistant:last-child .text", "e => e.textContent")
+    return page.evaluate("() => chat().messages.at(-1).content")
 
 
 def attention_tokens(page) -> list[str]:
