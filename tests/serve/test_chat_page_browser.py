@@ -483,3 +483,53 @@ def test_a_phone_width_window(scripted, fresh):
     assert page.is_visible("#temperature")
     page.click("#new")  # closes the panel
     assert not page.is_visible("aside") and page.is_visible("#input")
+
+
+def test_export_import_and_search(scripted, fresh, tmp_path):
+    """Export writes what `attnlab chat`'s /save writes (OpenAI's messages, the system prompt
+    first); Import reads such a file (or a request's {messages}) into a new conversation."""
+    page = fresh
+    page.fill("#system", "be brief")
+    ask(page, scripted, "hello cat", "hi there")
+    with page.expect_download() as download:
+        page.click("#export")
+    messages = json.loads(open(download.value.path()).read())
+    assert messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello cat"},
+        {"role": "assistant", "content": "hi there"},
+    ]
+    saved = tmp_path / "from the terminal.json"
+    turns = [{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "woof"}]
+    saved.write_text(json.dumps({"messages": [{"role": "system", "content": "be kind"}, *turns]}))
+    page.set_input_files("#import-file", str(saved))
+    page.wait_for_function(
+        "document.querySelector('#chats li.current .open').textContent === 'from the terminal'"
+    )
+    assert shown(page) == [("user", "the dog"), ("assistant", "woof")]
+    assert page.input_value("#system") == "be kind"
+    ask(page, scripted, "and then?", "sat")  # the imported turns go with the next one
+    assert fresh.bodies[-1]["messages"] == [
+        {"role": "system", "content": "be kind"},
+        *turns,
+        {"role": "user", "content": "and then?"},
+    ]
+    (tmp_path / "bad.json").write_text('[{"role": "robot"}]')
+    page.set_input_files("#import-file", str(tmp_path / "bad.json"))
+    page.wait_for_function("document.querySelector('#status').textContent.includes('bad.json')")
+    assert "not a list of {role, content} messages" in page.text_content("#status")
+
+    page.fill("#search", "WOOF")  # a reply's text, any case
+    titles = page.eval_on_selector_all("#chats .open", "bs => bs.map(b => b.textContent)")
+    assert titles == ["from the terminal"]
+    page.fill("#search", "")
+    assert len(page.eval_on_selector_all("#chats .open", "bs => bs")) == 2
+    page.fill("#system", "")
+
+
+def test_a_dark_theme_where_the_system_asks_for_one(fresh):
+    background = "getComputedStyle(document.body).backgroundColor"
+    assert fresh.evaluate(background) == "rgb(255, 255, 255)"
+    fresh.emulate_media(color_scheme="dark")
+    assert fresh.evaluate(background) == "rgb(27, 28, 31)"
+    fresh.emulate_media(color_scheme="light")
