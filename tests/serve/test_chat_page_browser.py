@@ -13,6 +13,7 @@ adapter selector, and a narrow window."""
 import html.parser
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -158,10 +159,12 @@ class ScriptedEngine(SequentialEngine):
     server: the chat template, the stream, the finish reason, the usage."""
 
     replies: list[str]
+    delay = 0.0  # seconds a token
 
     def _tokens(self, ids, p):
         logits = torch.zeros(self.vocab_size)  # what token_logprobs reads; unused here
         for t in [*self.tokenizer.encode(self.replies.pop(0)), p.stop_token_ids[0]]:
+            time.sleep(self.delay)
             yield t, logits
 
 
@@ -533,3 +536,23 @@ def test_a_dark_theme_where_the_system_asks_for_one(fresh):
     fresh.emulate_media(color_scheme="dark")
     assert fresh.evaluate(background) == "rgb(27, 28, 31)"
     fresh.emulate_media(color_scheme="light")
+
+
+def test_esc_stops_a_reply(scripted, fresh):
+    page, cancelled = fresh, spy_cancels(scripted)
+    scripted.engine.delay = 0.05
+    try:
+        scripted.engine.replies.append("word " * 100)
+        page.fill("#input", "talk")
+        page.press("#input", "Enter")
+        streaming = "#log .assistant:last-child[data-state=streaming] .text"
+        page.wait_for_function(f"document.querySelector('{streaming}')?.textContent.length > 10")
+        page.keyboard.press("Escape")
+        page.wait_for_selector("#log .assistant:last-child[data-state=stopped]")
+        eventually(lambda: cancelled and idle(scripted))  # the server let the request go
+    finally:
+        scripted.engine.delay = 0.0
+    reply = page.evaluate("() => chat().messages.at(-1)")
+    assert 0 < len(reply["content"]) < len("word " * 100)
+    assert reply["figures"]["finish_reason"] == "stopped by the user"
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
