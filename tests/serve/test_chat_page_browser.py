@@ -375,6 +375,10 @@ def test_conversations_survive_a_reload_and_switch_rename_delete(scripted, fresh
     page.wait_for_selector("#log .assistant")
     titles = page.eval_on_selector_all("#chats .open", "bs => bs.map(b => b.textContent)")
     assert titles == ["renamed", "second chat"] and len(shown(page)) == 6
+    page.click("#chats li.current .rename")  # Esc: the old title stays
+    page.fill("#chats li input", "not this")
+    page.press("#chats li input", "Escape")
+    assert page.text_content("#chats li.current .open") == "renamed"
 
     page.click("#chats li.current .delete")
     page.reload()
