@@ -234,10 +234,10 @@ def shown(page) -> list[tuple[str, str]]:
 
 def tree(page, text: str) -> list:
     """The page's Markdown renderer on `text`, as nested [tag, children...] lists; a code block's
-    box is its <pre> (its bar, the language and the copy button, left out)."""
+    box is its <pre><code> and text (its bar and its highlighting, tested apart, left out)."""
     js = """text => {
       const walk = n => n.nodeType === 3 ? n.textContent : n.classList.contains("code")
-        ? walk(n.querySelector("pre"))
+        ? ["pre", ["code", n.querySelector("pre").textContent]]
         : [n.tagName.toLowerCase(), ...[...n.childNodes].map(walk)];
       const box = document.createElement("div");
       box.appendChild(markdown(text));
@@ -560,3 +560,56 @@ def test_esc_stops_a_reply(scripted, fresh):
     assert 0 < len(reply["content"]) < len("word " * 100)
     assert reply["figures"]["finish_reason"] == "stopped by the user"
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+
+SNIPPETS = {
+    "python": (
+        "import os\nfrom math import sqrt  # a comment\n\n"
+        'def square(x, n=2):\n    """Docstring."""\n'
+        "    if x is not None and n > 0:\n        return x ** n * 1.5e3\n"
+        "    return 'no\\'ne'\n\nclass A:\n    pass\n"
+    ),
+    "js": (
+        "// add two numbers\nconst add = (a, b) => a + b;\n"
+        'let s = "x\\"y" + \'z\' + `t`;\n'
+        "function f(n) { if (n === 0x1F) { return null; } /* block */ return new Date(); }\n"
+    ),
+    "bash": "# install\nfor f in *.txt; do\n  echo \"file\" 'done'\ndone\nexit 1\n",
+}
+
+
+def pygments_spans(lang: str, code: str) -> list[tuple[str, str]]:
+    """Pygments' tokens as the page's kinds: k (a keyword, or a word operator such as `and`),
+    s (a string), c (a comment), n (a number), adjacent ones of a kind joined."""
+    from pygments import lex
+    from pygments.lexers import get_lexer_by_name
+    from pygments.token import Comment, Keyword, Number, Operator, String
+
+    kinds = [(Keyword, "k"), (Operator.Word, "k"), (String, "s"), (Comment, "c"), (Number, "n")]
+    out = []
+    for kind, text in lex(code, get_lexer_by_name(lang)):
+        mine = next((k for t, k in kinds if kind in t), None)
+        if mine and out and out[-1][0] == mine and out[-1][2]:
+            out[-1] = (mine, out[-1][1] + text, True)
+        else:
+            out.append((mine, text, mine is not None))
+    # (a comment's newline, which Pygments' bash lexer puts in it, is the text after it here)
+    return [(k, text.rstrip("\n") if k == "c" else text) for k, text, marked in out if marked]
+
+
+@pytest.mark.parametrize("lang", SNIPPETS)
+def test_code_is_highlighted_as_pygments_lexes_it(fresh, lang):
+    js = """([code, lang]) => {
+      const into = document.createElement("code");
+      highlight(into, code, lang);
+      return [...into.childNodes].filter(n => n.nodeType === 1)
+        .map(n => [n.className.slice(4), n.textContent]);
+    }"""
+    spans = [tuple(s) for s in fresh.evaluate(js, [SNIPPETS[lang], lang])]
+    assert spans == pygments_spans(lang, SNIPPETS[lang])
+    text = fresh.evaluate(
+        "([c, l]) => { const e = document.createElement('code'); highlight(e, c, l);"
+        " return e.textContent; }",
+        [SNIPPETS[lang], lang],
+    )
+    assert text == SNIPPETS[lang]  # every character kept, in order
