@@ -460,7 +460,18 @@ def test_the_sampler_boxes_show_the_defaults_and_refuse_out_of_range_values(scri
         7,
         True,
     )
-    for name in ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "json_schema"):
+
+    page.fill("#extra", "[1, 2]")  # the extra fields: an object, merged into the request
+    page.fill("#input", "again")
+    page.press("#input", "Enter")
+    assert "the extra fields must be a JSON object" in page.text_content("#status")
+    page.fill("#extra", json.dumps({"presence_penalty": 0.5, "stop": ["\n\n"], "stream": False}))
+    ask(page, scripted, "again", "ok")
+    assert fresh.bodies[-1]["presence_penalty"] == 0.5 and fresh.bodies[-1]["stream"] is True
+    params = scripted.requests[-1].params
+    assert params.presence_penalty == 0.5 and params.stop == ("\n\n",)
+    names = ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "json_schema", "extra")
+    for name in names:
         page.fill(f"#{name}", "")
 
 
@@ -613,3 +624,14 @@ def test_code_is_highlighted_as_pygments_lexes_it(fresh, lang):
         [SNIPPETS[lang], lang],
     )
     assert text == SNIPPETS[lang]  # every character kept, in order
+
+
+def test_a_reasoning_models_think_block_is_folded_away(scripted, fresh):
+    page = fresh
+    ask(page, scripted, "hi", "<think>the user <b>greets</b> me</think>Hello **there**")
+    last = "#log .assistant:last-child"
+    folded = page.eval_on_selector(f"{last} details.reasoning div", "e => e.textContent")
+    assert folded == "the user <b>greets</b> me"
+    assert not page.is_visible(f"{last} details.reasoning div")  # folded until opened
+    assert page.eval_on_selector(f"{last} .text strong", "e => e.textContent") == "there"
+    assert page.eval_on_selector_all("#log b, #log think", "e => e.length") == 0
