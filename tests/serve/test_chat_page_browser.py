@@ -422,6 +422,31 @@ def test_edit_and_regenerate_send_the_edited_history(scripted, fresh):
     )
     assert fresh.bodies[-1]["messages"] == history and len(fresh.bodies) == 4
     assert page.eval_on_selector_all("#log .regenerate", "e => e.length") == 1  # the last only
+
+    which = "#log .msg:nth-child({}) .which"  # branches: what was replaced is kept
+    assert page.text_content(which.format(4)) == "2/2"
+    page.click("#log .msg:nth-child(4) .prev")
+    assert shown(page)[3] == ("assistant", "edited reply")
+    assert (
+        page.text_content(which.format(4)) == "1/2" and page.text_content(which.format(3)) == "2/2"
+    )
+    page.click("#log .msg:nth-child(3) .prev")  # the turn before its edit, and its reply
+    assert shown(page)[2:] == [("user", "two\nlines"), ("assistant", "second reply")]
+    page.reload()  # the branches are kept with the conversation
+    page.wait_for_selector("#log .assistant")
+    assert page.text_content(which.format(3)) == "1/2"
+    ask(page, scripted, "on this branch", "yes")
+    assert [m["content"] for m in fresh.bodies[-1]["messages"]] == [
+        "be brief",
+        "hello",
+        "hi there",
+        "two\nlines",
+        "second reply",
+        "on this branch",
+    ]
+    page.click("#log .msg:nth-child(3) .next")
+    # back on the edited branch, as it was left: its reply's first version
+    assert shown(page)[2:] == [("user", "edited turn"), ("assistant", "edited reply")]
     page.fill("#system", "")
 
 
@@ -635,3 +660,19 @@ def test_a_reasoning_models_think_block_is_folded_away(scripted, fresh):
     assert not page.is_visible(f"{last} details.reasoning div")  # folded until opened
     assert page.eval_on_selector(f"{last} .text strong", "e => e.textContent") == "there"
     assert page.eval_on_selector_all("#log b, #log think", "e => e.length") == 0
+
+
+def test_a_refused_regenerate_gives_the_reply_back(scripted, fresh):
+    """The server answers a 400 (a field out of range, sent through the extra fields box, which
+    the page leaves to the server): the error is said, and the reply it was to replace is back."""
+    page = fresh
+    ask(page, scripted, "hello", "first version")
+    page.fill("#extra", '{"temperature": 5}')
+    page.click("#log .assistant:last-child .regenerate")
+    page.wait_for_selector("#log .error")
+    assert "temperature must be in [0, 2], got 5" in page.text_content("#status")
+    page.fill("#extra", "")
+    page.reload()
+    page.wait_for_selector("#log .assistant")
+    assert shown(page) == [("user", "hello"), ("assistant", "first version")]
+    assert page.eval_on_selector_all("#log .branch", "e => e.length") == 0  # one version only
