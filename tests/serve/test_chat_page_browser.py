@@ -676,3 +676,17 @@ def test_a_refused_regenerate_gives_the_reply_back(scripted, fresh):
     page.wait_for_selector("#log .assistant")
     assert shown(page) == [("user", "hello"), ("assistant", "first version")]
     assert page.eval_on_selector_all("#log .branch", "e => e.length") == 0  # one version only
+
+
+def test_text_files_go_into_the_message(scripted, fresh, tmp_path):
+    page = fresh
+    (tmp_path / "notes.txt").write_text("a line\nwith ``` inside\n")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\xff")
+    page.set_input_files("#attach-file", [str(tmp_path / "notes.txt"), str(tmp_path / "blob.bin")])
+    page.wait_for_selector("#files .file")
+    assert "blob.bin is not attached: only text files" in page.text_content("#status")
+    assert page.eval_on_selector_all("#files .file", "fs => fs.length") == 1
+    ask(page, scripted, "read this", "done")
+    sent = fresh.bodies[-1]["messages"][-1]["content"]
+    assert sent == "read this\n\nnotes.txt:\n````\na line\nwith ``` inside\n````"
+    assert page.eval_on_selector_all("#files .file", "fs => fs.length") == 0  # sent with it
