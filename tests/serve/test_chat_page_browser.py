@@ -12,6 +12,7 @@ adapter selector, and a narrow window."""
 
 import html.parser
 import json
+import random
 import re
 import time
 
@@ -690,3 +691,85 @@ def test_text_files_go_into_the_message(scripted, fresh, tmp_path):
     sent = fresh.bodies[-1]["messages"][-1]["content"]
     assert sent == "read this\n\nnotes.txt:\n````\na line\nwith ``` inside\n````"
     assert page.eval_on_selector_all("#files .file", "fs => fs.length") == 0  # sent with it
+
+
+def test_any_text_makes_only_the_renderers_own_elements(fresh):
+    """500 random texts of Markdown and HTML pieces: the renderer never throws, and it makes
+    only its own tags, with only its own attributes (a link's href http(s) or mailto)."""
+    pieces = [
+        "**",
+        "*",
+        "_",
+        "`",
+        "```",
+        "~~~",
+        "~~",
+        "# ",
+        "> ",
+        "- ",
+        "1. ",
+        "|",
+        "---",
+        "\n",
+        "\n\n",
+        "  ",
+        "<script>x()</script>",
+        "<img src=x onerror=y()>",
+        "[a](",
+        ")",
+        "javascript:alert(1)",
+        "https://e.org",
+        "<think>",
+        "</think>",
+        "text",
+        "<b>",
+        "\\",
+    ]
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(500)]
+    js = """texts => texts.flatMap(t => {
+      const box = document.createElement("div");
+      drawReply(box, t);
+      return [...box.querySelectorAll("*")].map(e => [e.tagName.toLowerCase(),
+        [...e.attributes].map(a => a.name + "=" + a.value)]);
+    })"""
+    made = fresh.evaluate(js, texts)
+    tags = {
+        "p",
+        "br",
+        "strong",
+        "em",
+        "s",
+        "code",
+        "a",
+        "span",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "hr",
+        "ul",
+        "ol",
+        "li",
+        "blockquote",
+        "table",
+        "thead",
+        "tbody",
+        "tr",
+        "th",
+        "td",
+        "div",
+        "pre",
+        "button",
+        "details",
+        "summary",
+    }
+    assert {tag for tag, _ in made} <= tags
+    for _, attributes in made:
+        for a in attributes:
+            name, _, value = a.partition("=")
+            assert name in {"class", "type", "title", "start", "style", "href", "target", "rel"}, a
+            if name == "href":
+                assert value.startswith(("https:", "http:", "mailto:")), a
