@@ -14,8 +14,9 @@
                                 HTML page (attention.py: the fields, and why the forward runs
                                 as a job on the engine's thread)
     GET  /                      the chat page (static/chat.html; off with `--no-ui`): plain
-                                HTML/JS that streams /v1/chat/completions and opens a reply's
-                                /v1/attention page, fetching nothing else
+                                HTML/JS that reads /v1/models and /props, streams
+                                /v1/chat/completions and opens a reply's /v1/attention page,
+                                fetching nothing else
 
 Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
 the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
