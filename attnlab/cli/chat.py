@@ -15,7 +15,8 @@ quotes (\"\"\") may span many. Commands (`/help` lists them):
     /set NAME VALUE  a sampler field (temperature, top_k, ...), max_new_tokens or seed
     /set           the settings now
 
-Ctrl-D (end of input) or Ctrl-C at the prompt leaves. The sampling flags are SamplingConfig's
+Ctrl-C during a reply stops it (the turn is left out); Ctrl-D (end of input) or Ctrl-C at the
+prompt leaves. The sampling flags are SamplingConfig's
 fields, each under two names (`--sampling.temperature` and `--temperature`), as in generate;
 those not given take the checkpoint's own defaults, else llama.cpp's (chat_sampling).
 """
@@ -94,12 +95,16 @@ def read_message() -> str:
 def reply(chat: Chat, message: str) -> None:
     """Stream the reply to `message`, then its figures: tokens and tokens per second."""
     times = []
-    chat.reply(
-        message,
-        on_text=lambda text: print(text, end="", flush=True),
-        on_notice=lambda note: print(f"note: {note}", file=sys.stderr),
-        on_token=lambda _: times.append(time.perf_counter()),
-    )
+    try:
+        chat.reply(
+            message,
+            on_text=lambda text: print(text, end="", flush=True),
+            on_notice=lambda note: print(f"note: {note}", file=sys.stderr),
+            on_token=lambda _: times.append(time.perf_counter()),
+        )
+    except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat
+        print("\n(stopped: this turn is left out of the conversation)")
+        return
     print()
     n, figures = len(times), f"[{len(times)} tokens"
     if n > 1 and times[-1] > times[0]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from attnlab.checkpoint import open_checkpoint
-from attnlab.cli.chat import command, read_message
+from attnlab.cli.chat import command, read_message, reply
 from attnlab.inference.chat import Chat, end_of_turn
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
@@ -219,6 +219,22 @@ def test_the_commands(chat, tmp_path, monkeypatch):
     )
     assert chat.system is None
     assert "/retry" in command(chat, "/help")
+
+
+def test_ctrl_c_stops_a_reply_and_leaves_the_turn_out(chat, monkeypatch, capsys):
+    chat.reply("hello cat")
+    before = list(chat.history)
+
+    def interrupted(model, tokenizer, prompt, config, on_text, **kw):
+        on_text("half a")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("attnlab.inference.chat.generate_text", interrupted)
+    reply(chat, "the dog")
+    assert (
+        capsys.readouterr().out == "half a\n(stopped: this turn is left out of the conversation)\n"
+    )
+    assert chat.history == before
 
 
 def test_multi_line_messages(monkeypatch):
