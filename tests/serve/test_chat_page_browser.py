@@ -510,9 +510,12 @@ def test_the_model_selector_lists_the_adapters_and_sends_model(scripted, fresh):
     assert fresh.bodies[-1]["model"] == "sql" and scripted.requests[-1].adapter == 1
     model = "#log .assistant:last-child .meta [data-name=model]"
     assert page.get_attribute(model, "data-value") == "sql"  # the server's answer says so
-    page.reload()  # the choice is kept
+    page.fill("#temperature", "0.3")
+    page.reload()  # the choice is kept, as the settings are, but the API key
     page.wait_for_selector("#model option", state="attached")
     assert page.eval_on_selector("#model", "s => s.value") == "sql"
+    assert page.input_value("#temperature") == "0.3"
+    page.fill("#temperature", "")
     page.select_option("#model", "tiny")
 
 
@@ -773,3 +776,21 @@ def test_any_text_makes_only_the_renderers_own_elements(fresh):
             assert name in {"class", "type", "title", "start", "style", "href", "target", "rel"}, a
             if name == "href":
                 assert value.startswith(("https:", "http:", "mailto:")), a
+
+
+def test_a_refused_turn_stays_to_send_again(scripted, fresh):
+    page = fresh
+    page.fill("#extra", '{"top_k": -5}')  # the server's 400, in OpenAI's shape
+    page.fill("#input", "hello")
+    page.press("#input", "Enter")
+    page.wait_for_selector("#log .error")
+    assert "top_k must be -1 or 0 (off), or >= 1, got -5" in page.text_content("#log .error")
+    page.fill("#extra", "")
+    page.reload()
+    page.wait_for_selector("#log .user")
+    assert shown(page) == [("user", "hello")]
+    scripted.engine.replies.append("hi")
+    page.click("#log .user .regenerate")  # "Send again"
+    page.wait_for_selector("#log .assistant[data-state=done]")
+    assert shown(page) == [("user", "hello"), ("assistant", "hi")]
+    assert fresh.bodies[-1]["messages"] == [{"role": "user", "content": "hello"}]
