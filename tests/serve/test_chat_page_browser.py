@@ -511,10 +511,11 @@ def test_the_model_selector_lists_the_adapters_and_sends_model(scripted, fresh):
     model = "#log .assistant:last-child .meta [data-name=model]"
     assert page.get_attribute(model, "data-value") == "sql"  # the server's answer says so
     page.fill("#temperature", "0.3")
+    page.fill("#key", "s3cret")  # (this server has none: the key is sent and ignored)
     page.reload()  # the choice is kept, as the settings are, but the API key
     page.wait_for_selector("#model option", state="attached")
     assert page.eval_on_selector("#model", "s => s.value") == "sql"
-    assert page.input_value("#temperature") == "0.3"
+    assert page.input_value("#temperature") == "0.3" and page.input_value("#key") == ""
     page.fill("#temperature", "")
     page.select_option("#model", "tiny")
 
