@@ -14,7 +14,11 @@ prefills it afresh (no cache kept between turns: simple, and cheap next to decod
 
     chat = Chat(loaded.model, loaded.tokenizer, system="Be brief.")  # GenerationConfig()
     chat.reply("What is the capital of France?", on_text=print)
+    chat.undo()   # -> "What is the capital of France?": the exchange is forgotten
     chat.reset()
+
+The history is OpenAI's list of messages ({"role", "content"}, the system message first, if
+any), so a conversation saved as JSON loads back here (`load`) or goes to a server as is.
 """
 
 from collections.abc import Callable
@@ -25,6 +29,7 @@ from torch import nn
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.generate import generate_text
 
+ROLES = ("system", "user", "assistant")
 _PROBE = "\x00probe\x00"  # a reply no template writes by itself
 
 
@@ -78,6 +83,40 @@ class Chat:
         """Forget every turn (the system message stays)."""
         self.history = [] if self.system is None else [{"role": "system", "content": self.system}]
 
+    def set_system(self, text: str | None) -> None:
+        """Open the conversation with `text` as the system message (None: none), turns kept."""
+        turns = [m for m in self.history if m["role"] != "system"]
+        self.system = text
+        self.history = ([] if text is None else [{"role": "system", "content": text}]) + turns
+
+    def load(self, messages: list[dict]) -> None:
+        """Take `messages` (OpenAI's shape: a system message first, if any, then the turns) as
+        the conversation so far; a ValueError names the first message that is not one."""
+        if not isinstance(messages, list):
+            raise ValueError(f"a conversation is a list of messages, got {type(messages).__name__}")
+        for i, m in enumerate(messages):
+            ok = (
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            )
+            if not ok:
+                raise ValueError(f"message {i} is not {{'role': one of {ROLES}, 'content': text}}")
+            if m["role"] == "system" and i > 0:
+                raise ValueError(f"message {i}: a system message comes first, or not at all")
+        self.history = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self.system = (
+            messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        )
+
+    def undo(self) -> str | None:
+        """Forget the last user turn and what came after it (its reply); returns that turn's
+        message (None when there is no turn to forget)."""
+        users = [i for i, m in enumerate(self.history) if m["role"] == "user"]
+        if not users:
+            return None
+        message = self.history[users[-1]]["content"]
+        del self.history[users[-1] :]
+        return message
+
     def prompt(self, message: str) -> str:
         """The text the model reads to answer `message` next: the history, `message` as the
         user's turn, and the assistant's generation prompt."""
@@ -89,9 +128,11 @@ class Chat:
         message: str,
         on_text: Callable[[str], None] | None = None,
         on_notice: Callable[[str], None] | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> str:
-        """Answer `message`, streaming the reply's text to `on_text` as it comes; the
-        exchange joins the history. Returns the reply (without the end-of-turn marker)."""
+        """Answer `message`, streaming the reply's text to `on_text` (and its token ids to
+        `on_token`) as it comes; the exchange joins the history. Returns the reply (without
+        the end-of-turn marker)."""
         text = generate_text(
             self.model,
             self.tokenizer,
@@ -99,6 +140,7 @@ class Chat:
             self.config,
             on_text=on_text,
             on_notice=on_notice,
+            on_token=on_token,
         )
         if self.stop_strings and text.endswith(self.end):
             text = text[: -len(self.end)]

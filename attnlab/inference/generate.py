@@ -301,6 +301,7 @@ def generate_text(
     max_new_tokens: int | None = None,
     on_text: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    on_token: Callable[[int], None] | None = None,
     speculative: Speculative | None = None,
     step_fn: Callable | None = None,
 ) -> str:
@@ -321,6 +322,8 @@ def generate_text(
         on_notice: called with a one-line notice if the context is cropped (see
             `stream_tokens`; default a ContextCropWarning), or if max_new_tokens cuts a
             constrained text short (default a CutConstraintWarning).
+        on_token: called with each new token id as it comes (num_beams == 1), e.g. to count
+            a reply's tokens per second.
         speculative: draft and verify (speculative.py): a decoder-only model, num_beams 1.
         step_fn: replaces `decode_step` (`compiled_step.compile_decode_step`), num_beams 1.
 
@@ -365,6 +368,8 @@ def generate_text(
     tokens = []
     for token in stream:
         tokens.append(int(token[0]))
+        if on_token is not None:
+            on_token(tokens[-1])
         show(text.push(tokens[-1]))
         if tokens[-1] in config.stop_tokens or stops.find(text.text) is not None:
             break

@@ -7,13 +7,16 @@
                                 (both take the whole sampler: temperature, top_p, top_k, min_p,
                                 the penalties, logit_bias, min_tokens, ignore_eos)
     GET  /v1/models  /health  /metrics (Prometheus text)
+    GET  /props                 the chat defaults of the sampler and the context (llama.cpp's
+                                route and field names), which the chat page shows
     GET  /tokenizer_info   POST /tokenize  /detokenize   (vLLM's, so lm-eval can tokenize remotely)
     POST /v1/attention          a chat reply's (or a text's) attention maps as the viewer's
                                 HTML page (attention.py: the fields, and why the forward runs
                                 as a job on the engine's thread)
     GET  /                      the chat page (static/chat.html; off with `--no-ui`): plain
-                                HTML/JS that streams /v1/chat/completions and opens a reply's
-                                /v1/attention page, fetching nothing else
+                                HTML/JS that reads /v1/models and /props, streams
+                                /v1/chat/completions and opens a reply's /v1/attention page,
+                                fetching nothing else
 
 Each choice of a request is one engine request. The engine calls `on_event` from its own thread;
 the event is handed to the choice's asyncio queue with `call_soon_threadsafe` (choice.py turns
@@ -163,6 +166,10 @@ async def models(request: Request):
     for name, path in settings.adapters.items():
         cards.append(card | {"id": name, "root": path, "parent": settings.model_name})
     return {"object": "list", "data": cards}
+
+
+async def props(request: Request):
+    return wire.props(request.app.state.settings)
 
 
 async def metrics(request: Request):
@@ -329,6 +336,7 @@ ROUTES = {
     "GET": {
         "/health": health,
         "/v1/models": models,
+        "/props": props,
         "/metrics": metrics,
         "/tokenizer_info": tokenizer_info,
     },

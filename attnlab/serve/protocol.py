@@ -490,6 +490,20 @@ def chat_choice(tokenizer, c: Choice, want: bool, tools=None) -> dict:
     }
 
 
+def props(settings: Settings) -> dict:
+    """llama.cpp's /props, the part a chat client reads: the sampler a chat reply takes where
+    the request leaves a field out (None: that processor is off), the context, the model."""
+    d = settings.chat_sampling
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    names += ("presence_penalty", "frequency_penalty")
+    defaults = {name: getattr(d, name) for name in names}
+    return {
+        "model": settings.model_name,
+        "n_ctx": settings.context,
+        "default_generation_settings": defaults,
+    }
+
+
 def prometheus_text(stats: dict[str, float], http: dict[int, int]) -> str:
     """Prometheus' text format: the engine's stats (names ending in _total are counters, but
     kv_blocks_total, a pool size; time_to_first_token_seconds a summary; the rest gauges) and

@@ -5,7 +5,7 @@ The figures are in docs/smollm2.md, with the commands that produced them."""
 import pytest
 
 from attnlab.cli.__main__ import main
-from tests.cli.test_chat import chat_through_a_terminal
+from tests.cli.test_chat import chat_through_a_terminal, reply_and_figures
 from tests.realmodel import open_smollm2, smollm2_gguf
 
 pytestmark = pytest.mark.slow
@@ -49,6 +49,7 @@ def test_chat_in_a_terminal_answers_and_resets():
     first, cleared, again = chat_through_a_terminal(
         smollm2_gguf(), [QUESTION, "/reset", QUESTION], flags
     )
+    first, again = reply_and_figures(first)[0], reply_and_figures(again)[0]
     assert "Paris" in first and cleared == "(conversation cleared)" and again == first
 
 

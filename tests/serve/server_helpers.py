@@ -33,11 +33,13 @@ def engines() -> list:
     return [SequentialEngine, Engine]
 
 
-def write_checkpoint(path: Path) -> Path:
-    """A random llama_tiny (GQA, RoPE) with a byte-level BPE tokenizer that has chat markers."""
+def write_checkpoint(path: Path, max_seq_len: int | None = None) -> Path:
+    """A random llama_tiny (GQA, RoPE) with a byte-level BPE tokenizer that has chat markers
+    (and a context of `max_seq_len` tokens where given)."""
     torch.manual_seed(0)
     tokenizer = train_bpe_tokenizer([TEXT], 320, CHAT_TOKENS)
     config = replace(llama_tiny(), vocab_size=tokenizer.vocab_size)
+    config = replace(config, max_seq_len=max_seq_len or config.max_seq_len)
     return save_pretrained(path, build_model(config).eval(), config, tokenizer)
 
 

@@ -6,6 +6,7 @@ import argparse
 from fastapi.testclient import TestClient
 
 from attnlab.cli.serve import add_parser
+from attnlab.inference.sampling import SamplingConfig
 from attnlab.serve.app import create_app
 from attnlab.serve.protocol import Settings
 
@@ -40,3 +41,19 @@ def test_the_no_ui_flag():
     add_parser(p)
     assert p.parse_args(["--ckpt", "x"]).ui is True
     assert p.parse_args(["--ckpt", "x", "--no-ui"]).ui is False
+
+
+def test_props_gives_the_chat_defaults_the_page_shows():
+    """llama.cpp's /props names: the sampler a chat reply takes where a field is left out."""
+    sampling = SamplingConfig(temperature=0.6, top_k=None, top_p=0.9, repetition_penalty=1.1)
+    props = client(chat_sampling=sampling).get("/props").json()
+    assert props["model"] == "tiny" and props["n_ctx"] == 64
+    assert props["default_generation_settings"] == {
+        "temperature": 0.6,
+        "top_k": None,
+        "top_p": 0.9,
+        "min_p": None,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
