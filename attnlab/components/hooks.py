@@ -29,6 +29,7 @@ Shapes: B batch, H query heads, K kv heads, T queries, S keys, D head_dim.
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from attnlab.components.backends import attention_probs, attention_scores, repeat_kv
@@ -191,3 +192,29 @@ def _watched(layer, q, k, v, args, out, weights) -> Tensor:
         return out
     v = repeat_kv(v, q.shape[1] // v.shape[1])  # (B, H, S, D)
     return (pattern.float() @ v.float()).to(q.dtype)  # (B, H, T, D)
+
+
+def project_heads(layer: nn.Module, z: Tensor) -> Tensor:
+    """A layer's `o_proj` on its heads' outputs, through its `hook_result` point.
+
+    The heads are concatenated and projected in one matmul. While a hook watches `hook_result`,
+    each head's own write z_h W_O[h]^T (TransformerLens' `attn.hook_result`) is built and shown
+    too; when a hook edited it, the output is the edited writes' sum plus the bias.
+
+    Args:
+        layer: an attention module with `o_proj` and `hook_result`.  z: (B, H, T, D).
+
+    Returns:
+        (B, T, C).
+    """
+    B, H, T, D = z.shape
+    out = layer.o_proj(z.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
+    if not layer.hook_result.fns:
+        return out
+    w_o = layer.o_proj.weight.view(-1, H, D).to(z.dtype)  # (C, H, D)
+    result = torch.einsum("bhtd,chd->bthc", z, w_o)  # (B, T, H, C)
+    hooked = layer.hook_result(result)
+    if hooked is result:
+        return out
+    bias = layer.o_proj.bias
+    return hooked.sum(2) if bias is None else hooked.sum(2) + bias  # (B, T, C)

@@ -70,7 +70,7 @@ class DecoderLM(nn.Module):
         self.window, self.head_scale = window, head_scale
         self.local_layers, self.local_positions = local_layers, local_positions
         self.logit_softcap = logit_softcap
-        self.hook_embed = HookPoint()  # token embeddings (components/hooks.py)
+        self.hook_tokens, self.hook_embed = HookPoint(), HookPoint()  # ids, token embeddings
         self.hook_final_norm, self.hook_logits = HookPoint(), HookPoint()
 
     def forward(
@@ -116,7 +116,8 @@ class DecoderLM(nn.Module):
         ctx, pos = self.context(
             ids, attention_mask, pos, memory, memory_mask, cache, slots, attn_mask
         )
-        x = self.drop(self.positions.embed(self.hook_embed(self.embed(ids)), pos))  # (B, T, C)
+        x = self.hook_embed(self.embed(self.hook_tokens(ids)))  # (B, T, C)
+        x = self.drop(self.positions.embed(x, pos))  # (B, T, C)
         x = self.run_blocks(x, ctx, cache)  # (B, T, C)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)

@@ -48,6 +48,7 @@ class Encoder(nn.Module):
         self.norm = norm
         self.drop = nn.Dropout(dropout)
         self.hook_embed, self.hook_final_norm = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_tokens = HookPoint()  # the ids
 
     def forward(
         self,
@@ -76,7 +77,8 @@ class Encoder(nn.Module):
             mask=mask,
             positions=self.positions.prepare(pos, pos, bound=T),
         )
-        x = self.positions.embed(self.hook_embed(self.embed(ids)), pos)  # (B, T, C)
+        x = self.hook_embed(self.embed(self.hook_tokens(ids)))  # (B, T, C)
+        x = self.positions.embed(x, pos)  # (B, T, C)
         if self.type_embed is not None:
             types = torch.zeros_like(ids) if token_type_ids is None else token_type_ids
             x = x + self.type_embed(types)
