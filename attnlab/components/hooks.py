@@ -28,6 +28,7 @@ Shapes: B batch, H query heads, K kv heads, T queries, S keys, D head_dim.
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 from attnlab.components.backends import attention_probs, attention_scores, repeat_kv
 from attnlab.components.flex import dense_terms
 from attnlab.components.masks import check_mask
+from attnlab.components.tl_names import Alias, tl_table
 
 HookFn = Callable[[Tensor, "HookPoint"], Tensor | None]
 NameFilter = str | Callable[[str], bool]
@@ -86,28 +88,78 @@ def hook_points(model: nn.Module) -> dict[str, HookPoint]:
     return points
 
 
-def _select(points: dict[str, HookPoint], which: NameFilter) -> list[HookPoint]:
+Naming = Literal["attnlab", "transformer_lens"]
+
+
+def tl_points(model: nn.Module) -> dict[str, Alias]:
+    """TransformerLens' name of each point this model has one for (components/tl_names.py)."""
+    attns = [b.self_attn for b in getattr(model, "blocks", []) if hasattr(b, "self_attn")]
+    heads = [(a.n_heads, getattr(a, "n_kv_heads", a.n_heads)) for a in attns]
+    return tl_table(list(hook_points(model)), heads)
+
+
+class AliasHook:
+    """What a hook installed under a TransformerLens name sees as `hook`: that name."""
+
+    def __init__(self, alias: Alias, point: HookPoint):
+        self.name, self.point, self.alias = alias.name, point, alias
+
+    def layer(self) -> int:
+        """The block's index, as TransformerLens' `HookPoint.layer()`."""
+        return int(self.name.split(".")[1])
+
+
+def _through(alias: Alias, fn: HookFn, point: HookPoint) -> HookFn:
+    """`fn` shown the point's activation in TransformerLens' layout; an edit mapped back."""
+    seen = AliasHook(alias, point)
+
+    def hook(x: Tensor, _: HookPoint) -> Tensor | None:
+        out = fn(alias.read(x), seen)
+        return None if out is None else alias.write(out, x)
+
+    return hook
+
+
+def _select(model, points, which: NameFilter, naming: Naming) -> list[tuple[HookPoint, Alias]]:
+    """The points `which` names (an alias None: attnlab's own name); a string is looked up in
+    attnlab's names, then TransformerLens'; a filter runs over the names of `naming`."""
     if callable(which):
-        return [p for n, p in points.items() if which(n)]
-    if which not in points:
-        near = [n for n in points if n.endswith(which.rsplit(".", 1)[-1])][:3]
-        raise ValueError(
-            f"no hook point {which!r} in this model (e.g. {near or list(points)[:3]}); "
-            "hook_points(model) lists them"
-        )
-    return [points[which]]
+        if naming == "attnlab":
+            return [(p, None) for n, p in points.items() if which(n)]
+        return [(points[a.point], a) for n, a in tl_points(model).items() if which(n)]
+    if which in points:
+        return [(points[which], None)]
+    aliases = tl_points(model)
+    if which in aliases:
+        return [(points[aliases[which].point], aliases[which])]
+    near = [n for n in points if n.endswith(which.rsplit(".", 1)[-1])][:3]
+    raise ValueError(
+        f"no hook point {which!r} in this model (e.g. {near or list(points)[:3]}); "
+        "hook_points(model) lists attnlab's names, tl_points(model) TransformerLens'"
+    )
 
 
 @contextmanager
-def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[NameFilter, HookFn]]) -> Iterator[None]:
+def hooks(
+    model: nn.Module,
+    fwd_hooks: Sequence[tuple[NameFilter, HookFn]],
+    naming: Naming = "attnlab",
+) -> Iterator[None]:
     """Install hooks for the length of a `with` block, and take them off after (errors too).
 
     Args:
         model: any module holding hook points.
-        fwd_hooks: (name or name filter, fn) pairs; a filter is `name -> bool`.
+        fwd_hooks: (name or name filter, fn) pairs; a filter is `name -> bool`. A name may be
+            attnlab's or TransformerLens' (then `fn` sees TransformerLens' layout).
+        naming: the names a filter is asked about.
     """
     points = hook_points(model)
-    installed = [(p, p.add(fn)) for which, fn in fwd_hooks for p in _select(points, which)]
+    installed = []
+    for which, fn in fwd_hooks:
+        for point, alias in _select(model, points, which, naming):
+            installed.append(
+                (point, point.add(fn if alias is None else _through(alias, fn, point)))
+            )
     try:
         yield
     finally:
@@ -115,19 +167,33 @@ def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[NameFilter, HookFn]]) -> I
             point.remove(fn)
 
 
-def run_with_hooks(model: nn.Module, *args, fwd_hooks: Sequence[tuple[NameFilter, HookFn]], **kw):
+def run_with_hooks(
+    model: nn.Module,
+    *args,
+    fwd_hooks: Sequence[tuple[NameFilter, HookFn]],
+    naming: Naming = "attnlab",
+    **kw,
+):
     """`model(*args, **kw)` with `fwd_hooks` installed (a hook returning a tensor edits)."""
-    with hooks(model, fwd_hooks):
+    with hooks(model, fwd_hooks, naming):
         return model(*args, **kw)
 
 
 def run_with_cache(
-    model: nn.Module, *args, names: Sequence[NameFilter] | None = None, detach: bool = True, **kw
+    model: nn.Module,
+    *args,
+    names: Sequence[NameFilter] | None = None,
+    detach: bool = True,
+    naming: Naming = "attnlab",
+    **kw,
 ) -> tuple[object, dict[str, Tensor]]:
     """`model(*args, **kw)`, keeping the activations of the points asked for (all by default).
 
     Only the chosen points are hooked, so nothing else is kept (or, for the attention pattern,
-    recomputed). A point called twice (a layer run twice) keeps its last activation.
+    recomputed). A point called twice (a layer run twice) keeps its last activation. A point
+    asked for by a TransformerLens name is kept under that name, in that layout; with
+    naming="transformer_lens", the default (every point) and filters mean TransformerLens'
+    names.
 
     Returns:
         (the model's output, {name: activation}).
@@ -138,7 +204,7 @@ def run_with_cache(
         cache[hook.name] = x.detach() if detach else x
 
     chosen = [lambda n: True] if names is None else list(names)
-    out = run_with_hooks(model, *args, fwd_hooks=[(w, keep) for w in chosen], **kw)
+    out = run_with_hooks(model, *args, fwd_hooks=[(w, keep) for w in chosen], naming=naming, **kw)
     return out, cache
 
 

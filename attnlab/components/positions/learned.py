@@ -50,5 +50,5 @@ class LearnedPosition(PositionScheme):
                     f"position {int(pos[bad][0])} is beyond the learned position table of "
                     f"{self.max_seq_len} positions (valid: 0..{self.max_seq_len - 1})"
                 )
-        embedded = self.hook_pos_embed(self.table(self.hook_pos(pos)))  # (T, C) or (B, T, C)
-        return x + embedded  # broadcasts to (B, T, C)
+        embedded = self.table(self.hook_pos(pos)).expand_as(x)  # (B, T, C), a view
+        return x + self.hook_pos_embed(embedded)  # (B, T, C)
