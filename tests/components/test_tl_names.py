@@ -31,8 +31,10 @@ DOC = Path(__file__).parents[2] / "docs" / "hooks.md"
 FAMILIES = {"gpt2-tiny": "GPT2LMHeadModel", "llama-tiny": "LlamaForCausalLM"}
 # TransformerBridge's switches that make its optional points fire (each off by default):
 # per-head results, per-head copies of the residual stream for q/k/v (or for attention as a
-# whole: the two cannot be on together), the FFN's input.
+# whole: the two cannot be on together), the FFN's input. With split inputs on, the plain
+# q/k/v inputs do not fire, hence a run with every switch off as well.
 RUNS = [
+    (),
     ("set_use_attn_result", "set_use_split_qkv_input", "set_use_hook_mlp_in"),
     ("set_use_attn_in",),
 ]
@@ -190,7 +192,7 @@ def test_docs_table(tmp_path_factory):
     begin, end = "<!-- tl-table begin -->\n", "<!-- tl-table end -->"
     page = DOC.read_text()
     if os.environ.get("ATTNLAB_WRITE_DOCS"):
-        head, rest = page.split(begin) if begin in page else (page + "\n" + begin, end)
+        head, rest = page.split(begin) if begin in page else (page + "\n", end + "\n")
         DOC.write_text(head + begin + table + end + rest.split(end, 1)[1])
         page = DOC.read_text()
     assert begin + table + end in page, "docs/hooks.md's table is stale: ATTNLAB_WRITE_DOCS=1"
