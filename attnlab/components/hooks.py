@@ -93,7 +93,10 @@ Naming = Literal["attnlab", "transformer_lens"]
 
 def tl_points(model: nn.Module) -> dict[str, Alias]:
     """TransformerLens' name of each point this model has one for (components/tl_names.py)."""
-    attns = [b.self_attn for b in getattr(model, "blocks", []) if hasattr(b, "self_attn")]
+    blocks = getattr(model, "blocks", None) or getattr(
+        getattr(model, "encoder", None), "blocks", []
+    )
+    attns = [b.self_attn for b in blocks if hasattr(b, "self_attn")]
     heads = [(a.n_heads, getattr(a, "n_kv_heads", a.n_heads)) for a in attns]
     return tl_table(list(hook_points(model)), heads)
 

@@ -38,9 +38,10 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_in, self.hook_scale, self.hook_normalized = HookPoint(), HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
+        x = self.hook_in(x)  # (..., C): in a post-norm block, the residual sum
         bias = None if self.bias is None else self.bias.float()
         h = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
         if self.hook_scale.fns or self.hook_normalized.fns:
@@ -60,9 +61,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
-        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_in, self.hook_scale, self.hook_normalized = HookPoint(), HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
+        x = self.hook_in(x)  # (..., C): in a post-norm block, the residual sum
         scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()  # (C,)
         h = F.rms_norm(x.float(), self.weight.shape, scale, self.eps)
         if self.hook_scale.fns or self.hook_normalized.fns:

@@ -160,19 +160,111 @@ def _block(p: str, ln: str, H: int, K: int, gated: bool, rope: bool) -> list[Ali
     return out
 
 
+def _post_norm_block(p: str, ln: str, H: int) -> list[Alias]:
+    """The aliases of one post-norm encoder block (BERT) as TransformerBridge names them: its
+    attention's output (`attn.hook_out`, `hook_attn_out`) is the first norm's output, and its
+    `hook_resid_mid` the second norm's input (the stream plus the MLP's output)."""
+    ro = dict(writable=False)
+    out = [
+        Alias(f"{ln}hook_resid_pre", f"{p}hook_resid_pre"),
+        Alias(f"{ln}hook_in", f"{p}hook_resid_pre"),
+        Alias(f"{ln}attn.hook_in", f"{p}self_attn.hook_in"),
+        Alias(f"{ln}attn.hook_q", f"{p}self_attn.hook_q_proj"),
+        Alias(f"{ln}attn.q.hook_out", f"{p}self_attn.hook_q_proj"),
+        Alias(f"{ln}attn.hook_k", f"{p}self_attn.hook_k_proj"),
+        Alias(f"{ln}attn.k.hook_out", f"{p}self_attn.hook_k_proj"),
+        Alias(f"{ln}attn.hook_v", f"{p}self_attn.hook_v", "heads"),
+        Alias(f"{ln}attn.v.hook_out", f"{p}self_attn.hook_v", "heads"),
+        Alias(f"{ln}attn.hook_attn_scores", f"{p}self_attn.hook_scores"),
+        Alias(f"{ln}attn.hook_pattern", f"{p}self_attn.hook_pattern"),
+        Alias(f"{ln}attn.hook_z", f"{p}self_attn.hook_z", "heads"),
+        Alias(f"{ln}attn.o.hook_in", f"{p}self_attn.hook_z", "heads"),
+        Alias(f"{ln}attn.hook_result", f"{p}self_attn.hook_result"),
+        Alias(f"{ln}attn.o.hook_out", f"{p}self_attn.hook_out"),
+        Alias(f"{ln}attn.hook_hidden_states", f"{p}self_attn.hook_out"),
+        Alias(f"{ln}ln1.hook_in", f"{p}residuals.0.norm.hook_in"),
+        Alias(f"{ln}ln1.hook_scale", f"{p}residuals.0.norm.hook_scale"),
+        Alias(f"{ln}ln1.hook_normalized", f"{p}residuals.0.norm.hook_normalized"),
+        Alias(f"{ln}ln1.hook_out", f"{p}hook_resid_mid"),
+        Alias(f"{ln}attn.hook_out", f"{p}hook_resid_mid"),
+        Alias(f"{ln}hook_attn_out", f"{p}hook_resid_mid"),
+        Alias(f"{ln}mlp.hook_in", f"{p}ffn.hook_in"),
+        Alias(f"{ln}hook_mlp_in", f"{p}ffn.hook_in"),
+        Alias(f"{ln}mlp.in.hook_in", f"{p}ffn.hook_in"),
+        Alias(f"{ln}mlp.in.hook_out", f"{p}ffn.hook_pre"),
+        Alias(f"{ln}mlp.hook_pre", f"{p}ffn.hook_pre"),
+        Alias(f"{ln}mlp.hook_post", f"{p}ffn.hook_hidden"),
+        Alias(f"{ln}mlp.out.hook_in", f"{p}ffn.hook_hidden"),
+        Alias(f"{ln}mlp.hook_out", f"{p}ffn.hook_out"),
+        Alias(f"{ln}mlp.out.hook_out", f"{p}ffn.hook_out"),
+        Alias(f"{ln}hook_mlp_out", f"{p}ffn.hook_out"),
+        Alias(f"{ln}ln2.hook_in", f"{p}residuals.1.norm.hook_in"),
+        Alias(f"{ln}hook_resid_mid", f"{p}residuals.1.norm.hook_in"),
+        Alias(f"{ln}ln2.hook_scale", f"{p}residuals.1.norm.hook_scale"),
+        Alias(f"{ln}ln2.hook_normalized", f"{p}residuals.1.norm.hook_normalized"),
+        Alias(f"{ln}ln2.hook_out", f"{p}hook_resid_post"),
+        Alias(f"{ln}hook_out", f"{p}hook_resid_post"),
+        Alias(f"{ln}hook_resid_post", f"{p}hook_resid_post"),
+    ]
+    for x in ("q", "k", "v"):
+        instead = f"{ln}attn.hook_in"
+        out.append(Alias(f"{ln}attn.{x}.hook_in", f"{p}self_attn.hook_in", **ro, instead=instead))
+    for name in ("attn_in", "q_input", "k_input", "v_input"):
+        for where in (ln, f"{ln}attn."):
+            instead = f"{ln}attn.hook_in"
+            out.append(
+                Alias(f"{where}hook_{name}", f"{p}hook_resid_pre", "per_head", False, H, instead)
+            )
+    return out
+
+
+def _encoder(points: set[str], heads: list[tuple[int, int]]) -> list[Alias]:
+    """An encoder-only model's aliases (BERT: `encoder.` points, a masked-LM `head.`)."""
+    e, L = "encoder.", len(heads)
+    out = [
+        Alias("embed.hook_in", f"{e}hook_tokens"),
+        Alias("embed.hook_out", f"{e}hook_embed"),
+        Alias("token_type_embed.hook_in", f"{e}hook_types"),
+        Alias("token_type_embed.hook_out", f"{e}hook_type_embed"),
+        Alias("pos_embed.hook_in", f"{e}positions.hook_pos", "batch"),
+        Alias("pos_embed.hook_out", f"{e}positions.hook_pos_embed"),
+        Alias("hook_pos_embed", f"{e}positions.hook_pos_embed"),
+        Alias("embed_ln.hook_in", f"{e}embed_norm.hook_in"),
+        Alias("embed_ln.hook_scale", f"{e}embed_norm.hook_scale"),
+        Alias("embed_ln.hook_normalized", f"{e}embed_norm.hook_normalized"),
+        Alias("embed_ln.hook_out", f"{e}blocks.0.hook_resid_pre"),
+        Alias("hook_embed", f"{e}blocks.0.hook_resid_pre"),
+        Alias("mlm_head.hook_in", f"{e}hook_final_norm"),
+        Alias("ln_final.hook_in", "head.norm.hook_in"),
+        Alias("ln_final.hook_scale", "head.norm.hook_scale"),
+        Alias("ln_final.hook_normalized", "head.norm.hook_normalized"),
+        Alias("ln_final.hook_out", "head.hook_transformed"),
+        Alias("mlm_head.hook_out", "head.hook_dense"),  # the bridge's mlm_head: the dense
+        Alias("unembed.hook_in", "head.hook_transformed"),
+        Alias("unembed.hook_out", "head.hook_logits"),
+        Alias("hook_unembed", "head.hook_logits"),
+    ]
+    for i, (H, _) in enumerate(heads[:L]):
+        if f"{e}blocks.{i}.residuals.1.norm.hook_in" in points:
+            out += _post_norm_block(f"{e}blocks.{i}.", f"blocks.{i}.", H)
+    return out
+
+
 def tl_table(points: list[str], heads: list[tuple[int, int]]) -> dict[str, Alias]:
     """Every TransformerLens name this model's points can answer, by name.
 
     Args:
-        points: the model's point names (`hook_points(model)`), a decoder-only or encoder-only
-            model with attnlab's standard blocks (an encoder-decoder, MLA or MoE block is not
-            in TransformerLens' table for these families, and gets no aliases).
+        points: the model's point names (`hook_points(model)`): a pre-norm decoder-only model
+            or a post-norm encoder-only one (BERT) with attnlab's standard blocks (an
+            encoder-decoder, MLA or MoE block gets no aliases).
         heads: (query heads, key/value heads) of each block.
 
     Returns:
         {TransformerLens name: Alias}, only those whose attnlab point exists.
     """
     have = set(points)
+    if "encoder.hook_tokens" in have and "decoder.hook_tokens" not in have:
+        return {a.name: a for a in _encoder(have, heads) if a.point in have}
     rope = "positions.hook_cos" in have
     out = [
         Alias("embed.hook_in", "hook_tokens"),
