@@ -99,3 +99,23 @@ def test_a_cache_without_the_name_is_an_error(runs):
     model = runs[0]
     with pytest.raises(ValueError, match="lacks 'blocks.0.hook_resid_mid'"):
         tl_patching.get_act_patch_resid_mid(model, CORRUPT, {}, metric)
+
+
+def test_per_layer_attribution_counts_the_output_bias(runs):
+    """logit_attribution's per-layer attention column is TransformerLens' `attn_out` term of
+    decompose_resid (the heads and the o_proj bias b_O), through apply_ln_to_stack."""
+    from attnlab.lab.patching import attribution_names, logit_attribution
+
+    model, bridge, _, theirs = runs
+    stack, labels = theirs.decompose_resid(layer=-1, pos_slice=-1, return_labels=True)
+    normed = theirs.apply_ln_to_stack(stack, layer=-1, pos_slice=-1) * model.norm.weight
+    direction = bridge.W_U[:, 7] - bridge.W_U[:, 8]  # (C,)
+    terms = dict(zip(labels, (normed @ direction).mean(-1)))  # label -> scalar
+    _, cache = run_with_cache(model, CLEAN, names=attribution_names(model))
+    dla = logit_attribution(model, cache, 7, 8)
+    for i in range(len(model.blocks)):
+        assert abs(dla["layers"][i, 0] - terms[f"{i}_attn_out"]) <= TOL
+        assert abs(dla["layers"][i, 1] - terms[f"{i}_mlp_out"]) <= TOL
+    bias = model.blocks[0].self_attn.o_proj.bias
+    if bias is not None:  # the bias's own share is not small on these weights
+        assert abs(dla["layers"][0, 0] - dla["heads"][0].sum()) > 1e-3
