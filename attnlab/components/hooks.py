@@ -268,7 +268,9 @@ def project_heads(layer: nn.Module, z: Tensor) -> Tensor:
 
     The heads are concatenated and projected in one matmul. While a hook watches `hook_result`,
     each head's own write z_h W_O[h]^T (TransformerLens' `attn.hook_result`) is built and shown
-    too; when a hook edited it, the output is the edited writes' sum plus the bias.
+    too: o_proj on that head alone (the others zeroed) less o_proj of zeros (its bias), so it
+    holds for any affine o_proj (quantized, LoRA). When a hook edited it, the output is the
+    edited writes' sum plus the bias.
 
     Args:
         layer: an attention module with `o_proj` and `hook_result`.  z: (B, H, T, D).
@@ -277,13 +279,13 @@ def project_heads(layer: nn.Module, z: Tensor) -> Tensor:
         (B, T, C).
     """
     B, H, T, D = z.shape
-    out = layer.o_proj(z.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
+    heads = z.transpose(1, 2)  # (B, T, H, D)
+    out = layer.o_proj(heads.reshape(B, T, H * D))  # (B, T, C)
     if not layer.hook_result.fns:
         return out
-    w_o = layer.o_proj.weight.view(-1, H, D).to(z.dtype)  # (C, H, D)
-    result = torch.einsum("bhtd,chd->bthc", z, w_o)  # (B, T, H, C)
+    alone = torch.eye(H, dtype=z.dtype, device=z.device).view(H, 1, 1, H, 1)  # head h kept
+    bias = layer.o_proj(torch.zeros_like(heads[:1, :1]).reshape(1, H * D))  # (1, C)
+    result = layer.o_proj((heads * alone).reshape(H, B, T, H * D)) - bias  # (H, B, T, C)
+    result = result.permute(1, 2, 0, 3)  # (B, T, H, C)
     hooked = layer.hook_result(result)
-    if hooked is result:
-        return out
-    bias = layer.o_proj.bias
-    return hooked.sum(2) if bias is None else hooked.sum(2) + bias  # (B, T, C)
+    return out if hooked is result else hooked.sum(2) + bias  # (B, T, C)
