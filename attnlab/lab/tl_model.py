@@ -194,9 +194,10 @@ class HookedModel:
 
     Args:
         model: a pre-norm DecoderLM.  tokenizer: attnlab's Tokenizer (or None: ids only).
+        n_ctx: the context length (`cfg.n_ctx`); None: the position table's, else 0.
     """
 
-    def __init__(self, model: nn.Module, tokenizer=None):
+    def __init__(self, model: nn.Module, tokenizer=None, n_ctx: int | None = None):
         self.model, self.tokenizer = check_lm(model), tokenizer
         attn = model.blocks[0].self_attn
         norm = model.norm
@@ -207,7 +208,7 @@ class HookedModel:
             d_head=attn.head_dim,
             n_key_value_heads=attn.n_kv_heads,
             d_vocab=model.head.weight.shape[0],
-            n_ctx=getattr(model.positions, "max_seq_len", 0),
+            n_ctx=getattr(model.positions, "max_seq_len", 0) if n_ctx is None else n_ctx,
             normalization_type="LN" if isinstance(norm, LayerNorm) else "RMS",
         )
 
@@ -215,7 +216,7 @@ class HookedModel:
     def from_checkpoint(cls, path: str | Path, **kw) -> "HookedModel":
         """Open any checkpoint attnlab reads (open_checkpoint) as a HookedModel."""
         loaded = plain_model(open_checkpoint(path, **kw), "HookedModel takes a plain causal LM")
-        return cls(loaded.model, loaded.tokenizer)
+        return cls(loaded.model, loaded.tokenizer, loaded.config.max_seq_len)
 
     # --- tokens ----------------------------------------------------------------------------------
     def _bos(self) -> list[int]:
