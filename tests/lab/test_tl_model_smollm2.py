@@ -16,10 +16,7 @@ from attnlab.lab.tl_model import HookedModel
 from tests.realmodel import open_smollm2
 
 pytestmark = pytest.mark.slow
-TOL = 1e-3
-torch.set_grad_enabled(
-    False
-)  # as TransformerLens' demos start  # 30 layers of fp32 on a 49152-word vocabulary
+TOL = 1e-3  # 30 layers of fp32 on a 49152-word vocabulary
 
 
 @pytest.fixture(scope="module")
