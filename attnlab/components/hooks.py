@@ -3,12 +3,18 @@
 Every layer calls a `HookPoint` where an activation a researcher would look at is computed
 (the idea and the names follow TransformerLens' `hook_*` points; the mechanism is smaller):
 
-    DecoderLM    hook_embed ─> blocks.i.hook_resid_pre ─> self_attn ─> blocks.i.hook_resid_mid
-                 (─> cross_attn ─> blocks.i.hook_resid_cross) ─> ffn ─> blocks.i.hook_resid_post
-                 ─> hook_final_norm ─> hook_logits
-    Attention    hook_q  hook_k  hook_v  hook_scores  hook_pattern  hook_z  hook_out
-    MLP          hook_hidden  hook_out
+    DecoderLM    hook_tokens ─> hook_embed ─> blocks.i.hook_resid_pre ─> self_attn
+                 ─> blocks.i.hook_resid_mid (─> cross_attn ─> blocks.i.hook_resid_cross) ─> ffn
+                 ─> blocks.i.hook_resid_post ─> hook_final_norm ─> hook_logits
+    Attention    hook_in  hook_q_proj  hook_k_proj (unrotated)  hook_q  hook_k  hook_v
+                 hook_scores  hook_pattern  hook_z  hook_result  hook_out
+    MLP          hook_in  hook_pre  (gated: hook_pre_linear)  hook_hidden  hook_out
+    norms        hook_in  hook_scale  hook_normalized
+    positions    hook_pos  hook_pos_embed (learned)  hook_cos  hook_sin (RoPE)
     MoE          hook_gates  hook_out  (and each expert's MLP points, experts.j.hook_*)
+
+TransformerLens' names for the same points, in its axis order, are accepted wherever a name
+is (components/tl_names.py; `tl_points(model)` lists them).
 
 A point's name is its module path (`blocks.0.self_attn.hook_pattern`; in an encoder-decoder
 `encoder.blocks.0...` and `decoder.blocks.0.cross_attn...`); `hook_points(model)` lists them all.
