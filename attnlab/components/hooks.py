@@ -129,16 +129,20 @@ def _through(alias: Alias, fn: HookFn, point: HookPoint) -> HookFn:
     return hook
 
 
-def _select(model, points, which: NameFilter, naming: Naming) -> list[tuple[HookPoint, Alias]]:
+def _select(
+    model, points, which: NameFilter, naming: Naming, aliases: dict
+) -> list[tuple[HookPoint, Alias | None]]:
     """The points `which` names (an alias None: attnlab's own name); a string is looked up in
-    attnlab's names, then TransformerLens'; a filter runs over the names of `naming`."""
-    if callable(which):
-        if naming == "attnlab":
-            return [(p, None) for n, p in points.items() if which(n)]
-        return [(points[a.point], a) for n, a in tl_points(model).items() if which(n)]
-    if which in points:
+    attnlab's names, then TransformerLens'; a filter runs over the names of `naming`.
+    `aliases` is filled with `tl_points(model)` the first time it is needed."""
+    if not callable(which) and which in points:
         return [(points[which], None)]
-    aliases = tl_points(model)
+    if callable(which) and naming == "attnlab":
+        return [(p, None) for n, p in points.items() if which(n)]
+    if not aliases:
+        aliases.update(tl_points(model))  # built once per `hooks` call
+    if callable(which):
+        return [(points[a.point], a) for n, a in aliases.items() if which(n)]
     if which in aliases:
         return [(points[aliases[which].point], aliases[which])]
     near = [n for n in points if n.endswith(which.rsplit(".", 1)[-1])][:3]
@@ -162,10 +166,10 @@ def hooks(
             attnlab's or TransformerLens' (then `fn` sees TransformerLens' layout).
         naming: the names a filter is asked about.
     """
-    points = hook_points(model)
+    points, aliases = hook_points(model), {}
     installed = []
     for which, fn in fwd_hooks:
-        for point, alias in _select(model, points, which, naming):
+        for point, alias in _select(model, points, which, naming, aliases):
             installed.append(
                 (point, point.add(fn if alias is None else _through(alias, fn, point)))
             )
