@@ -281,3 +281,41 @@ def test_transformer_lens_names_see_its_layout_and_edit_the_same_activation():
     assert "blocks.0.attn.hook_rot_q" in every and "blocks.0.self_attn.hook_q" not in every
     with pytest.raises(ValueError, match="no hook point 'blocks.0.attn.hook_nothing'"):
         run_with_cache(model, ids, names=["blocks.0.attn.hook_nothing"])
+
+
+@pytest.mark.hf
+@pytest.mark.slow
+def test_encoder_decoder_points_match_transformers_t5(tmp_path):
+    """T5 (encoder, decoder, cross attention) against transformers' hidden states and
+    attentions on the same randomised weights: each block's stream and pattern, both stacks,
+    the cross-attention patterns, and the head results summing to the output."""
+    T = pytest.importorskip("transformers")
+    from attnlab.interop.hf import save_hf
+
+    model = _randomised("t5-tiny")
+    save_hf(model, get_preset("t5-tiny"), tmp_path)
+    hf = T.T5ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager")
+    src, tgt = torch.randint(3, 100, (2, 9)), torch.randint(3, 100, (2, 5))
+    with torch.no_grad():
+        ref = hf.eval()(
+            input_ids=src, decoder_input_ids=tgt, output_hidden_states=True, output_attentions=True
+        )
+        logits, c = run_with_cache(model, src, tgt)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
+    for stack, hidden, attns in (
+        ("encoder", ref.encoder_hidden_states, ref.encoder_attentions),
+        ("decoder", ref.decoder_hidden_states, ref.decoder_attentions),
+    ):
+        L = len(attns)
+        for i in range(L):  # hidden[i]: block i's input; the last one is after the final norm
+            p = f"{stack}.blocks.{i}"
+            torch.testing.assert_close(c[f"{p}.hook_resid_pre"], hidden[i], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                c[f"{p}.self_attn.hook_pattern"], attns[i], atol=1e-5, rtol=0
+            )
+            result, out = c[f"{p}.self_attn.hook_result"], c[f"{p}.self_attn.hook_out"]
+            torch.testing.assert_close(result.sum(2), out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(c[f"{stack}.hook_final_norm"], hidden[L], atol=1e-4, rtol=0)
+    for i, cross in enumerate(ref.cross_attentions):
+        pattern = c[f"decoder.blocks.{i}.cross_attn.hook_pattern"]  # (B, H, T_dec, T_enc)
+        torch.testing.assert_close(pattern, cross, atol=1e-5, rtol=0)
