@@ -103,11 +103,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
         self.hook_in, self.hook_pre = HookPoint(), HookPoint()  # components/hooks.py
-        self.hook_pre_linear, self.hook_hidden, self.hook_out = (
-            HookPoint(),
-            HookPoint(),
-            HookPoint(),
-        )
+        self.hook_pre_linear = HookPoint()  # up_proj's output (hook_pre is the gate's)
+        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.hook_in(x)

@@ -49,10 +49,8 @@ class Encoder(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.hook_embed, self.hook_final_norm = HookPoint(), HookPoint()  # components/hooks.py
         self.hook_tokens = HookPoint()  # the ids
-        typed = type_embed is not None  # the token-type ids and their embedding (BERT)
-        self.hook_types, self.hook_type_embed = (
-            (HookPoint(), HookPoint()) if typed else (None, None)
-        )
+        if type_embed is not None:  # the token-type ids and their embedding (BERT)
+            self.hook_types, self.hook_type_embed = HookPoint(), HookPoint()
 
     def forward(
         self,
