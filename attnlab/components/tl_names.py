@@ -312,7 +312,7 @@ _LAYER_TYPES = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "at
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
-    """A TransformerLens hook name from a short one, as `transformer_lens.utils.get_act_name`:
+    """A TransformerLens hook name from a short one, as `transformer_lens.utilities.get_act_name`:
     ("pattern", 3) -> "blocks.3.attn.hook_pattern"; ("scale", 2, "ln1") ->
     "blocks.2.ln1.hook_scale"; "k6" -> "blocks.6.attn.hook_k"; "resid_pre0" ->
     "blocks.0.hook_resid_pre"."""
