@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from attnlab.components.hooks import hooks
 from attnlab.components.tl_names import get_act_name
 from attnlab.lab.patching import Metric, check_lm
+from attnlab.lab.tl_model import HookedModel
 
 Setter = Callable[[Tensor, tuple[int, ...], Tensor], None]  # (corrupt, cell, clean), in place
 
@@ -74,7 +75,7 @@ def activation_patch(
     """TransformerLens' `generic_activation_patch`: one corrupted forward per cell.
 
     Args:
-        model: a DecoderLM.  corrupted_tokens: (B, T) ids.
+        model: a DecoderLM, or a HookedModel (lab/tl_model.py).  corrupted_tokens: (B, T) ids.
         clean_cache: the clean run's activations under TransformerLens' names.
         patching_metric: logits (B, T, V) -> a scalar tensor.
         act: a `get_act_name` short name ("resid_pre", "z", "q", "pattern", ...).
@@ -84,7 +85,7 @@ def activation_patch(
     Returns:
         The metric for every cell, shaped by `axes`.
     """
-    model = check_lm(model)
+    model = check_lm(model.model if isinstance(model, HookedModel) else model)
     sizes = _sizes(model, act, axes, corrupted_tokens.shape[-1])
     out = torch.zeros(sizes)
     for cell in itertools.product(*(range(n) for n in sizes)):
@@ -187,4 +188,5 @@ def get_act_patch_attn_head_by_pos_every(
 def tl_patch_names(model: nn.Module) -> list[str]:
     """Every TransformerLens name these functions read, for `run_with_cache(names=...)`."""
     acts = ("resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "q", "k", "v", "pattern")
+    model = model.model if isinstance(model, HookedModel) else model
     return [get_act_name(a, i) for i in range(len(check_lm(model).blocks)) for a in acts]

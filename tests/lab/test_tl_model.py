@@ -69,3 +69,21 @@ def test_keys_by_short_name_and_hooks(runs):
         abs(ours(TOKENS, return_type="loss").item() - bridge(TOKENS, return_type="loss").item())
         <= TOL
     )
+
+
+def test_patching_takes_the_hooked_model(runs):
+    import transformer_lens.patching as reference
+
+    from attnlab.lab import tl_patching
+
+    ours, bridge, cache, ref = runs
+    corrupt = TOKENS.clone()
+    corrupt[:, 2] = 31
+
+    def metric(logits):
+        return (logits[:, -1, 7] - logits[:, -1, 8]).mean()
+
+    result = tl_patching.get_act_patch_attn_head_out_all_pos(ours, corrupt, cache, metric)
+
+    expected = reference.get_act_patch_attn_head_out_all_pos(bridge, corrupt, ref, metric)
+    assert (result - expected).abs().max() <= TOL
