@@ -99,11 +99,18 @@ Naming = Literal["attnlab", "transformer_lens"]
 
 def tl_points(model: nn.Module) -> dict[str, Alias]:
     """TransformerLens' name of each point this model has one for (components/tl_names.py)."""
-    blocks = getattr(model, "blocks", None) or getattr(
-        getattr(model, "encoder", None), "blocks", []
-    )
-    attns = [b.self_attn for b in blocks if hasattr(b, "self_attn")]
-    heads = [(a.n_heads, getattr(a, "n_kv_heads", a.n_heads)) for a in attns]
+    if hasattr(model, "blocks"):
+        stacks = {"": model}
+    else:  # BERT's encoder, T5's encoder and decoder
+        stacks = {f"{n}.": getattr(model, n) for n in ("encoder", "decoder") if hasattr(model, n)}
+    heads = {
+        prefix: [
+            (b.self_attn.n_heads, getattr(b.self_attn, "n_kv_heads", b.self_attn.n_heads))
+            for b in stack.blocks
+            if hasattr(b, "self_attn")
+        ]
+        for prefix, stack in stacks.items()
+    }
     return tl_table(list(hook_points(model)), heads)
 
 

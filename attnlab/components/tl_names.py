@@ -81,82 +81,136 @@ class Alias:
         return y
 
 
-def _block(p: str, ln: str, H: int, K: int, gated: bool, rope: bool) -> list[Alias]:
-    """The aliases of one decoder or encoder block whose points start with `p` ("blocks.i.");
-    `ln` is TransformerLens' prefix for the same block."""
+def _attention(a: str, t: str, H: int, K: int, out: bool = True) -> list[Alias]:
+    """One attention layer's own names: attnlab's points start with `a` ("blocks.i.self_attn."),
+    TransformerLens' with `t` ("blocks.i.attn."); `out`: its output is `t + "hook_out"` too."""
     ro = dict(writable=False)
+    names = [
+        Alias(f"{t}hook_in", f"{a}hook_in"),
+        Alias(f"{t}hook_q", f"{a}hook_q_proj"),
+        Alias(f"{t}q.hook_out", f"{a}hook_q_proj"),
+        Alias(f"{t}hook_k", f"{a}hook_k_proj"),
+        Alias(f"{t}k.hook_out", f"{a}hook_k_proj"),
+        Alias(f"{t}hook_v", f"{a}hook_v", "heads"),
+        Alias(f"{t}v.hook_out", f"{a}hook_v", "heads"),
+        Alias(f"{t}hook_attn_scores", f"{a}hook_scores"),
+        Alias(f"{t}hook_pattern", f"{a}hook_pattern"),
+        Alias(f"{t}hook_z", f"{a}hook_z", "heads"),
+        Alias(f"{t}o.hook_in", f"{a}hook_z", "heads"),
+        Alias(f"{t}hook_result", f"{a}hook_result"),
+        Alias(f"{t}o.hook_out", f"{a}hook_out"),
+        Alias(f"{t}hook_hidden_states", f"{a}hook_out"),
+    ]
+    if out:
+        names.append(Alias(f"{t}hook_out", f"{a}hook_out"))
+    for x in ("q", "k", "v"):  # one input, shared by the three projections
+        names.append(Alias(f"{t}{x}.hook_in", f"{a}hook_in", **ro, instead=f"{t}hook_in"))
+    for name, n in (("attn_in", H), ("q_input", H), ("k_input", K), ("v_input", K)):
+        names.append(  # per-head copies of the stream (TL's split inputs): below, by block
+            Alias(f"{t}hook_{name}", "", "per_head", False, n, f"{t}hook_in")
+        )
+    return names
+
+
+def _split_inputs(names: list[Alias], ln: str, resid: str) -> list[Alias]:
+    """The per-head input copies of `_attention` read from the stream `resid`, under both the
+    attention's name and the block's (`ln` + "hook_q_input")."""
+    out = []
+    for x in names:
+        if x.view == "per_head":
+            out.append(Alias(x.name, resid, "per_head", False, x.heads, x.instead))
+            out.append(
+                Alias(ln + x.name.rsplit(".", 1)[1], resid, "per_head", False, x.heads, x.instead)
+            )
+    return [x for x in names if x.view != "per_head"] + out
+
+
+def _mlp(p: str, ln: str, gated: bool) -> list[Alias]:
+    """An FFN's names (`p` "blocks.i.ffn.", `ln` "blocks.i.mlp."); in a gated one `mlp.gate` is
+    TransformerLens' gate_proj and `mlp.in` its up_proj."""
+    out = [
+        Alias(f"{ln}hook_in", f"{p}hook_in"),
+        Alias(f"{ln}hook_pre", f"{p}hook_pre"),
+        Alias(f"{ln}hook_post", f"{p}hook_hidden"),
+        Alias(f"{ln}out.hook_in", f"{p}hook_hidden"),
+        Alias(f"{ln}hook_out", f"{p}hook_out"),
+        Alias(f"{ln}out.hook_out", f"{p}hook_out"),
+    ]
+    if not gated:
+        return out + [
+            Alias(f"{ln}in.hook_in", f"{p}hook_in"),
+            Alias(f"{ln}in.hook_out", f"{p}hook_pre"),
+        ]
+    ro = dict(writable=False, instead=f"{ln}hook_in")
+    return out + [
+        Alias(f"{ln}gate.hook_in", f"{p}hook_in", **ro),
+        Alias(f"{ln}gate.hook_out", f"{p}hook_pre"),
+        Alias(f"{ln}in.hook_in", f"{p}hook_in", **ro),
+        Alias(f"{ln}in.hook_out", f"{p}hook_pre_linear"),
+        Alias(f"{ln}hook_pre_linear", f"{p}hook_pre_linear"),
+    ]
+
+
+def _norm(p: str, ln: str) -> list[Alias]:
+    """A norm's two points (`p` "blocks.i.residuals.0.norm.", `ln` "blocks.i.ln1.")."""
+    return [
+        Alias(f"{ln}hook_scale", f"{p}hook_scale"),
+        Alias(f"{ln}hook_normalized", f"{p}hook_normalized"),
+    ]
+
+
+def _block(
+    p: str, ln: str, H: int, K: int, gated: bool, rope: bool, attn: str = "attn", cross=False
+) -> list[Alias]:
+    """The aliases of one pre-norm block whose points start with `p` ("blocks.i."); `ln` is
+    TransformerLens' prefix for it, `attn` its name for the self-attention; `cross`: the block
+    cross-attends (T5's decoder: ln2 before the cross attention, ln3 before the MLP)."""
+    t = f"{ln}{attn}."
     out = [
         Alias(f"{ln}hook_resid_pre", f"{p}hook_resid_pre"),
         Alias(f"{ln}hook_in", f"{p}hook_resid_pre"),
         Alias(f"{ln}ln1.hook_in", f"{p}hook_resid_pre"),
-        Alias(f"{ln}ln1.hook_scale", f"{p}residuals.0.norm.hook_scale"),
-        Alias(f"{ln}ln1.hook_normalized", f"{p}residuals.0.norm.hook_normalized"),
+        *_norm(f"{p}residuals.0.norm.", f"{ln}ln1."),
         Alias(f"{ln}ln1.hook_out", f"{p}self_attn.hook_in"),
-        Alias(f"{ln}attn.hook_in", f"{p}self_attn.hook_in"),
-        Alias(f"{ln}attn.hook_q", f"{p}self_attn.hook_q_proj"),
-        Alias(f"{ln}attn.q.hook_out", f"{p}self_attn.hook_q_proj"),
-        Alias(f"{ln}attn.hook_k", f"{p}self_attn.hook_k_proj"),
-        Alias(f"{ln}attn.k.hook_out", f"{p}self_attn.hook_k_proj"),
-        Alias(f"{ln}attn.hook_v", f"{p}self_attn.hook_v", "heads"),
-        Alias(f"{ln}attn.v.hook_out", f"{p}self_attn.hook_v", "heads"),
-        Alias(f"{ln}attn.hook_attn_scores", f"{p}self_attn.hook_scores"),
-        Alias(f"{ln}attn.hook_pattern", f"{p}self_attn.hook_pattern"),
-        Alias(f"{ln}attn.hook_z", f"{p}self_attn.hook_z", "heads"),
-        Alias(f"{ln}attn.o.hook_in", f"{p}self_attn.hook_z", "heads"),
-        Alias(f"{ln}attn.hook_result", f"{p}self_attn.hook_result"),
-        Alias(f"{ln}attn.hook_out", f"{p}self_attn.hook_out"),
-        Alias(f"{ln}attn.o.hook_out", f"{p}self_attn.hook_out"),
-        Alias(f"{ln}attn.hook_hidden_states", f"{p}self_attn.hook_out"),
+        *_split_inputs(_attention(f"{p}self_attn.", t, H, K), ln, f"{p}hook_resid_pre"),
         Alias(f"{ln}hook_attn_out", f"{p}self_attn.hook_out"),
         Alias(f"{ln}hook_resid_mid", f"{p}hook_resid_mid"),
         Alias(f"{ln}ln2.hook_in", f"{p}hook_resid_mid"),
-        Alias(f"{ln}hook_mlp_in", f"{p}hook_resid_mid", **ro, instead=f"{ln}ln2.hook_in"),
-        Alias(f"{ln}ln2.hook_scale", f"{p}residuals.1.norm.hook_scale"),
-        Alias(f"{ln}ln2.hook_normalized", f"{p}residuals.1.norm.hook_normalized"),
-        Alias(f"{ln}ln2.hook_out", f"{p}ffn.hook_in"),
-        Alias(f"{ln}mlp.hook_in", f"{p}ffn.hook_in"),
-        Alias(f"{ln}mlp.hook_pre", f"{p}ffn.hook_pre"),
-        Alias(f"{ln}mlp.hook_post", f"{p}ffn.hook_hidden"),
-        Alias(f"{ln}mlp.out.hook_in", f"{p}ffn.hook_hidden"),
-        Alias(f"{ln}mlp.hook_out", f"{p}ffn.hook_out"),
-        Alias(f"{ln}mlp.out.hook_out", f"{p}ffn.hook_out"),
+        *_mlp(f"{p}ffn.", f"{ln}mlp.", gated),
         Alias(f"{ln}hook_mlp_out", f"{p}ffn.hook_out"),
         Alias(f"{ln}hook_out", f"{p}hook_resid_post"),
         Alias(f"{ln}hook_resid_post", f"{p}hook_resid_post"),
     ]
-    for x in ("q", "k", "v"):  # one input, shared by the three projections
-        instead = f"{ln}attn.hook_in"
-        out.append(Alias(f"{ln}attn.{x}.hook_in", f"{p}self_attn.hook_in", **ro, instead=instead))
-    for name, n in (("attn_in", H), ("q_input", H), ("k_input", K), ("v_input", K)):
-        for where in (ln, f"{ln}attn."):  # per-head copies of the stream (TL's split inputs)
-            instead = f"{ln}attn.hook_in"
-            out.append(
-                Alias(f"{where}hook_{name}", f"{p}hook_resid_pre", "per_head", False, n, instead)
-            )
-    if gated:  # mlp.gate is TransformerLens' gate_proj, mlp.in its up_proj
-        instead = f"{ln}mlp.hook_in"
-        out += [
-            Alias(f"{ln}mlp.gate.hook_in", f"{p}ffn.hook_in", **ro, instead=instead),
-            Alias(f"{ln}mlp.gate.hook_out", f"{p}ffn.hook_pre"),
-            Alias(f"{ln}mlp.in.hook_in", f"{p}ffn.hook_in", **ro, instead=instead),
-            Alias(f"{ln}mlp.in.hook_out", f"{p}ffn.hook_pre_linear"),
-            Alias(f"{ln}mlp.hook_pre_linear", f"{p}ffn.hook_pre_linear"),
+    ffn_norm, ffn_ln, mid = "residuals.1.norm.", "ln2.", f"{p}hook_resid_mid"
+    if cross:
+        c = f"{ln}cross_attn."
+        memory = "encoder.hook_final_norm"  # what the keys and values are projected from
+        cross = [x for x in _attention(f"{p}cross_attn.", c, H, K) if x.view != "per_head"]
+        cross = [x for x in cross if x.name not in (f"{c}k.hook_in", f"{c}v.hook_in")]
+        out += cross + [
+            *_norm(f"{p}residuals.1.norm.", f"{ln}ln2."),
+            Alias(f"{ln}ln2.hook_out", f"{p}cross_attn.hook_in"),
+            Alias(f"{c}q.hook_in", f"{p}cross_attn.hook_in"),
+            Alias(f"{c}k.hook_in", memory, writable=False, instead="encoder_ln_final.hook_out"),
+            Alias(f"{c}v.hook_in", memory, writable=False, instead="encoder_ln_final.hook_out"),
+            Alias(f"{ln}hook_cross_attn_out", f"{p}cross_attn.hook_out"),
+            Alias(f"{ln}hook_resid_mid2", f"{p}hook_resid_cross"),
+            Alias(f"{ln}ln3.hook_in", f"{p}hook_resid_cross"),
         ]
-    else:
-        out += [
-            Alias(f"{ln}mlp.in.hook_in", f"{p}ffn.hook_in"),
-            Alias(f"{ln}mlp.in.hook_out", f"{p}ffn.hook_pre"),
-        ]
+        ffn_norm, ffn_ln, mid = "residuals.2.norm.", "ln3.", f"{p}hook_resid_cross"
+    out += [
+        *_norm(f"{p}{ffn_norm}", f"{ln}{ffn_ln}"),
+        Alias(f"{ln}{ffn_ln}hook_out", f"{p}ffn.hook_in"),
+        Alias(f"{ln}hook_mlp_in", mid, writable=False, instead=f"{ln}{ffn_ln}hook_in"),
+    ]
     if rope:
         out += [
-            Alias(f"{ln}attn.hook_rot_q", f"{p}self_attn.hook_q", "heads"),
-            Alias(f"{ln}attn.hook_rot_k", f"{p}self_attn.hook_k", "heads"),
+            Alias(f"{t}hook_rot_q", f"{p}self_attn.hook_q", "heads"),
+            Alias(f"{t}hook_rot_k", f"{p}self_attn.hook_k", "heads"),
         ]
         for x in ("cos", "sin"):
             instead = f"rotary_emb.hook_{x}"
-            out.append(
-                Alias(f"{ln}attn.hook_{x}", f"positions.hook_{x}", "batch", False, 0, instead)
-            )
+            out.append(Alias(f"{t}hook_{x}", f"positions.hook_{x}", "batch", False, 0, instead))
     return out
 
 
@@ -164,63 +218,31 @@ def _post_norm_block(p: str, ln: str, H: int) -> list[Alias]:
     """The aliases of one post-norm encoder block (BERT) as TransformerBridge names them: its
     attention's output (`attn.hook_out`, `hook_attn_out`) is the first norm's output, and its
     `hook_resid_mid` the second norm's input (the stream plus the MLP's output)."""
-    ro = dict(writable=False)
-    out = [
+    attn = _attention(f"{p}self_attn.", f"{ln}attn.", H, H, out=False)
+    return [
         Alias(f"{ln}hook_resid_pre", f"{p}hook_resid_pre"),
         Alias(f"{ln}hook_in", f"{p}hook_resid_pre"),
-        Alias(f"{ln}attn.hook_in", f"{p}self_attn.hook_in"),
-        Alias(f"{ln}attn.hook_q", f"{p}self_attn.hook_q_proj"),
-        Alias(f"{ln}attn.q.hook_out", f"{p}self_attn.hook_q_proj"),
-        Alias(f"{ln}attn.hook_k", f"{p}self_attn.hook_k_proj"),
-        Alias(f"{ln}attn.k.hook_out", f"{p}self_attn.hook_k_proj"),
-        Alias(f"{ln}attn.hook_v", f"{p}self_attn.hook_v", "heads"),
-        Alias(f"{ln}attn.v.hook_out", f"{p}self_attn.hook_v", "heads"),
-        Alias(f"{ln}attn.hook_attn_scores", f"{p}self_attn.hook_scores"),
-        Alias(f"{ln}attn.hook_pattern", f"{p}self_attn.hook_pattern"),
-        Alias(f"{ln}attn.hook_z", f"{p}self_attn.hook_z", "heads"),
-        Alias(f"{ln}attn.o.hook_in", f"{p}self_attn.hook_z", "heads"),
-        Alias(f"{ln}attn.hook_result", f"{p}self_attn.hook_result"),
-        Alias(f"{ln}attn.o.hook_out", f"{p}self_attn.hook_out"),
-        Alias(f"{ln}attn.hook_hidden_states", f"{p}self_attn.hook_out"),
+        *_split_inputs(attn, ln, f"{p}hook_resid_pre"),
         Alias(f"{ln}ln1.hook_in", f"{p}residuals.0.norm.hook_in"),
-        Alias(f"{ln}ln1.hook_scale", f"{p}residuals.0.norm.hook_scale"),
-        Alias(f"{ln}ln1.hook_normalized", f"{p}residuals.0.norm.hook_normalized"),
+        *_norm(f"{p}residuals.0.norm.", f"{ln}ln1."),
         Alias(f"{ln}ln1.hook_out", f"{p}hook_resid_mid"),
         Alias(f"{ln}attn.hook_out", f"{p}hook_resid_mid"),
         Alias(f"{ln}hook_attn_out", f"{p}hook_resid_mid"),
-        Alias(f"{ln}mlp.hook_in", f"{p}ffn.hook_in"),
+        *_mlp(f"{p}ffn.", f"{ln}mlp.", False),
         Alias(f"{ln}hook_mlp_in", f"{p}ffn.hook_in"),
-        Alias(f"{ln}mlp.in.hook_in", f"{p}ffn.hook_in"),
-        Alias(f"{ln}mlp.in.hook_out", f"{p}ffn.hook_pre"),
-        Alias(f"{ln}mlp.hook_pre", f"{p}ffn.hook_pre"),
-        Alias(f"{ln}mlp.hook_post", f"{p}ffn.hook_hidden"),
-        Alias(f"{ln}mlp.out.hook_in", f"{p}ffn.hook_hidden"),
-        Alias(f"{ln}mlp.hook_out", f"{p}ffn.hook_out"),
-        Alias(f"{ln}mlp.out.hook_out", f"{p}ffn.hook_out"),
         Alias(f"{ln}hook_mlp_out", f"{p}ffn.hook_out"),
         Alias(f"{ln}ln2.hook_in", f"{p}residuals.1.norm.hook_in"),
         Alias(f"{ln}hook_resid_mid", f"{p}residuals.1.norm.hook_in"),
-        Alias(f"{ln}ln2.hook_scale", f"{p}residuals.1.norm.hook_scale"),
-        Alias(f"{ln}ln2.hook_normalized", f"{p}residuals.1.norm.hook_normalized"),
+        *_norm(f"{p}residuals.1.norm.", f"{ln}ln2."),
         Alias(f"{ln}ln2.hook_out", f"{p}hook_resid_post"),
         Alias(f"{ln}hook_out", f"{p}hook_resid_post"),
         Alias(f"{ln}hook_resid_post", f"{p}hook_resid_post"),
     ]
-    for x in ("q", "k", "v"):
-        instead = f"{ln}attn.hook_in"
-        out.append(Alias(f"{ln}attn.{x}.hook_in", f"{p}self_attn.hook_in", **ro, instead=instead))
-    for name in ("attn_in", "q_input", "k_input", "v_input"):
-        for where in (ln, f"{ln}attn."):
-            instead = f"{ln}attn.hook_in"
-            out.append(
-                Alias(f"{where}hook_{name}", f"{p}hook_resid_pre", "per_head", False, H, instead)
-            )
-    return out
 
 
 def _encoder(points: set[str], heads: list[tuple[int, int]]) -> list[Alias]:
     """An encoder-only model's aliases (BERT: `encoder.` points, a masked-LM `head.`)."""
-    e, L = "encoder.", len(heads)
+    e = "encoder."
     out = [
         Alias("embed.hook_in", f"{e}hook_tokens"),
         Alias("embed.hook_out", f"{e}hook_embed"),
@@ -244,27 +266,69 @@ def _encoder(points: set[str], heads: list[tuple[int, int]]) -> list[Alias]:
         Alias("unembed.hook_out", "head.hook_logits"),
         Alias("hook_unembed", "head.hook_logits"),
     ]
-    for i, (H, _) in enumerate(heads[:L]):
+    for i, (H, _) in enumerate(heads):
         if f"{e}blocks.{i}.residuals.1.norm.hook_in" in points:
             out += _post_norm_block(f"{e}blocks.{i}.", f"blocks.{i}.", H)
     return out
 
 
-def tl_table(points: list[str], heads: list[tuple[int, int]]) -> dict[str, Alias]:
+def _t5(points: set[str], heads: dict[str, list[tuple[int, int]]]) -> list[Alias]:
+    """An encoder-decoder's aliases (T5) as TransformerBridge names them: `encoder_blocks.i`,
+    `decoder_blocks.i` with `self_attn` and `cross_attn`, ln1-ln3, the relative position bias
+    as `pos_embed` / `decoder_pos_embed` ((T, S) buckets and their (T, S, H) bias)."""
+    out = [
+        Alias("embed.hook_in", "encoder.hook_tokens"),
+        Alias("embed.hook_out", "encoder.hook_embed"),
+        Alias("hook_embed", "encoder.hook_embed"),
+        Alias("pos_embed.hook_in", "encoder.positions.hook_buckets"),
+        Alias("pos_embed.hook_out", "encoder.positions.hook_pos_embed"),
+        Alias("hook_pos_embed", "encoder.positions.hook_pos_embed"),
+        Alias("decoder_pos_embed.hook_in", "decoder.positions.hook_buckets"),
+        Alias("decoder_pos_embed.hook_out", "decoder.positions.hook_pos_embed"),
+        Alias("unembed.hook_out", "decoder.hook_logits"),
+        Alias("hook_unembed", "decoder.hook_logits"),
+    ]
+    for stack in ("encoder", "decoder"):
+        out += [
+            Alias(f"{stack}_ln_final.hook_in", f"{stack}.norm.hook_in"),
+            *_norm(f"{stack}.norm.", f"{stack}_ln_final."),
+            Alias(f"{stack}_ln_final.hook_out", f"{stack}.hook_final_norm"),
+        ]
+        attn = "attn" if stack == "encoder" else "self_attn"
+        for i, (H, K) in enumerate(heads[f"{stack}."]):
+            p = f"{stack}.blocks.{i}."
+            if f"{p}self_attn.hook_q_proj" in points and f"{p}ffn.hook_pre" in points:
+                gated = f"{p}ffn.hook_pre_linear" in points
+                cross = f"{p}hook_resid_cross" in points
+                out += _block(p, f"{stack}_blocks.{i}.", H, K, gated, False, attn, cross)
+    return out
+
+
+def tl_table(points: list[str], heads: dict[str, list[tuple[int, int]]]) -> dict[str, Alias]:
     """Every TransformerLens name this model's points can answer, by name.
 
     Args:
-        points: the model's point names (`hook_points(model)`): a pre-norm decoder-only model
-            or a post-norm encoder-only one (BERT) with attnlab's standard blocks (an
-            encoder-decoder, MLA or MoE block gets no aliases).
-        heads: (query heads, key/value heads) of each block.
+        points: the model's point names (`hook_points(model)`): a pre-norm decoder-only model,
+            a post-norm encoder-only one (BERT) or a pre-norm encoder-decoder (T5) with
+            attnlab's standard blocks (an MLA or MoE block gets no aliases).
+        heads: for each stack ("" for a decoder-only model, "encoder." and / or "decoder."),
+            (query heads, key/value heads) of each of its blocks.
 
     Returns:
         {TransformerLens name: Alias}, only those whose attnlab point exists.
     """
     have = set(points)
-    if "encoder.hook_tokens" in have and "decoder.hook_tokens" not in have:
-        return {a.name: a for a in _encoder(have, heads) if a.point in have}
+    if "encoder." in heads and "decoder." in heads:
+        aliases = _t5(have, heads)
+    elif "encoder." in heads:
+        aliases = _encoder(have, heads["encoder."])
+    else:
+        aliases = _decoder(have, heads[""])
+    return {a.name: a for a in aliases if a.point in have}
+
+
+def _decoder(have: set[str], heads: list[tuple[int, int]]) -> list[Alias]:
+    """A decoder-only model's aliases (GPT-2, Llama)."""
     rope = "positions.hook_cos" in have
     out = [
         Alias("embed.hook_in", "hook_tokens"),
@@ -274,8 +338,7 @@ def tl_table(points: list[str], heads: list[tuple[int, int]]) -> dict[str, Alias
         Alias("hook_pos_embed", "positions.hook_pos_embed"),
         Alias("pos_embed.hook_out", "positions.hook_pos_embed"),
         Alias("ln_final.hook_in", f"blocks.{len(heads) - 1}.hook_resid_post"),
-        Alias("ln_final.hook_scale", "norm.hook_scale"),
-        Alias("ln_final.hook_normalized", "norm.hook_normalized"),
+        *_norm("norm.", "ln_final."),
         Alias("ln_final.hook_out", "hook_final_norm"),
         Alias("unembed.hook_in", "hook_final_norm"),
         Alias("unembed.hook_out", "hook_logits"),
@@ -289,9 +352,8 @@ def tl_table(points: list[str], heads: list[tuple[int, int]]) -> dict[str, Alias
     for i, (H, K) in enumerate(heads):
         p = f"blocks.{i}."
         if f"{p}self_attn.hook_q_proj" in have and f"{p}ffn.hook_pre" in have:
-            gated = f"{p}ffn.hook_pre_linear" in have
-            out += _block(p, p, H, K, gated, rope)
-    return {a.name: a for a in out if a.point in have}
+            out += _block(p, p, H, K, f"{p}ffn.hook_pre_linear" in have, rope)
+    return out
 
 
 # TransformerLens' `utils.get_act_name` shorthands, and where each kind of point lives.
