@@ -285,6 +285,7 @@ def _t5(points: set[str], heads: dict[str, list[tuple[int, int]]]) -> list[Alias
         Alias("hook_pos_embed", "encoder.positions.hook_pos_embed"),
         Alias("decoder_pos_embed.hook_in", "decoder.positions.hook_buckets"),
         Alias("decoder_pos_embed.hook_out", "decoder.positions.hook_pos_embed"),
+        Alias("unembed.hook_in", "decoder.hook_head_in"),  # times d_model^-0.5 (a tied head)
         Alias("unembed.hook_out", "decoder.hook_logits"),
         Alias("hook_unembed", "decoder.hook_logits"),
     ]
@@ -340,7 +341,7 @@ def _decoder(have: set[str], heads: list[tuple[int, int]]) -> list[Alias]:
         Alias("ln_final.hook_in", f"blocks.{len(heads) - 1}.hook_resid_post"),
         *_norm("norm.", "ln_final."),
         Alias("ln_final.hook_out", "hook_final_norm"),
-        Alias("unembed.hook_in", "hook_final_norm"),
+        Alias("unembed.hook_in", "hook_head_in"),
         Alias("unembed.hook_out", "hook_logits"),
         Alias("hook_unembed", "hook_logits"),
     ]

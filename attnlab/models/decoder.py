@@ -72,6 +72,7 @@ class DecoderLM(nn.Module):
         self.logit_softcap = logit_softcap
         self.hook_tokens, self.hook_embed = HookPoint(), HookPoint()  # ids, token embeddings
         self.hook_final_norm, self.hook_logits = HookPoint(), HookPoint()
+        self.hook_head_in = HookPoint()  # what the head reads: the final norm's output, scaled
 
     def forward(
         self,
@@ -204,7 +205,7 @@ class DecoderLM(nn.Module):
         x = self.hook_final_norm(self.norm(x))  # (B, T, C)
         if self.head_scale != 1.0:
             x = x * self.head_scale
-        logits = self.head(x)  # (B, T, V)
+        logits = self.head(self.hook_head_in(x))  # (B, T, V)
         if self.logit_softcap is not None:
             logits = soft_cap(logits, self.logit_softcap)
         return self.hook_logits(logits)

@@ -18,7 +18,7 @@ from attnlab.components.hooks import run_with_cache, run_with_hooks, tl_points
 from attnlab.components.tl_names import get_act_name
 from attnlab.interop.hf import save_hf
 from attnlab.models.presets import get_preset
-from tests.hf_tokenizer_files import bert_files, gpt2_files
+from tests.hf_tokenizer_files import bert_files, gpt2_files, t5_files
 from tests.lab.helpers import tiny_lm
 
 T = pytest.importorskip("transformers")
@@ -33,6 +33,8 @@ FAMILIES = {
     "llama-tiny": "LlamaForCausalLM",
     "bert-tiny": "BertForMaskedLM",
 }
+ENCODER_DECODER = {"t5-tiny": "T5ForConditionalGeneration"}  # its own table: other names
+DECODER_IDS = torch.tensor([[0, 5, 6, 9], [0, 7, 3, 2]])
 # TransformerBridge's switches that make its optional points fire (each off by default):
 # per-head results, per-head copies of the residual stream for q/k/v (or for attention as a
 # whole: the two cannot be on together), the FFN's input. With split inputs on, the plain
@@ -58,8 +60,10 @@ def _pair(preset: str, tmp: Path):
     model = tiny_lm(preset, n_layers=2)
     _randomise(model)
     save_hf(model, replace(get_preset(preset), n_layers=2), tmp)
-    (bert_files if preset == "bert-tiny" else gpt2_files)(tmp)  # a tokenizer for the bridge
-    hf = getattr(T, FAMILIES[preset]).from_pretrained(tmp, attn_implementation="eager").eval()
+    tokenizer = {"bert-tiny": bert_files, "t5-tiny": t5_files}.get(preset, gpt2_files)
+    tokenizer(tmp)  # a tokenizer for the bridge to load (the ids are given directly)
+    cls = getattr(T, {**FAMILIES, **ENCODER_DECODER}[preset])
+    hf = cls.from_pretrained(tmp, attn_implementation="eager").eval()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_OFFLINE", "1")
         bridge = TransformerBridge.boot_transformers(str(tmp), hf_model=hf)
@@ -80,37 +84,72 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-# TransformerBridge 4.3's BERT attention (its generic AttentionBridge) shows the softmaxed
-# pattern at hook_attn_scores; attnlab's scores are checked there through their softmax.
-QUIRKS = {"bert-tiny": {"attn.hook_attn_scores": lambda s: s.softmax(-1)}}
+def _t5_norm(ours, theirs, name):
+    """TransformerBridge 4.3's T5 norms show LayerNorm's statistics (the centred input) at
+    hook_scale / hook_normalized, though T5's norm is an RMSNorm (its hook_out is right): the
+    check is that the bridge's value is that formula on its own input; attnlab's points hold
+    the RMS ones (tests/components/test_hooks.py)."""
+    x = theirs[name.rsplit(".", 1)[0] + ".hook_in"]
+    centred = x - x.mean(-1, keepdim=True)
+    scale = (centred.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    return _differ(scale if name.endswith("scale") else centred / scale, theirs[name])
+
+
+# Where TransformerBridge 4.3 shows something else than its name says: (the table's note, the
+# check). BERT's attention (its generic AttentionBridge) shows the softmaxed pattern at
+# hook_attn_scores; attnlab's scores are checked there through their softmax.
+QUIRKS = {
+    "bert-tiny": {
+        "attn.hook_attn_scores": (
+            "TL shows the pattern: compared after softmax",
+            lambda ours, theirs, name: _differ(ours.softmax(-1), theirs[name]),
+        )
+    },
+    "t5-tiny": {
+        **{
+            end: ("TL shows LayerNorm's statistic of an RMSNorm: TL checked against that", _t5_norm)
+            for end in ("hook_scale", "hook_normalized")
+        },
+        "self_attn.hook_attn_scores": (
+            "TL shows the scores before the causal mask: compared where attnlab's are finite",
+            lambda ours, theirs, name: (ours - theirs[name])[ours.isfinite()].abs().max().item(),
+        ),
+    },
+}
 
 
 def _compare(model, bridge, preset) -> dict[str, tuple[str, float, str]]:
     """{TL name: (attnlab point, max|diff|, shape)} over every name the bridge defines; a name
     that never fires in the bridge has diff None."""
     aliases = tl_points(model)
+    enc_dec = preset in ENCODER_DECODER
     theirs = {}
     for switches in RUNS:
         try:
             for s in switches:
                 getattr(bridge, s)(True)
-        except NotImplementedError:  # BERT's attention bridge has none of them
+        except NotImplementedError:  # BERT's and T5's attention bridges have none of them
             continue
-        _, cache = bridge.run_with_cache(IDS)
+        kw = dict(decoder_input=DECODER_IDS) if enc_dec else {}
+        _, cache = bridge.run_with_cache(IDS, **kw)
         theirs.update({k: v for k, v in cache.items()})
         for s in switches:
             getattr(bridge, s)(False)
-    _, ours = run_with_cache(model, IDS, names=list(aliases))
+    inputs = (IDS, DECODER_IDS) if enc_dec else (IDS,)
+    _, ours = run_with_cache(model, *inputs, names=list(aliases))
     rows = {}
     for name in bridge.hook_dict:
         point = aliases[name].point if name in aliases else None
         if name not in theirs:
             rows[name] = (point, None, "")
             continue
-        quirk = [f for end, f in QUIRKS.get(preset, {}).items() if name.endswith(end)]
-        mine = ours.get(name)
-        mine = quirk[0](mine) if quirk and mine is not None else mine
-        diff = float("inf") if mine is None else _differ(mine, theirs[name])
+        quirk = [check for end, (_, check) in QUIRKS.get(preset, {}).items() if name.endswith(end)]
+        if name not in ours:
+            diff = float("inf")
+        elif quirk:
+            diff = quirk[0](ours[name], theirs, name)
+        else:
+            diff = _differ(ours[name], theirs[name])
         rows[name] = (point, diff, tuple(theirs[name].shape))
     return rows
 
@@ -176,24 +215,22 @@ def test_get_act_name_is_transformer_lens():
 
 def _table(results: dict[str, dict]) -> str:
     """The coverage table of docs/hooks.md: every name of the model and of block 0."""
-    heads = " | ".join(f"{p.removesuffix('-tiny')} max\\|diff\\|" for p in FAMILIES)
+    heads = " | ".join(f"{p.removesuffix('-tiny')} max\\|diff\\|" for p in results)
     lines = [
         f"| TransformerLens name | attnlab point | {heads} |",
-        "|---|---|" + "---|" * len(FAMILIES),
+        "|---|---|" + "---|" * len(results),
     ]
     names = []
     for rows in results.values():
-        names += [n for n in rows if n not in names and not n.startswith("blocks.1.")]
+        names += [n for n in rows if n not in names and "blocks.1." not in n]
 
     def cell(preset, rows, n):
         if n not in rows:
             return "not in TL"
         if rows[n][1] is None:
             return "TL never fires it"
-        quirk = any(n.endswith(end) for end in QUIRKS.get(preset, {}))
-        return f"{rows[n][1]:.1e}" + (
-            " (TL shows the pattern: compared after softmax)" if quirk else ""
-        )
+        notes = [note for end, (note, _) in QUIRKS.get(preset, {}).items() if n.endswith(end)]
+        return f"{rows[n][1]:.1e}" + (f" ({notes[0]})" if notes else "")
 
     for n in names:
         found = [r[n][0] for r in results.values() if n in r and r[n][0]]
@@ -204,16 +241,34 @@ def _table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_docs_table(tmp_path_factory):
-    results = {}
-    for preset in FAMILIES:
-        model, bridge = _pair(preset, tmp_path_factory.mktemp(preset))
-        results[preset] = _compare(model, bridge, preset)
-    table = _table(results)
-    begin, end = "<!-- tl-table begin -->\n", "<!-- tl-table end -->"
+def _write_or_check(marker: str, table: str) -> None:
+    """docs/hooks.md's table between its `marker` comments: written with ATTNLAB_WRITE_DOCS=1,
+    checked otherwise."""
+    begin, end = f"<!-- {marker} begin -->\n", f"<!-- {marker} end -->"
     page = DOC.read_text()
     if os.environ.get("ATTNLAB_WRITE_DOCS"):
         head, rest = page.split(begin) if begin in page else (page + "\n", end + "\n")
         DOC.write_text(head + begin + table + end + rest.split(end, 1)[1])
         page = DOC.read_text()
     assert begin + table + end in page, "docs/hooks.md's table is stale: ATTNLAB_WRITE_DOCS=1"
+
+
+def test_docs_table(tmp_path_factory):
+    results = {}
+    for preset in FAMILIES:
+        model, bridge = _pair(preset, tmp_path_factory.mktemp(preset))
+        results[preset] = _compare(model, bridge, preset)
+    _write_or_check("tl-table", _table(results))
+
+
+def test_t5_every_transformer_lens_point_and_docs_table(tmp_path_factory):
+    """T5 (encoder, decoder, cross attention) as the bridge names it: every name that fires is
+    there and equal (the bridge's own norm statistics and unmasked decoder scores through
+    QUIRKS)."""
+    model, bridge = _pair("t5-tiny", tmp_path_factory.mktemp("t5"))
+    rows = _compare(model, bridge, "t5-tiny")
+    fired = {n: r for n, r in rows.items() if r[1] is not None}
+    assert len(fired) > 150
+    wrong = {n: r for n, r in fired.items() if (r[0] is None or not r[1] <= TOL)}
+    assert not wrong, wrong
+    _write_or_check("tl-t5-table", _table({"t5-tiny": rows}))
