@@ -55,10 +55,19 @@ def _pattern_at(x: Tensor, cell: tuple[int, ...], clean: Tensor) -> None:
     x[(slice(None),) + cell] = clean[(slice(None),) + cell]  # head[, dest[, src]] of (B,H,T,S)
 
 
-def _sizes(model: nn.Module, act: str, axes: tuple[str, ...], T: int) -> list[int]:
-    attn = model.blocks[0].self_attn
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The blocks patched: a causal LM's (a HookedModel's), or an encoder-only model's (BERT,
+    whose metric reads its masked-LM logits)."""
+    model = model.model if isinstance(model, HookedModel) else model
+    if hasattr(model, "encoder") and not hasattr(model, "decoder"):
+        return model.encoder.blocks
+    return check_lm(model).blocks
+
+
+def _sizes(blocks: nn.ModuleList, act: str, axes: tuple[str, ...], T: int) -> list[int]:
+    attn = blocks[0].self_attn
     heads = attn.n_kv_heads if act in ("k", "v") else attn.n_heads
-    size = {"layer": len(model.blocks), "pos": T, "head": heads, "dest": T, "src": T}
+    size = {"layer": len(blocks), "pos": T, "head": heads, "dest": T, "src": T}
     return [size[a] for a in axes]
 
 
@@ -75,7 +84,8 @@ def activation_patch(
     """TransformerLens' `generic_activation_patch`: one corrupted forward per cell.
 
     Args:
-        model: a DecoderLM, or a HookedModel (lab/tl_model.py).  corrupted_tokens: (B, T) ids.
+        model: a DecoderLM, a HookedModel (lab/tl_model.py) or an encoder-only model (BERT).
+        corrupted_tokens: (B, T) ids.
         clean_cache: the clean run's activations under TransformerLens' names.
         patching_metric: logits (B, T, V) -> a scalar tensor.
         act: a `get_act_name` short name ("resid_pre", "z", "q", "pattern", ...).
@@ -85,8 +95,8 @@ def activation_patch(
     Returns:
         The metric for every cell, shaped by `axes`.
     """
-    model = check_lm(model.model if isinstance(model, HookedModel) else model)
-    sizes = _sizes(model, act, axes, corrupted_tokens.shape[-1])
+    sizes = _sizes(_blocks(model), act, axes, corrupted_tokens.shape[-1])
+    model = model.model if isinstance(model, HookedModel) else model
     out = torch.zeros(sizes)
     for cell in itertools.product(*(range(n) for n in sizes)):
         name = get_act_name(act, cell[0])
@@ -188,5 +198,4 @@ def get_act_patch_attn_head_by_pos_every(
 def tl_patch_names(model: nn.Module) -> list[str]:
     """Every TransformerLens name these functions read, for `run_with_cache(names=...)`."""
     acts = ("resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "q", "k", "v", "pattern")
-    model = model.model if isinstance(model, HookedModel) else model
-    return [get_act_name(a, i) for i in range(len(check_lm(model).blocks)) for a in acts]
+    return [get_act_name(a, i) for i in range(len(_blocks(model))) for a in acts]

@@ -39,10 +39,10 @@ FUNCTIONS = [
 
 
 def metric(logits):
-    return logit_diff(logits, 7, 8)
+    return logit_diff(logits, 7, 8)  # the last position's (BERT: its masked-LM logits)
 
 
-@pytest.fixture(scope="module", params=["gpt2-tiny", "llama-tiny"])
+@pytest.fixture(scope="module", params=["gpt2-tiny", "llama-tiny", "bert-tiny"])
 def runs(request, tmp_path_factory):
     model, bridge = _pair(request.param, tmp_path_factory.mktemp(request.param))
     _, theirs = bridge.run_with_cache(CLEAN)
@@ -53,11 +53,19 @@ def runs(request, tmp_path_factory):
 @pytest.mark.parametrize("name", FUNCTIONS)
 def test_equals_transformer_lens(runs, name):
     model, bridge, ours, theirs = runs
-    if name == "get_act_patch_resid_mid":
+    if name == "get_act_patch_resid_mid" and not hasattr(model, "encoder"):
         pytest.skip("TransformerBridge patches the MLP's input only: test_resid_mid below")
     reference = getattr(tl_patching_ref, name)(bridge, CORRUPT, theirs, metric)
     result = getattr(tl_patching, name)(model, CORRUPT, ours, metric)
     assert result.shape == reference.shape
+    if hasattr(model, "encoder") and "pattern" in name:
+        # TransformerBridge 4.3's BERT attention (its generic AttentionBridge) shows the
+        # pattern to hooks but attends with its own: an edit there changes nothing, and its
+        # map is flat. attnlab's heads read the edited pattern.
+        assert reference.max() - reference.min() < 1e-6 and result.std() > 0
+        return
+    if hasattr(model, "encoder") and name.endswith("_every") and "head" in name:
+        result, reference = result[:4], reference[:4]  # out, q, k, v; the pattern as above
     assert (result - reference).abs().max() <= TOL
     assert reference.std() > 0  # the map is not flat: the cells differ
 
@@ -69,6 +77,8 @@ def test_resid_mid(runs):
     reference is the bridge patched as HookedTransformer was: the clean value into the MLP's
     input and the same change added to the stream after the MLP."""
     model, bridge, ours, theirs = runs
+    if hasattr(model, "encoder"):
+        pytest.skip("BERT's hook_resid_mid is its second norm's input in both: patched above")
     _, corrupt = bridge.run_with_cache(CORRUPT)
     L, T = len(model.blocks), CORRUPT.shape[1]
     reference = torch.zeros(L, T)
@@ -107,6 +117,8 @@ def test_per_layer_attribution_counts_the_output_bias(runs):
     from attnlab.lab.patching import attribution_names, logit_attribution
 
     model, bridge, _, theirs = runs
+    if hasattr(model, "encoder"):
+        pytest.skip("direct logit attribution takes a pre-norm causal LM")
     stack, labels = theirs.decompose_resid(layer=-1, pos_slice=-1, return_labels=True)
     normed = theirs.apply_ln_to_stack(stack, layer=-1, pos_slice=-1) * model.norm.weight
     direction = bridge.W_U[:, 7] - bridge.W_U[:, 8]  # (C,)
