@@ -225,6 +225,8 @@ class HookedModel:
 
     def to_tokens(self, input: str | Sequence[str], prepend_bos: bool = True) -> Tensor:
         """(B, T) ids of a text or a list of texts (padded on the right), BOS first."""
+        if self.tokenizer is None:
+            raise ValueError("this HookedModel has no tokenizer: give token ids (B, T) instead")
         texts = [input] if isinstance(input, str) else list(input)
         rows = [(self._bos() if prepend_bos else []) + self.tokenizer.encode(t) for t in texts]
         pad = self.tokenizer.token_id("<pad>") or 0
