@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from attnlab.components.backends import BACKENDS, Backend, eager_attention
 from attnlab.components.context import NO_CONTEXT, AttentionContext
-from attnlab.components.hooks import HookPoint, attend_heads
+from attnlab.components.hooks import HookPoint, attend_heads, project_heads
 from attnlab.components.kv_cache import KV_CODE_MAX, KVCache, QuantizedKVCache
 from attnlab.components.qk_norm import QKNorm, Scope
 
@@ -101,9 +101,12 @@ class Attention(nn.Module):
         norm = partial(QKNorm, head_dim=head_dim, scope=qk_norm_scope, eps=norm_eps)
         self.q_norm = norm(n_heads, unit_offset=norm_unit_offset) if qk_norm else nn.Identity()
         self.k_norm = norm(n_kv_heads, unit_offset=norm_unit_offset) if qk_norm else nn.Identity()
+        self.hook_in = HookPoint()  # (B, T, C) what q, k and v are projected from
+        self.hook_q_proj, self.hook_k_proj = HookPoint(), HookPoint()  # (B, T, H|K, D) unrotated
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_scores, self.hook_pattern = HookPoint(), HookPoint()  # seen only when hooked
-        self.hook_z, self.hook_out = HookPoint(), HookPoint()
+        self.hook_z, self.hook_result = HookPoint(), HookPoint()  # result: built only when hooked
+        self.hook_out = HookPoint()
 
     def forward(self, x: Tensor, ctx: AttentionContext = NO_CONTEXT, cache=None) -> Tensor:
         """Attend from `x` to itself (or to `ctx.memory` for cross attention).
@@ -122,7 +125,9 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, H, D)).transpose(1, 2)  # (B, H, T, D)
+        x = self.hook_in(x)
+        q = self.hook_q_proj(self.q_norm(self.q_proj(x).view(B, T, H, D)))  # (B, T, H, D)
+        q = q.transpose(1, 2)  # (B, H, T, D)
         if self.cross:
             mask, bias, is_causal = ctx.memory_mask, None, False
             if cache is None:
@@ -140,8 +145,7 @@ class Attention(nn.Module):
         else:  # the cache writes the new keys, then attends to all it holds (kv_cache.py)
             z = cache.attend(q, k, v, ctx.slots, mask, bias, self.attend_to, self.scale)
         z = self.hook_z(z)  # (B, H, T, D): each head's output
-        out = self.o_proj(z.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
-        return self.hook_out(out)
+        return self.hook_out(project_heads(self, z))  # (B, T, C): o_proj on the heads' concat
 
     def attend_to(self, q, k, v, mask=None, bias=None) -> Tensor:
         """This layer's attention of q (B, H, T, D) to cached k, v (B, K, S, D) -> (B, H, T, D)."""
@@ -153,7 +157,8 @@ class Attention(nn.Module):
             raise ValueError("cross attention needs the encoder memory (memory=None was given)")
         B, S, _ = source.shape
         K, D = self.n_kv_heads, self.head_dim
-        k = self.k_norm(self.k_proj(source).view(B, S, K, D)).transpose(1, 2)  # (B, K, S, D)
+        k = self.hook_k_proj(self.k_norm(self.k_proj(source).view(B, S, K, D)))  # (B, S, K, D)
+        k = k.transpose(1, 2)  # (B, K, S, D)
         v = self.v_proj(source).view(B, S, K, D).transpose(1, 2)  # (B, K, S, D)
         return k, v
 

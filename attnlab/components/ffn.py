@@ -69,10 +69,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
-        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_in, self.hook_pre = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.hook_hidden(self.act(self.up_proj(x)))  # (B, T, F)
+        pre = self.hook_pre(self.up_proj(self.hook_in(x)))  # (B, T, F) before the activation
+        h = self.hook_hidden(self.act(pre))  # (B, T, F)
         return self.hook_out(self.down_proj(self.drop(h)))  # (B, T, C)
 
 
@@ -100,8 +102,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
-        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_in, self.hook_pre = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_pre_linear = HookPoint()  # up_proj's output (hook_pre is the gate's)
+        self.hook_hidden, self.hook_out = HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.hook_hidden(self.act(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F)
+        x = self.hook_in(x)
+        gate = self.hook_pre(self.gate_proj(x))  # (B, T, F) before the activation
+        h = self.hook_hidden(self.act(gate) * self.hook_pre_linear(self.up_proj(x)))  # (B, T, F)
         return self.hook_out(self.down_proj(self.drop(h)))  # (B, T, C)

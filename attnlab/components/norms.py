@@ -11,12 +11,19 @@ same math through PyTorch's fused kernels (F.layer_norm, F.rms_norm): written wi
 ops each, forward and backward, the norms took a sizeable share of a small model's training step
 on CPU (benchmarks/README.md). tests/components/test_norms.py checks both against each other.
 
+While a hook watches `hook_scale` or `hook_normalized` (TransformerLens' points: the divisor
+sqrt(var + eps), (..., 1), and the centred input divided by it, before the weight), the norm
+also runs its written-out formula so that both exist, and keeps the fused output unless a hook
+edited one of them (as attention does with its scores, components/hooks.py).
+
 Shapes: (..., C) in, (..., C) out.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnlab.components.hooks import HookPoint
 
 
 class LayerNorm(nn.Module):
@@ -31,10 +38,14 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.hook_in, self.hook_scale, self.hook_normalized = HookPoint(), HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
+        x = self.hook_in(x)  # (..., C): in a post-norm block, the residual sum
         bias = None if self.bias is None else self.bias.float()
         h = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
+        if self.hook_scale.fns or self.hook_normalized.fns:
+            h = _watched(self, x.float() - x.float().mean(-1, keepdim=True), h, bias)
         return h.to(x.dtype)
 
 
@@ -50,11 +61,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.hook_in, self.hook_scale, self.hook_normalized = HookPoint(), HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
+        x = self.hook_in(x)  # (..., C): in a post-norm block, the residual sum
         scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()  # (C,)
         h = F.rms_norm(x.float(), self.weight.shape, scale, self.eps)
+        if self.hook_scale.fns or self.hook_normalized.fns:
+            h = _watched(self, x.float(), h, None, scale)
         return h.to(x.dtype)
+
+
+def _watched(norm, centred: Tensor, out: Tensor, bias: Tensor | None, weight=None) -> Tensor:
+    """A norm's scale and normalized input shown to its hooks; `out` (the fused result) unless
+    a hook edited one of them, then the formula on what the hooks returned (fp32)."""
+    weight = norm.weight.float() if weight is None else weight  # (C,)
+    scale = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # (..., 1)
+    hooked = norm.hook_scale(scale)
+    normalized = centred / hooked  # (..., C)
+    shown = norm.hook_normalized(normalized)
+    if hooked is scale and shown is normalized:
+        return out
+    h = shown.float() * weight  # (..., C)
+    return h if bias is None else h + bias
 
 
 def layer_norm_reference(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:

@@ -18,6 +18,7 @@ of the clean answer comes back. Here the corrupted run is patched with clean act
 
     kind        hook point                      cell
     resid_pre   blocks.i.hook_resid_pre         (layer, position)
+    resid_mid   blocks.i.hook_resid_mid         (layer, position)
     attn_out    blocks.i.self_attn.hook_out     (layer, position)
     mlp_out     blocks.i.ffn.hook_out           (layer, position)
     head        blocks.i.self_attn.hook_z       (layer, head), every position at once
@@ -47,6 +48,7 @@ from attnlab.viz.patching import plot_attribution, plot_patching
 Metric = Callable[[Tensor], Tensor]  # logits (B, T, V) -> a scalar tensor
 KINDS = {
     "resid_pre": "blocks.{}.hook_resid_pre",
+    "resid_mid": "blocks.{}.hook_resid_mid",
     "attn_out": "blocks.{}.self_attn.hook_out",
     "mlp_out": "blocks.{}.ffn.hook_out",
     "head": "blocks.{}.self_attn.hook_z",
@@ -133,8 +135,8 @@ def patch(
         clean_cache: the clean run's activations at the points of `kind`
             (`run_with_cache(model, clean, names=patch_names(model, kind))`).
         metric: logits (B, T, V) -> a scalar tensor, e.g. a normalised `logit_diff`.
-        kind: "resid_pre", "attn_out", "mlp_out" (per layer and position) or "head" (per layer
-            and head, all positions).
+        kind: "resid_pre", "resid_mid", "attn_out", "mlp_out" (per layer and position) or
+            "head" (per layer and head, all positions).
 
     Returns:
         (L, T), or (L, H) for "head".
@@ -207,25 +209,25 @@ def residual_stack(model: nn.Module, cache: dict[str, Tensor]) -> tuple[Tensor, 
     """The final residual stream split into what each component wrote.
 
     Returns:
-        (stack, labels): stack (N, B, T, C), N = 1 + L*(H + 1) + 1; labels "embed", "L{i}H{h}",
-        "L{i}.mlp", "attn_bias" (every o_proj bias: o_proj(z) = sum_h z_h W_O[h] + b). The
-        rows sum to the final residual stream (`blocks.{L-1}.hook_resid_post`).
+        (stack, labels): stack (N, B, T, C), N = 1 + L*(H + 2); labels "embed", then for each
+        layer "L{i}H{h}" per head, "L{i}.attn_bias" (its o_proj's bias: o_proj(z) =
+        sum_h z_h W_O[h] + b; zeros without one) and "L{i}.mlp". The rows sum to the final
+        residual stream (`blocks.{L-1}.hook_resid_post`).
     """
     model = check_lm(model)
     rows, labels = [cache["blocks.0.hook_resid_pre"]], ["embed"]
-    bias = torch.zeros_like(rows[0])
     for i, block in enumerate(model.blocks):
         attn = block.self_attn
         z = cache[KINDS["head"].format(i)]  # (B, H, T, D)
         H, D = z.shape[1], z.shape[3]
         w_o = attn.o_proj.weight.view(-1, H, D)  # (C, H, D)
         rows += list(torch.einsum("bhtd,chd->hbtc", z, w_o.to(z.dtype)))  # H x (B, T, C)
-        labels += [f"L{i}H{h}" for h in range(H)]
-        if attn.o_proj.bias is not None:
-            bias = bias + attn.o_proj.bias
+        bias = attn.o_proj.bias
+        rows.append(torch.zeros_like(rows[0]) if bias is None else bias.expand_as(rows[0]))
+        labels += [f"L{i}H{h}" for h in range(H)] + [f"L{i}.attn_bias"]
         rows.append(cache[KINDS["mlp_out"].format(i)])
         labels.append(f"L{i}.mlp")
-    return torch.stack(rows + [bias]), labels + ["attn_bias"]  # (N, B, T, C)
+    return torch.stack(rows), labels  # (N, B, T, C)
 
 
 def apply_final_norm(model: nn.Module, stack: Tensor, cache: dict[str, Tensor]) -> Tensor:
@@ -273,8 +275,10 @@ def logit_attribution(
 
     Returns:
         {"components": (N,) one value per `residual_stack` label, "labels", "heads": (L, H),
-        "layers": (L, 2) attention and MLP per layer, "embed", "bias": the final norm's bias and
-        the head's bias, "total": their sum (equals the model's logit difference)}.
+        "layers": (L, 2) attention (its heads and its o_proj bias, as TransformerLens'
+        `decompose_resid` counts `attn_out`) and MLP per layer, "embed", "bias": the final
+        norm's bias and the head's bias, "total": their sum (equals the model's logit
+        difference)}.
     """
     model = check_lm(model)
     stack, labels = residual_stack(model, cache)
@@ -284,15 +288,15 @@ def logit_attribution(
     norm_bias = getattr(model.norm, "bias", None)
     bias = head_bias + (0 if norm_bias is None else norm_bias.float() @ d)
     L = len(model.blocks)
-    H = (len(labels) - 2) // L - 1
-    per_layer = comps[1:-1].view(L, H + 1)  # (L, H + 1): the heads, then the MLP
+    H = (len(labels) - 1) // L - 2
+    per_layer = comps[1:].view(L, H + 2)  # (L, H + 2): the heads, the o_proj bias, the MLP
     return {
         "components": comps,
         "labels": labels,
         "heads": per_layer[:, :H],
-        "layers": torch.stack([per_layer[:, :H].sum(1), per_layer[:, H]], 1),
+        "layers": torch.stack([per_layer[:, : H + 1].sum(1), per_layer[:, H + 1]], 1),
         "embed": comps[0],
-        "bias": bias + comps[-1],
+        "bias": bias,
         "total": comps.sum() + bias,
     }
 

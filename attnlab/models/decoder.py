@@ -70,8 +70,9 @@ class DecoderLM(nn.Module):
         self.window, self.head_scale = window, head_scale
         self.local_layers, self.local_positions = local_layers, local_positions
         self.logit_softcap = logit_softcap
-        self.hook_embed = HookPoint()  # token embeddings (components/hooks.py)
+        self.hook_tokens, self.hook_embed = HookPoint(), HookPoint()  # ids, token embeddings
         self.hook_final_norm, self.hook_logits = HookPoint(), HookPoint()
+        self.hook_head_in = HookPoint()  # what the head reads: the final norm's output, scaled
 
     def forward(
         self,
@@ -116,7 +117,8 @@ class DecoderLM(nn.Module):
         ctx, pos = self.context(
             ids, attention_mask, pos, memory, memory_mask, cache, slots, attn_mask
         )
-        x = self.drop(self.positions.embed(self.hook_embed(self.embed(ids)), pos))  # (B, T, C)
+        x = self.hook_embed(self.embed(self.hook_tokens(ids)))  # (B, T, C)
+        x = self.drop(self.positions.embed(x, pos))  # (B, T, C)
         x = self.run_blocks(x, ctx, cache)  # (B, T, C)
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
@@ -203,7 +205,7 @@ class DecoderLM(nn.Module):
         x = self.hook_final_norm(self.norm(x))  # (B, T, C)
         if self.head_scale != 1.0:
             x = x * self.head_scale
-        logits = self.head(x)  # (B, T, V)
+        logits = self.head(self.hook_head_in(x))  # (B, T, V)
         if self.logit_softcap is not None:
             logits = soft_cap(logits, self.logit_softcap)
         return self.hook_logits(logits)

@@ -48,6 +48,9 @@ class Encoder(nn.Module):
         self.norm = norm
         self.drop = nn.Dropout(dropout)
         self.hook_embed, self.hook_final_norm = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_tokens = HookPoint()  # the ids
+        if type_embed is not None:  # the token-type ids and their embedding (BERT)
+            self.hook_types, self.hook_type_embed = HookPoint(), HookPoint()
 
     def forward(
         self,
@@ -76,10 +79,11 @@ class Encoder(nn.Module):
             mask=mask,
             positions=self.positions.prepare(pos, pos, bound=T),
         )
-        x = self.positions.embed(self.hook_embed(self.embed(ids)), pos)  # (B, T, C)
+        x = self.hook_embed(self.embed(self.hook_tokens(ids)))  # (B, T, C)
+        x = self.positions.embed(x, pos)  # (B, T, C)
         if self.type_embed is not None:
             types = torch.zeros_like(ids) if token_type_ids is None else token_type_ids
-            x = x + self.type_embed(types)
+            x = x + self.hook_type_embed(self.type_embed(self.hook_types(types)))  # (B, T, C)
         x = self.drop(self.embed_norm(x))
         for block in self.blocks:
             x = block(x, ctx)  # (B, T, C)
@@ -94,9 +98,12 @@ class MLMHead(nn.Module):
         self.dense = nn.Linear(d_model, d_model)
         self.act, self.norm = activation, norm
         self.decoder = nn.Linear(d_model, vocab_size)
+        self.hook_dense, self.hook_transformed = HookPoint(), HookPoint()  # components/hooks.py
+        self.hook_logits = HookPoint()
 
     def forward(self, h: Tensor) -> Tensor:
-        return self.decoder(self.norm(self.act(self.dense(h))))  # (B, T, C) -> (B, T, V)
+        h = self.hook_transformed(self.norm(self.act(self.hook_dense(self.dense(h)))))  # (B, T, C)
+        return self.hook_logits(self.decoder(h))  # (B, T, V)
 
 
 class EncoderForMLM(nn.Module):

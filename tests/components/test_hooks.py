@@ -194,3 +194,128 @@ def test_hooks_come_off_after_an_error():
         with hooks(model, [(lambda n: True, lambda x, hook: None)]):
             raise RuntimeError("boom")
     assert all(not p.fns for p in hook_points(model).values())
+
+
+# --- the points TransformerLens has (tests/components/test_tl_names.py checks their values
+# against TransformerLens itself; these check the recomputations against the fused path) ----
+def _randomised(preset: str):
+    model = model_of(preset)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # norm weights off one, biases off zero
+    return model
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_head_results_sum_to_the_output_and_edit_it(preset):
+    model = _randomised(preset)
+    ids = torch.randint(3, 100, (2, 7))
+    names = ["blocks.0.self_attn.hook_result", "blocks.0.self_attn.hook_out"]
+    plain, cache = run_with_cache(model, ids, names=names)
+    result, out = cache[names[0]], cache[names[1]]  # (B, T, H, C), (B, T, C)
+    bias = model.blocks[0].self_attn.o_proj.bias
+    assert torch.allclose(result.sum(2) + (0 if bias is None else bias), out, atol=1e-6)
+
+    # Removing head 1's write through hook_result equals zeroing its z.
+    def drop(x, hook):
+        x = x.clone()
+        x[:, :, 1] = 0
+        return x
+
+    def zero_z(z, hook):
+        z = z.clone()
+        z[:, 1] = 0
+        return z
+
+    a = run_with_hooks(model, ids, fwd_hooks=[(names[0], drop)])
+    b = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.self_attn.hook_z", zero_z)])
+    assert torch.allclose(a, b, atol=1e-5) and not torch.allclose(a, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_norm_points_are_the_formula_and_an_edit_goes_through(preset):
+    model = _randomised(preset)
+    norm = model.blocks[0].residuals[0].norm
+    x = torch.randn(2, 5, norm.weight.shape[0])
+    plain = norm(x)
+    with hooks(norm, [(n, lambda t, h: None) for n in ("hook_scale", "hook_normalized")]):
+        assert torch.equal(norm(x), plain)  # only looked at: the fused output is kept
+    _, cache = run_with_cache(norm, x)
+    bias = getattr(norm, "bias", None)
+    rebuilt = cache["hook_normalized"] * norm.weight + (0 if bias is None else bias)
+    assert torch.allclose(rebuilt, norm(x), atol=1e-5)
+    assert cache["hook_scale"].shape == (2, 5, 1)
+    doubled = run_with_hooks(norm, x, fwd_hooks=[("hook_scale", lambda s, h: s * 2)])
+    assert torch.allclose(
+        doubled - (0 if bias is None else bias),
+        (norm(x) - (0 if bias is None else bias)) / 2,
+        atol=1e-5,
+    )
+
+
+def test_transformer_lens_names_see_its_layout_and_edit_the_same_activation():
+    model = _randomised("llama-tiny")
+    ids = torch.randint(3, 100, (1, 6))
+    _, cache = run_with_cache(
+        model, ids, names=["blocks.1.attn.hook_z", "blocks.1.self_attn.hook_z"]
+    )
+    assert torch.equal(
+        cache["blocks.1.attn.hook_z"], cache["blocks.1.self_attn.hook_z"].transpose(1, 2)
+    )
+
+    def tl_zero(z, hook):  # (B, T, H, D)
+        assert hook.name == "blocks.1.attn.hook_z" and hook.layer() == 1
+        z = z.clone()
+        z[:, :, 2] = 0
+        return z
+
+    def own_zero(z, hook):  # (B, H, T, D)
+        z = z.clone()
+        z[:, 2] = 0
+        return z
+
+    a = run_with_hooks(model, ids, fwd_hooks=[("blocks.1.attn.hook_z", tl_zero)])
+    b = run_with_hooks(model, ids, fwd_hooks=[("blocks.1.self_attn.hook_z", own_zero)])
+    assert torch.equal(a, b)
+    _, every = run_with_cache(model, ids, naming="transformer_lens")
+    assert "blocks.0.attn.hook_rot_q" in every and "blocks.0.self_attn.hook_q" not in every
+    with pytest.raises(ValueError, match="no hook point 'blocks.0.attn.hook_nothing'"):
+        run_with_cache(model, ids, names=["blocks.0.attn.hook_nothing"])
+
+
+@pytest.mark.hf
+@pytest.mark.slow
+def test_encoder_decoder_points_match_transformers_t5(tmp_path):
+    """T5 (encoder, decoder, cross attention) against transformers' hidden states and
+    attentions on the same randomised weights: each block's stream and pattern, both stacks,
+    the cross-attention patterns, and the head results summing to the output."""
+    T = pytest.importorskip("transformers")
+    from attnlab.interop.hf import save_hf
+
+    model = _randomised("t5-tiny")
+    save_hf(model, get_preset("t5-tiny"), tmp_path)
+    hf = T.T5ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager")
+    src, tgt = torch.randint(3, 100, (2, 9)), torch.randint(3, 100, (2, 5))
+    with torch.no_grad():
+        ref = hf.eval()(
+            input_ids=src, decoder_input_ids=tgt, output_hidden_states=True, output_attentions=True
+        )
+        logits, c = run_with_cache(model, src, tgt)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
+    for stack, hidden, attns in (
+        ("encoder", ref.encoder_hidden_states, ref.encoder_attentions),
+        ("decoder", ref.decoder_hidden_states, ref.decoder_attentions),
+    ):
+        L = len(attns)
+        for i in range(L):  # hidden[i]: block i's input; the last one is after the final norm
+            p = f"{stack}.blocks.{i}"
+            torch.testing.assert_close(c[f"{p}.hook_resid_pre"], hidden[i], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                c[f"{p}.self_attn.hook_pattern"], attns[i], atol=1e-5, rtol=0
+            )
+            result, out = c[f"{p}.self_attn.hook_result"], c[f"{p}.self_attn.hook_out"]
+            torch.testing.assert_close(result.sum(2), out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(c[f"{stack}.hook_final_norm"], hidden[L], atol=1e-4, rtol=0)
+    for i, cross in enumerate(ref.cross_attentions):
+        pattern = c[f"decoder.blocks.{i}.cross_attn.hook_pattern"]  # (B, H, T_dec, T_enc)
+        torch.testing.assert_close(pattern, cross, atol=1e-5, rtol=0)

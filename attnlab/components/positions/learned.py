@@ -10,6 +10,7 @@ Shapes: B batch, T sequence length, C d_model.
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.hooks import HookPoint
 from attnlab.components.positions.base import PositionScheme
 
 
@@ -30,6 +31,7 @@ class LearnedPosition(PositionScheme):
             )
         self.max_seq_len = self.max_positions = max_seq_len
         self.table = nn.Embedding(max_seq_len, d_model)  # weight: (max_seq_len, C)
+        self.hook_pos, self.hook_pos_embed = HookPoint(), HookPoint()  # components/hooks.py
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """Add the learned embedding of each position to its token embedding.
@@ -48,4 +50,5 @@ class LearnedPosition(PositionScheme):
                     f"position {int(pos[bad][0])} is beyond the learned position table of "
                     f"{self.max_seq_len} positions (valid: 0..{self.max_seq_len - 1})"
                 )
-        return x + self.table(pos)  # (T, C) or (B, T, C) broadcasts to (B, T, C)
+        embedded = self.table(self.hook_pos(pos)).expand_as(x)  # (B, T, C), a view
+        return x + self.hook_pos_embed(embedded)  # (B, T, C)

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from attnlab.components.hooks import HookPoint
 from attnlab.components.positions.base import PositionScheme, PositionTerms
 from attnlab.components.positions.rope_scaling import RopeScaling, rope_inv_freq
 
@@ -196,6 +197,7 @@ class RoPE(PositionScheme):
         cos, sin = self._table(torch.arange(max_seq_len))
         self.register_buffer("cos", cos, persistent=False)  # (max_seq_len, R)
         self.register_buffer("sin", sin, persistent=False)  # (max_seq_len, R)
+        self.hook_cos, self.hook_sin = HookPoint(), HookPoint()  # components/hooks.py
 
     def _table(self, pos: Tensor, inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
@@ -234,6 +236,7 @@ class RoPE(PositionScheme):
         # rescale from the prefill on for a length the sequence has not reached.
         cos, sin = self.tables_for(self._length(q_pos, q_pos, bound))  # (N, R) each
         cos, sin = _gather(cos, sin, q_pos)
+        cos, sin = self.hook_cos(cos), self.hook_sin(sin)  # what every layer rotates by
         return RotaryTerms(cos=cos, sin=sin, layout=self.layout)
 
     def _length(self, q_pos: Tensor, k_pos: Tensor, bound: int | None) -> int:

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnlab.components.hooks import HookPoint
 from attnlab.components.positions.base import PositionScheme, ScoreMod, position_reader
 
 
@@ -93,6 +94,8 @@ class T5Bias(PositionScheme):
         self.n_heads, self.num_buckets = n_heads, num_buckets
         self.max_distance, self.bidirectional = max_distance, bidirectional
         self.relative_attention_bias = nn.Embedding(num_buckets, n_heads)  # name as in HF T5
+        # The buckets and the learned bias, on the dense path (a flex score_mod reads the table).
+        self.hook_buckets, self.hook_pos_embed = HookPoint(), HookPoint()
 
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """The learned bias for each head at bucket(k_pos - q_pos).
@@ -108,7 +111,8 @@ class T5Bias(PositionScheme):
         buckets = relative_position_bucket(
             relative, self.bidirectional, self.num_buckets, self.max_distance
         )
-        bias = self.relative_attention_bias(buckets)  # (T, S, H) or (B, T, S, H)
+        buckets = self.hook_buckets(buckets)  # (T, S) or (B, T, S) (components/hooks.py)
+        bias = self.hook_pos_embed(self.relative_attention_bias(buckets))  # (T, S, H) or (B, ...)
         return bias.movedim(-1, -3).float()  # (H, T, S) or (B, H, T, S)
 
     def score_mod(self, q_pos: Tensor, k_pos: Tensor, bound: int | None = None) -> ScoreMod:
