@@ -15,13 +15,15 @@ switch that a user, a recipe or the compiled decode step turns on:
     host_memory      TrainConfig.keep_freed_memory  glibc keeps freed memory in the process
     paged_attention  use_compiled_decode(cache)   compiled: a paged cache's decode attention
                                                   reads keys in place through the block table
+    paged_step       CompiledPagedDecode(decoder, compiled: the serving engine's whole decode
+                     cache)                       step as one graph over the pool
     qdot             qdot.choice() (automatic,    int4/int8 Linears as llama.cpp's integer dot
                      ATTNLAB_QUANT_KERNEL)        products (AVX2), on x86 CPUs
 
 The compiled decode step (`attnlab.inference.compiled_step.compile_decode_step`) turns on
 short_attention, gemv and packing; the compiled training step (`train.compile`) short_attention
-and sigmoid_gelu; `attnlab serve` has a flag for each of fast_linear, host_memory and
-paged_attention. qdot is the one chosen by the machine: quantize/int4.py and int8.py ask it once
+and sigmoid_gelu; `attnlab serve` has a flag for each of fast_linear, host_memory,
+paged_attention and paged_step (`--compile`). inductor.py holds what the compiled steps share. qdot is the one chosen by the machine: quantize/int4.py and int8.py ask it once
 per layer whether the kernels run on this CPU (the C++ source is compiled on first use).
 What each buys, measured, is in benchmarks/README.md.
 

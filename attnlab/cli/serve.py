@@ -225,6 +225,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "pool in place (compiled at start, needs a C compiler; accel/paged_attention.py)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="batched engine: each decode step runs as one compiled graph of the whole model "
+        "over the KV pool (accel/paged_step.py): faster per token, after compiling at start "
+        "(minutes the first time; needs a C compiler); not with --lora or --kv-cache-dtype",
+    )
+    p.add_argument(
         "--fast-linear",
         action="store_true",
         help="on CPU, fp32 Linear layers through oneDNN instead of the default BLAS "
@@ -301,23 +308,34 @@ def serve(args: argparse.Namespace, loaded: Loaded, Engine, threads: int, device
         kv_cache_dtype=kv_cache_dtype_from_args(args),
     )
     if Engine is SequentialEngine:
-        if args.compile_attention:
-            raise ValueError("--compile-attention is for the batched engine (--engine batched)")
+        for flag in ("compile_attention", "compile"):
+            if getattr(args, flag):
+                name = "--" + flag.replace("_", "-")
+                raise ValueError(f"{name} is for the batched engine (--engine batched)")
         engine = Engine(model, tokenizer, options, speculative_from_args(args, device, tokenizer))
     else:
         options = dataclasses.replace(
             options,
             threads=threads,
             compile_attention=args.compile_attention,
+            compile_decode=args.compile,
             kv_cache_memory=kv_memory_bytes(args.kv_cache_memory, torch.device(device)),
         )
         engine = Engine(model, tokenizer, options)
+        flags = {"--compile-attention": args.compile_attention, "--compile": args.compile}
+        compiled = [flag for flag, on in flags.items() if on]
+        if args.compile:
+            print(
+                "attnlab serve: compiling the decode step (the first time for this model here: "
+                "minutes; later starts read torch inductor's disk cache)",
+                file=sys.stderr,
+            )
         try:
             engine.start()  # prepared (compiled) before the port opens; the app's start: no-op
         except RuntimeError as err:
-            if not args.compile_attention:
+            if not compiled:
                 raise
-            raise ValueError(f"{err}: serve without --compile-attention") from err
+            raise ValueError(f"{err}: serve without {' '.join(compiled)}") from err
     settings = Settings(
         name,
         context,

@@ -31,13 +31,13 @@ copy of decode_step, with a code object of its own (tested: steps for two models
 shapes, give the eager tokens).
 """
 
-import types
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.accel.gemv import use_gemv
+from attnlab.accel.inductor import NO_ASSERTS, VECTOR_BITS, own_copy
 from attnlab.accel.packing import pack_weights
 from attnlab.accel.short_attention import use_short_attention
 from attnlab.components.kv_cache import ModelCache
@@ -49,16 +49,6 @@ from attnlab.inference.steps import decode_step
 # default is 50) such producers are written out once (a few KB per token) and each GEMV loop is
 # one multiply-add per weight.
 REALIZE_OPCOUNT = 8
-# Inductor's generated code also asserts every input's sizes, strides and alignment before each
-# call (about a thousand checks for SmolLM2's step: 0.7 ms of a 19 ms int4 token, measured).
-# BoundDecodeStep checks what can change itself (the module docstring), so they are off.
-NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-# 256-bit vectors (AVX2) on every x86 CPU. With AVX-512, torch 2.13's inductor writes some of the
-# step's reductions (attention's weights times V, 8 of a 64-wide head at a time) as 16-lane
-# stores of 8-lane results: each step wrote 8 floats past a buffer's end, and a run of 128 tokens
-# aborted in free() ("double free or corruption"; benchmarks/README.md section 9). A decode step
-# waits on memory, not on the vector width.
-VECTOR_BITS = {"cpp.simdlen": 256}
 
 
 def compile_decode_step(model: nn.Module, **compile_kwargs) -> "BoundDecodeStep":
@@ -111,16 +101,6 @@ class BoundDecodeStep:
         signature = (token.shape, token.device, slot.shape, cache.layout(), mask, grad)
         step = self.compiled.get(signature)
         if step is None:
-            step = torch.compile(
-                _own_copy(decode_step), options=self.options, **self.compile_kwargs
-            )
+            step = torch.compile(own_copy(decode_step), options=self.options, **self.compile_kwargs)
             self.compiled[signature] = step
         return step(model, token, slot, cache, memory_mask)
-
-
-def _own_copy(fn: types.FunctionType) -> types.FunctionType:
-    """A new function equal to `fn`, with a code object of its own (fn itself is untouched):
-    graphs Dynamo compiles for it are kept on that object, out of reach of every other caller
-    of `fn`."""
-    code = fn.__code__.replace()
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

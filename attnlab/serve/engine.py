@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from attnlab.accel.paged_attention import use_compiled_decode
+from attnlab.accel.paged_step import CompiledPagedDecode
 from attnlab.adapters.multi_lora import adapter_rows, multi_lora_modules
 from attnlab.adapters.prompt_learning import PromptLearningLM
 from attnlab.components.paged_kv_cache import PagedKVCache
@@ -130,6 +131,15 @@ class Engine:
         # LoRA adapters chosen per request (adapters/multi_lora.py): how many there are
         stacks = multi_lora_modules(model)
         self.n_adapters = stacks[0].A.shape[0] - 1 if stacks else 0
+        if c.compile_decode and (self.n_adapters or self.prefixed is not None):
+            raise ValueError(
+                "the compiled decode step runs the base model alone: serve LoRA adapters or a "
+                "prefix-tuned model without it"
+            )
+        # the whole decode step as one graph (accel/paged_step.py), compiled by _prepare
+        self.compiled_decode = (
+            CompiledPagedDecode(self.decoder, self.cache) if c.compile_decode else None
+        )
         self._active: dict[str, Sequence] = {}  # waiting or running, by request id
         self._cancels: set[str] = set()
         self._cond = threading.Condition()
@@ -175,11 +185,13 @@ class Engine:
             raise failure[0]
 
     def _prepare(self) -> None:
-        """On the thread that runs the steps: its thread count, then the compiled attention."""
+        """On the thread that runs the steps: its thread count, then what is compiled."""
         torch.set_num_threads(self.threads)
         if self.compile_attention:
             attn = self.decoder.blocks[0].self_attn
             use_compiled_decode(self.cache, attn.n_heads, attn.scale)
+        if self.compiled_decode is not None:
+            self.compiled_decode.warm_up()
         self._prepared = True
 
     def submit(self, request: Request, on_event: OnEvent) -> None:
@@ -475,8 +487,11 @@ class Engine:
         """Feed each sequence's last token at its own position; keep the next logits."""
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         step = self.cache.step([s.id for s in seqs], [s.offset + s.cached for s in seqs], 1)
-        with self._adapters(seqs):  # one step for all rows, each through its own adapter
-            logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
+        if self.compiled_decode is not None:  # the same forward as one graph (accel/)
+            logits = self.compiled_decode(ids, step)  # (B, V)
+        else:
+            with self._adapters(seqs):  # one step for all rows, each through its own adapter
+                logits = self.decoder(ids, cache=step, slots=step.slots)[:, -1]  # (B, V)
         for seq, row in zip(seqs, logits):
             seq.cached += 1
             seq.logits = row  # (V,)

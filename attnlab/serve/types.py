@@ -36,6 +36,9 @@ class EngineConfig:
         prefix_caching: share the KV blocks of prompt prefixes seen before (scheduler.py).
         compile_attention: decode steps attend through a compiled kernel that reads the pool in
             place (accel/paged_attention.py; compiled by `start`, or by the first `step`).
+        compile_decode: each decode step is one compiled graph of the whole model over the pool
+            (accel/paged_step.py, its attention included; compiled by `start`, or the first
+            `step`); not with LoRA adapters, a prefix-tuned model or a quantized KV cache.
         threads: intra-op threads of the engine's steps (default: torch.get_num_threads() then).
         kv_cache_dtype: of the KV cache (None: the model's; torch.int8 or torch.float8_e4m3fn:
             8-bit codes and scales, components/kv_cache.py; not with compile_attention).
@@ -50,6 +53,7 @@ class EngineConfig:
     max_context: int | None = None
     prefix_caching: bool = True
     compile_attention: bool = False
+    compile_decode: bool = False
     threads: int | None = None
     kv_cache_dtype: torch.dtype | None = None
 

@@ -68,6 +68,30 @@ def test_a_kernel_that_does_not_compile_is_one_line(tmp_path, capsys, monkeypatc
     ]
 
 
+def test_a_decode_step_that_does_not_compile_is_one_line(tmp_path, capsys, monkeypatch):
+    """--compile says that it compiles, then, where torch.compile fails, what to do; with the
+    sequential engine it is refused."""
+    import attnlab.accel.paged_step as paged_step
+
+    def broken(*args, **kwargs):
+        raise OSError("no C compiler\nmore detail")
+
+    monkeypatch.setattr(paged_step.torch, "compile", lambda fn, **kw: broken)
+    ckpt = write_checkpoint(tmp_path / "tiny")
+    assert main(["serve", "--ckpt", str(ckpt), "--compile", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("attnlab serve: compiling the decode step")
+    assert err[1:] == [
+        "attnlab serve: error: the decode step did not compile (OSError: no C compiler): "
+        "serve without --compile"
+    ]
+    args = ["serve", "--ckpt", str(ckpt), "--compile", "--engine", "sequential", "--port", "0"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        "attnlab serve: error: --compile is for the batched engine (--engine batched)"
+    )
+
+
 def test_kv_cache_memory_takes_sizes_and_shares(tmp_path, capsys):
     """--kv-cache-memory: bytes with a unit or a share of the available memory; anything else
     is one line from argparse, naming the value and the forms it takes."""
