@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/serve_llamacpp.py --quick    # 1 and 4 clients, few requests
     .venv/bin/python benchmarks/serve_llamacpp.py --isa avx2 --threads 1   # an AVX2-only CPU
                                                               # (benchmarks/_isa.py)
+    .venv/bin/python benchmarks/serve_llamacpp.py --compiled  # + attnlab serve --compile
 
 Both servers open the same GGUF file (Q4_1 as shipped; attnlab serves it with its Q4_1
 matrices kept as int4, written once as an attnlab checkpoint, or dequantized to fp32 with
@@ -88,8 +89,9 @@ def int4_checkpoint(path: Path) -> Path:
     return save_quantized(loaded.model, out, "int4", 32, loaded.run, loaded.tokenizer)
 
 
-def start_attnlab(path: Path, threads: int, scheme: str, clients: int) -> tuple:
-    """`attnlab serve` of the file (fp32: dequantized) or of its int4 checkpoint."""
+def start_attnlab(path: Path, threads: int, scheme: str, clients: int, flags=()) -> tuple:
+    """`attnlab serve` of the file (fp32: dequantized) or of its int4 checkpoint, with
+    `flags` (e.g. --compile)."""
     path = int4_checkpoint(path) if scheme == "int4" else path
     port = free_port()
     env = {
@@ -98,9 +100,9 @@ def start_attnlab(path: Path, threads: int, scheme: str, clients: int) -> tuple:
     }
     cmd = [sys.executable, "-m", "attnlab", "--threads", str(threads), "serve", "--ckpt", str(path)]
     cmd += ["--port", str(port), "--model-name", "bench", "--max-batch", str(max(clients, 1))]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([*cmd, *flags], env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc)
+    wait_ready(url, proc, timeout=1800)  # --compile: minutes the first time
     return proc, url
 
 
@@ -192,6 +194,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--attnlab-scheme", choices=("int4", "fp32"), default="int4")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="a third server in the same rounds: attnlab serve --compile (its decode step one "
+        "compiled graph)",
+    )
     add_isa_args(parser)
     args = parser.parse_args()
     apply_isa(args)  # the servers inherit its environment
@@ -213,10 +221,13 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(isa_header(args.isa))
-    servers = {
-        "attnlab": start_attnlab(path, threads, args.attnlab_scheme, max(clients)),
-        "llama.cpp": start_llamacpp(path, threads, n_ctx=2048),
-    }
+    servers = {"attnlab": start_attnlab(path, threads, args.attnlab_scheme, max(clients))}
+    if args.compiled:
+        flags = ["--compile"]
+        servers["attnlab-c"] = start_attnlab(
+            path, threads, args.attnlab_scheme, max(clients), flags
+        )
+    servers["llama.cpp"] = start_llamacpp(path, threads, n_ctx=2048)
     warmup = make_requests(tokenizer, 2, args.seed, prompt_len, output_len)
     for _, url in servers.values():  # first-request costs (allocations, lazy set-up) untimed
         asyncio.run(load(url, warmup, 1))
@@ -253,8 +264,10 @@ def main() -> None:
                     f"{n:>7} {name:<10}{rates[name]:>10.1f}{per_cpu[name]:>8.1f}{p50:>10.0f}"
                     f"{p99:>8.0f}{'':>4}{statistics.median(tokens):>9.0f}"
                 )
-            ratio, cpu_ratio = (d["attnlab"] / d["llama.cpp"] for d in (rates, per_cpu))
-            print(f"{'':>7} {'ratio':<10}{ratio:>10.2f}{cpu_ratio:>8.2f}")
+            for name in [n for n in servers if n != "llama.cpp"]:
+                ratio, cpu_ratio = (d[name] / d["llama.cpp"] for d in (rates, per_cpu))
+                label = "ratio" if name == "attnlab" else f"ratio {name[-1]}"
+                print(f"{'':>7} {label:<10}{ratio:>10.2f}{cpu_ratio:>8.2f}")
     finally:
         for proc, _ in servers.values():
             proc.terminate()

@@ -107,7 +107,9 @@ class CompiledPagedDecode:
 
     def warm_up(self) -> None:
         """Compile both forms now (1 and 2 rows), so that no request waits for the compiler;
-        a failure (no C compiler) is one RuntimeError line."""
+        a failure (no C compiler) is one RuntimeError line. An eager step runs first: layers
+        that build a kernel's layout on first use (quantize/int4.py, int8.py) build it then,
+        never inside the graph, which would otherwise take their reference path."""
         cache = self.cache
         try:
             for B in (1, 2):
@@ -118,6 +120,7 @@ class CompiledPagedDecode:
                     step = cache.step(seqs, [0] * B, 1)
                     ids = torch.zeros(B, 1, dtype=torch.long, device=step.slots.device)
                     with torch.no_grad():
+                        self.decoder(ids, cache=step, slots=step.slots)  # eager
                         self(ids, step)
                 finally:
                     for seq in seqs:
