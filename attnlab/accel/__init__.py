@@ -23,8 +23,9 @@ switch that a user, a recipe or the compiled decode step turns on:
 The compiled decode step (`attnlab.inference.compiled_step.compile_decode_step`) turns on
 short_attention, gemv and packing; the compiled training step (`train.compile`) short_attention
 and sigmoid_gelu; `attnlab serve` has a flag for each of fast_linear, host_memory,
-paged_attention and paged_step (`--compile`). inductor.py holds what the compiled steps share. qdot is the one chosen by the machine: quantize/int4.py and int8.py ask it once
-per layer whether the kernels run on this CPU (the C++ source is compiled on first use).
+paged_attention and paged_step (`--compile`); inductor.py holds what the compiled steps share.
+qdot is the one chosen by the machine: quantize/int4.py and int8.py ask it once per layer
+whether the kernels run on this CPU (the C++ source is compiled on first use).
 What each buys, measured, is in benchmarks/README.md.
 
 A module swap never changes a live object's class: the new module objects share the old ones'

@@ -186,7 +186,7 @@ class Int4Linear(nn.Module):
         if self._blocks is None and not torch.compiler.is_compiling():
             self._blocks = qdot.q4_blocks(unpack_int4(self.weight), self.scales, self.mins)
         # A graph never builds the layout (a compiled step follows an eager prefill, which has).
-        if x2.shape[0] > qdot.MAX_ROWS or self.group_size % qdot.BLOCK or self._blocks is None:
+        if x2.shape[0] > qdot.MAX_ROWS_INT4 or self.group_size % qdot.BLOCK or self._blocks is None:
             return self.reference_forward(x)
         y = qdot.q4_matmul(x2.float(), self._blocks, self.out_features).to(x.dtype)  # (M, N)
         y = y.view(*x.shape[:-1], self.out_features)

@@ -127,7 +127,8 @@ def test_layers_take_the_kernel_for_few_rows_and_the_reference_for_many(kind):
     lin = nn.Linear(64, 48, bias=True)
     layer = Int4Linear.from_linear(lin, 32) if kind == "int4" else Int8Linear.from_linear(lin)
     layer.use_kernel, layer.use_qdot = True, True
-    few, many = torch.randn(2, 3, 64), torch.randn(1, qdot.MAX_ROWS + 1, 64)
+    most = qdot.MAX_ROWS_INT4 if kind == "int4" else qdot.MAX_ROWS
+    few, many = torch.randn(2, 3, 64), torch.randn(1, most + 1, 64)
     with torch.no_grad():
         torch.testing.assert_close(layer(many), layer.reference_forward(many))  # exact path
         y, ref = layer(few), layer.reference_forward(few)
