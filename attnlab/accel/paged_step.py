@@ -64,12 +64,9 @@ class PoolStep:
         self.layers = [PoolLayer(k, v, self) for k, v in pools]
 
     def positions_and_mask(self, slots: Tensor, window: int | None):
-        """As PagedStep's: query at position p sees keys j <= p (within `window`)."""
-        q, j = self.pos[:, :, None], self.key_pos[:, None, :]  # (B, 1, 1), (B, 1, S)
-        mask = j <= q
-        if window is not None:
-            mask = mask & (j > q - window)
-        return self.pos, self.key_pos, self.bound, mask[:, None]  # mask (B, 1, 1, S)
+        """As PagedStep's, whose mask it builds (query at position p sees keys j <= p)."""
+        mask = PagedStep.attention_mask(self, window)  # (B, 1, 1, S), from pos and key_pos
+        return self.pos, self.key_pos, self.bound, mask
 
 
 def decode_logits(decoder: nn.Module, pools, ids, key_slots, slots, pos) -> Tensor:
