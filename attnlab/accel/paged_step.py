@@ -3,7 +3,7 @@
 The batched engine (serve/engine.py) decodes each step eagerly: a forward of the model with a
 `PagedStep` (components/paged_kv_cache.py) as its cache, which writes each layer's new keys
 and values into the pool and attends each group of rows to theirs. On a small model, one
-request at a time, most of a step is Python: some 600 module calls a token, each a few
+request at a time, about half of a step is Python: some 600 module calls a token, each a few
 microseconds, around the matrix products (benchmarks/README.md section 9a: SmolLM2's int4 step
 spent 14 of its ~30 ms in the int4 kernel).
 
