@@ -24,3 +24,18 @@ def traced_graphs(fn, *args, **kwargs) -> tuple[object, list[str]]:
 
     torch._dynamo.reset()
     return torch.compile(fn, backend=record)(*args, **kwargs), graphs
+
+
+def count_unguarded_compiles(monkeypatch) -> list[int]:
+    """Count the graphs compiled without guards from now on: each call of
+    torch.compiler.skip_all_guards_unsafe (Dynamo calls the filter once per graph it builds)
+    appends the number of guards it dropped."""
+    calls = []
+    skip = torch.compiler.skip_all_guards_unsafe
+
+    def counted(entries):
+        calls.append(len(entries))
+        return skip(entries)
+
+    monkeypatch.setattr(torch.compiler, "skip_all_guards_unsafe", counted)
+    return calls

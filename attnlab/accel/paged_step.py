@@ -25,7 +25,7 @@ Tested equal to the eager step (tests/accel/test_paged_step.py).
 import torch
 from torch import Tensor, nn
 
-from attnlab.accel.inductor import NO_ASSERTS, VECTOR_BITS, own_copy
+from attnlab.accel.inductor import NO_ASSERTS, VECTOR_BITS, compile_unguarded
 from attnlab.accel.paged_attention import paged_decode_attention
 from attnlab.components.paged_kv_cache import PagedKVCache, PagedStep, QuantizedPagedLayer
 
@@ -91,9 +91,8 @@ class CompiledPagedDecode:
         self.decoder, self.cache = decoder, cache
         self.pools = [layer.slots_view() for layer in cache.layers]
         options = {**NO_ASSERTS, **VECTOR_BITS}
-        options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
         self.steps = {  # one copy (code object) per form: a graph never runs on the other's
-            rows: torch.compile(own_copy(decode_logits), dynamic=True, options=options)
+            rows: compile_unguarded(decode_logits, options, dynamic=True)
             for rows in ("one", "several")
         }
 

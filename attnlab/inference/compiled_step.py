@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.accel.gemv import use_gemv
-from attnlab.accel.inductor import NO_ASSERTS, VECTOR_BITS, own_copy
+from attnlab.accel.inductor import NO_ASSERTS, VECTOR_BITS, compile_unguarded
 from attnlab.accel.packing import pack_weights
 from attnlab.accel.short_attention import use_short_attention
 from attnlab.components.kv_cache import ModelCache
@@ -77,7 +77,7 @@ class BoundDecodeStep:
 
     def __init__(self, model: nn.Module, options: dict, **compile_kwargs):
         self.model = model
-        self.options = {**options, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        self.options = options
         self.compile_kwargs = compile_kwargs
         self.compiled: dict[tuple, Callable] = {}  # signature -> its own compiled decode_step
 
@@ -101,6 +101,6 @@ class BoundDecodeStep:
         signature = (token.shape, token.device, slot.shape, cache.layout(), mask, grad)
         step = self.compiled.get(signature)
         if step is None:
-            step = torch.compile(own_copy(decode_step), options=self.options, **self.compile_kwargs)
+            step = compile_unguarded(decode_step, self.options, **self.compile_kwargs)
             self.compiled[signature] = step
         return step(model, token, slot, cache, memory_mask)

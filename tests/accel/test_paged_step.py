@@ -15,7 +15,7 @@ from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.serve.engine import Engine
 from attnlab.serve.types import EngineConfig, Request, SamplingParams
-from tests.compile_helpers import needs_compiler
+from tests.compile_helpers import count_unguarded_compiles, needs_compiler
 from tests.serve.test_engine import alone, run
 
 
@@ -61,10 +61,11 @@ def test_a_quantized_pool_is_refused_in_one_line():
 
 @pytest.mark.slow
 @needs_compiler
-def test_an_engine_with_the_compiled_step_gives_generates_tokens():
+def test_an_engine_with_the_compiled_step_gives_generates_tokens(monkeypatch):
     """An engine whose decode steps run compiled: requests alone (one row) and together (up to
     four rows, of different lengths, joining and leaving) give `generate`'s greedy tokens, and
     its steps' logits equal the static cache's within 1e-5."""
+    unguarded = count_unguarded_compiles(monkeypatch)
     torch.manual_seed(0)
     model = build_model(replace(get_preset("llama-tiny"), position="rope")).eval()
     config = EngineConfig(block_size=4, max_context=128, compile_decode=True)
@@ -77,6 +78,7 @@ def test_an_engine_with_the_compiled_step_gives_generates_tokens():
     got, _ = run(engine, requests[:1])
     got, most = run(engine, requests[1:], got)
     assert most == 3
+    assert len(unguarded) == 2  # the warm-up compiled both forms, neither with guards
     for r in requests:
         assert got.tokens(r.request_id) == alone(model, r)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30))]

@@ -16,7 +16,7 @@ from attnlab.inference.sampling import SamplingConfig
 from attnlab.models.build import build_model
 from attnlab.models.presets import get_preset
 from attnlab.quantize import quantize_model
-from tests.compile_helpers import needs_compiler
+from tests.compile_helpers import count_unguarded_compiles, needs_compiler
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -36,7 +36,8 @@ def _compiled_tokens(model, step, prompts, n_new):
 
 @pytest.mark.slow
 @needs_compiler
-def test_steps_of_two_models_and_of_new_shapes_give_the_eager_tokens():
+def test_steps_of_two_models_and_of_new_shapes_give_the_eager_tokens(monkeypatch):
+    unguarded = count_unguarded_compiles(monkeypatch)
     fp32 = _tiny()
     int8 = copy.deepcopy(fp32)
     quantize_model(int8, "int8")  # same module tree, other weight dtypes: another graph
@@ -51,6 +52,7 @@ def test_steps_of_two_models_and_of_new_shapes_give_the_eager_tokens():
         expected = generate(model, prompts, GenerationConfig(n_new, GREEDY))
         assert _compiled_tokens(model, steps[model], prompts, n_new).tolist() == expected
     assert len(steps[fp32].compiled) == 2 and len(steps[int8].compiled) == 2
+    assert len(unguarded) == 4  # every graph without guards, not only each step's first
 
 
 def test_a_step_refuses_another_model():
