@@ -39,8 +39,9 @@ Shapes: N tokens (any leading axes), C d_in, F d_sae.
 """
 
 import json
+from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -49,7 +50,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from attnlab.components.hooks import HookPoint, hooks, point_named
+from attnlab.components.hooks import HookPoint, hooks, point_named, run_with_cache
+from attnlab.inference.steering import Steer
 
 CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"  # SAELens' names
 ARCHITECTURES = {"relu": "standard", "topk": "topk"}  # attnlab's kind -> SAELens' architecture
@@ -358,6 +360,45 @@ def splice(model: nn.Module, sae: SAE, point: str | None = None, use_error_term:
         host.attached = {}
 
 
-def config_dict(cfg: SAEConfig) -> dict:
-    """The config as a plain dict (for reports)."""
-    return asdict(cfg)
+def sae_steers(model: nn.Module, specs: Sequence[Sequence[str]]) -> list[Steer]:
+    """Steers from `--sae-steer SAE_DIR FEATURE SCALE` flags: SCALE * W_dec[FEATURE] added at
+    the SAE's hook point (SAELens' steering convention). A ValueError naming the culprit for a
+    directory that is not an SAE, a feature out of range, or a point this model lacks or whose
+    width is not the SAE's."""
+    steers = []
+    for sae_dir, feature, scale in specs:
+        what = f"--sae-steer {sae_dir} {feature} {scale}"
+        try:
+            f, x = int(feature), float(scale)
+        except ValueError:
+            raise ValueError(f"{what}: give SAE_DIR FEATURE (an int) SCALE (a number)") from None
+        sae = load_sae(sae_dir)
+        if not 0 <= f < sae.cfg.d_sae:
+            raise ValueError(f"{what}: feature {f} is outside the SAE's 0..{sae.cfg.d_sae - 1}")
+        if not sae.cfg.hook_name:
+            raise ValueError(f"{what}: the SAE's cfg.json names no metadata.hook_name")
+        try:
+            point_named(model, sae.cfg.hook_name)
+        except ValueError:
+            raise ValueError(
+                f"{what}: this model has no hook point {sae.cfg.hook_name!r} (the SAE's "
+                "metadata.hook_name); give an SAE trained on this model"
+            ) from None
+        width = _width(model, sae.cfg.hook_name)
+        if width != sae.cfg.d_in:
+            raise ValueError(
+                f"{what}: {sae.cfg.hook_name} has width {width}, the SAE d_in={sae.cfg.d_in}; "
+                "give an SAE trained on this model"
+            )
+        steers.append(Steer(0, sae.W_dec[f].detach(), x, point=sae.cfg.hook_name))
+    return steers
+
+
+@torch.no_grad()
+def _width(model: nn.Module, name: str) -> int:
+    """The last axis of the activation at `name`, from a forward of one token."""
+    device = next(model.parameters()).device
+    _, cache = run_with_cache(
+        model, torch.zeros(1, 1, dtype=torch.long, device=device), names=[name]
+    )
+    return cache[name].shape[-1]

@@ -58,3 +58,63 @@ def test_lab_sae_bad_input_is_one_line(ckpt, tmp_path, capsys):
     assert "k=9" in capsys.readouterr().err
     assert main(["lab", "sae", "--hook", HOOK]) == 2
     assert "--ckpt" in capsys.readouterr().err
+
+
+def generate_cli(capsys, ckpt, *flags):
+    cmd = ["generate", "--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8"]
+    code = main(cmd + ["--temperature", "0", *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_sae_steer_generates_what_cached_and_uncached_steering_give(ckpt, tmp_path, capsys):
+    from attnlab.checkpoint import open_checkpoint
+    from attnlab.inference.config import GenerationConfig
+    from attnlab.inference.generate import generate
+    from attnlab.inference.sampling import SamplingConfig
+    from attnlab.inference.steering import steering
+    from attnlab.lab.sae import SAE, SAEConfig, sae_steers, save_sae
+
+    loaded = open_checkpoint(ckpt)
+    model, tok = loaded.model, loaded.tokenizer
+    C = model.embed.weight.shape[1]
+    torch.manual_seed(0)
+    sae_dir = save_sae(SAE(SAEConfig(C, 16, "topk", 4, hook_name=HOOK)), tmp_path / "sae")
+    spec = [str(sae_dir), "3", "40"]
+    code, out, _ = generate_cli(capsys, ckpt, "--sae-steer", *spec)
+    assert code == 0
+    _, plain, _ = generate_cli(capsys, ckpt)
+    assert out != plain  # a scale this large changes the greedy text
+    steers = sae_steers(model, [spec])
+    assert steers[0].point == HOOK and torch.equal(steers[0].vector, load_sae(sae_dir).W_dec[3])
+    config = GenerationConfig(8, SamplingConfig(temperature=0))
+    ids = tok.encode("def ")
+    with steering(model, steers):
+        new = generate(model, [ids], config)[0]
+        assert out == "def " + tok.decode(new) + "\n"
+        seq = list(ids)
+        for _ in range(len(new)):  # recomputing the whole sequence each step, no cache
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert seq[len(ids) :] == new
+
+
+def test_sae_steer_bad_input_is_one_line(ckpt, tmp_path, capsys):
+    from attnlab.checkpoint import open_checkpoint
+    from attnlab.lab.sae import SAE, SAEConfig, save_sae
+
+    torch.manual_seed(0)
+    C = open_checkpoint(ckpt).model.embed.weight.shape[1]
+    good = save_sae(SAE(SAEConfig(C, 16, "topk", 4, hook_name=HOOK)), tmp_path / "good")
+    cases = [
+        ([str(tmp_path / "nope"), "0", "1"], "has no cfg.json"),
+        ([str(good), "16", "1"], "feature 16 is outside the SAE's 0..15"),
+        ([str(good), "x", "1"], "FEATURE (an int)"),
+    ]
+    elsewhere = SAE(SAEConfig(C, 16, "topk", 4, hook_name="blocks.9.hook_resid_post"))
+    cases.append(([str(save_sae(elsewhere, tmp_path / "b9")), "0", "1"], "no hook point"))
+    wide = SAE(SAEConfig(C + 1, 16, "topk", 4, hook_name=HOOK))
+    cases.append(([str(save_sae(wide, tmp_path / "wide")), "0", "1"], "width"))
+    for spec, message in cases:
+        code, _, err = generate_cli(capsys, ckpt, "--sae-steer", *spec)
+        assert code == 2 and message in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
