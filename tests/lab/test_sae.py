@@ -222,3 +222,20 @@ def test_splice_names_a_missing_point():
     with pytest.raises(ValueError, match="no hook point 'blocks.9.hook_resid_post'"):
         with splice(model, sae, "blocks.9.hook_resid_post"):
             pass
+
+
+def test_splice_at_a_transformer_lens_name(tmp_path):
+    """The SAE at `blocks.1.hook_mlp_out` (TransformerLens' name of attnlab's ffn.hook_out):
+    its points take that name, and its features are sae-lens' on the cached activation."""
+    model, _ = spliced_model()
+    d = model.embed.weight.shape[1]
+    torch.manual_seed(4)
+    sae = SAE(SAEConfig(d, 2 * d, kind="topk", k=3, hook_name="blocks.1.hook_mlp_out"))
+    ids = torch.randint(0, 100, (1, 7))
+    clean, cache = run_with_cache(model, ids, names=["blocks.1.hook_mlp_out"])
+    theirs = sl.SAE.load_from_disk(save_sae(sae, tmp_path / "s"))
+    name = "blocks.1.hook_mlp_out.hook_sae_acts_post"
+    with splice(model, sae):
+        out, got = run_with_cache(model, ids, names=[name])
+    assert maxdiff(out, clean) <= 1e-5
+    assert maxdiff(got[name], theirs.encode(cache["blocks.1.hook_mlp_out"])) <= TOL
