@@ -118,3 +118,10 @@ def test_sae_steer_bad_input_is_one_line(ckpt, tmp_path, capsys):
         code, _, err = generate_cli(capsys, ckpt, "--sae-steer", *spec)
         assert code == 2 and message in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_sae_steer_bad_input_is_one_line(ckpt, tmp_path, capsys):
+    """`attnlab serve` reads --sae-steer before it listens: a bad one stops it, in one line."""
+    assert main(["serve", "--ckpt", str(ckpt), "--sae-steer", str(tmp_path), "0", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "has no cfg.json" in err and len(err.strip().splitlines()) == 1
