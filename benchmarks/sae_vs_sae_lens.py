@@ -28,6 +28,7 @@ from attnlab.lab.sae_lab import (
     evaluate_sae,
     feature_page,
     format_metrics,
+    split_windows,
     token_windows,
     train_sae,
 )
@@ -74,8 +75,7 @@ def main() -> None:
     loaded = open_checkpoint(opts.ckpt)
     model, tok = loaded.model.eval(), loaded.tokenizer
     windows = token_windows(tok, opts.tokens + opts.eval_tokens, opts.context)
-    n_eval = -(-opts.eval_tokens // opts.context)
-    train_w, eval_w = windows[:-n_eval], windows[-n_eval:]
+    train_w, eval_w = split_windows(windows, -(-opts.eval_tokens // opts.context))
     acts = collect_activations(model, train_w, opts.hook)
     times["activations_s"] = time.perf_counter() - start
     cfg = SAEConfig(acts.shape[-1], opts.features, "topk", opts.k, hook_name=opts.hook)

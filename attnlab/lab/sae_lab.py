@@ -4,7 +4,8 @@
     ─> run_with_cache at the point ─> activations (N, C), shuffled ─> SAETrainer (lab/sae.py)
     ─> held-out windows: L0, explained variance, CE loss recovered, dead features, top tokens
 
-The metrics are SAELens' (sae_lens/evals.py), on the held-out end of the token stream:
+The metrics are SAELens' (sae_lens/evals.py), on held-out windows spread evenly through the
+token stream (every (W / held-out windows)-th one; the files are read in sorted order):
     L0                   mean over tokens of the number of non-zero features.
     explained variance   1 - E||x - x_hat||^2 / Var(x), Var(x) = E||x||^2 - ||E x||^2 (summed
                          over C; float64 sums, as its ExplainedVarianceCalculator).
@@ -81,6 +82,15 @@ def token_windows(tokenizer, n_tokens: int, context: int) -> Tensor:
             f"the stdlib corpus holds {len(ids)} tokens; ask for fewer than {n_tokens}"
         )
     return torch.tensor(ids[: W * context]).view(W, context)  # (W, T)
+
+
+def split_windows(windows: Tensor, n_eval: int) -> tuple[Tensor, Tensor]:
+    """(train, held out): every (W // n_eval)-th window is held out, so the metrics read text
+    from across the corpus rather than its last file alone."""
+    every = max(1, len(windows) // n_eval)
+    held = torch.zeros(len(windows), dtype=torch.bool)
+    held[every - 1 :: every][:n_eval] = True
+    return windows[~held], windows[held]
 
 
 @torch.no_grad()
@@ -189,8 +199,7 @@ def run_sae_lab(opts: SAELab) -> dict:
         raise ValueError(f"{opts.ckpt!r} has no tokenizer.json to read the text with")
     point_named(model, opts.hook)  # a ValueError naming the point, before any work
     windows = token_windows(tok, opts.tokens + opts.eval_tokens, opts.context)
-    n_eval = max(1, -(-opts.eval_tokens // opts.context))
-    train_w, eval_w = windows[:-n_eval], windows[-n_eval:]  # the held-out end
+    train_w, eval_w = split_windows(windows, -(-opts.eval_tokens // opts.context))
     acts = collect_activations(model, train_w, opts.hook)  # (N, C)
     C = acts.shape[-1]
     cfg = SAEConfig(C, opts.features or 8 * C, opts.kind, opts.k, **_kind_fields(opts, loaded.path))
