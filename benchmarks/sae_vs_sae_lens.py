@@ -7,7 +7,7 @@ sae-lens' TopKTrainingSAE from the same initial weights, stepped by sae-lens' ow
 held-out metrics (SAELens' definitions, lab/sae_lab.py). sae-lens comes in through the tests'
 shim (tests/lab/sae_lens_shim.py: why, there).
 
-    taskset -c 0 python benchmarks/sae_vs_sae_lens.py --ckpt SMOLLM2.gguf \
+    PYTHONPATH=. taskset -c 0 python benchmarks/sae_vs_sae_lens.py --ckpt SMOLLM2.gguf \
         --hook blocks.15.hook_resid_post --features 4608 --k 32 --tokens 131072 \
         --batch 1024 --lr 1e-3 --out runs/sae_smollm2
 """
