@@ -1,7 +1,8 @@
 """Experiments that test the seeds' claims: `attnlab lab extrapolate` (length extrapolation) and
 `attnlab lab heads` (what heads do),
 `attnlab lab patch` (activation patching and logit attribution),
-`attnlab lab moe` (dense against Mixture-of-Experts models at equal active and total parameters).
+`attnlab lab moe` (dense against Mixture-of-Experts models at equal active and total parameters),
+`attnlab lab sae` (a sparse autoencoder on one hook point, saved in SAELens' format).
 
 A small dispatcher: each experiment is one subcommand with one `<name>_main(args)` function and
 its flags (attnlab/lab/).
@@ -20,6 +21,7 @@ from attnlab.lab.extrapolate import Extrapolation, default_data, run_extrapolati
 from attnlab.lab.heads import COARSE_LEVELS, CURVES, HeadsLab, format_report, heads_lab
 from attnlab.lab.moe import MoELab, run_moe_lab
 from attnlab.lab.patching import patch_lab
+from attnlab.lab.sae_lab import SAELab, format_metrics, run_sae_lab
 
 EXTRAPOLATE_HELP = (
     "train small models that differ only in the position scheme at context L, then measure "
@@ -196,12 +198,33 @@ def moe_main(args: argparse.Namespace) -> int:
     return 0
 
 
+SAE_HELP = (
+    "train a sparse autoencoder (TopK or ReLU+L1, as SAELens) on one hook point over stdlib "
+    "text; save it in SAELens' format; L0, explained variance, CE loss recovered, dead "
+    "features and a page of each feature's top tokens on held-out text"
+)
+
+
+def add_sae_flags(p: argparse.ArgumentParser) -> None:
+    add_dataclass_flags(p, SAELab)
+
+
+def sae_main(args: argparse.Namespace) -> int:
+    """`attnlab lab sae`: train, save, measure; print the metrics."""
+    result = run_sae_lab(options_from_args(SAELab, args))
+    print(format_metrics(result))
+    for f in result["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
 # name: (help, add its flags, run it). One line per experiment.
 EXPERIMENTS = {
     "extrapolate": (EXTRAPOLATE_HELP, add_extrapolate_flags, extrapolate_main),
     "heads": (HEADS_HELP, add_heads_flags, heads_main),
     "patch": (PATCH_HELP, add_patch_flags, patch_main),
     "moe": (MOE_HELP, add_moe_flags, moe_main),
+    "sae": (SAE_HELP, add_sae_flags, sae_main),
 }
 
 

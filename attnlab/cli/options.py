@@ -309,6 +309,21 @@ def add_steer_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sae_steer_flag(p: argparse.ArgumentParser) -> None:
+    """`--sae-steer SAE_DIR FEATURE SCALE`, repeatable (`generate` and `serve` share it; the
+    values become steers through `lab.sae.sae_steers`)."""
+    p.add_argument(
+        "--sae-steer",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("SAE_DIR", "FEATURE", "SCALE"),
+        help="add SCALE x the decoder row of FEATURE of the SAE in SAE_DIR (SAELens' format, "
+        "e.g. from `attnlab lab sae`) at the SAE's hook point, every position; repeatable, "
+        "e.g. --sae-steer runs/sae/sae 12 8",
+    )
+
+
 def add_kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:
     """`--kv-cache-dtype auto|int8|fp8` (`generate` and `serve` share it)."""
     from attnlab.components.kv_cache import KV_CACHE_DTYPES

@@ -50,6 +50,7 @@ from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
     add_kv_cache_dtype_flag,
+    add_sae_steer_flag,
     add_speculative_flags,
     add_steer_flag,
     kv_cache_dtype_from_args,
@@ -61,6 +62,7 @@ from attnlab.inference.steering import steering, text_steers
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.interop.peft import CONFIG as PEFT_CONFIG
 from attnlab.interop.peft import read_adapters
+from attnlab.lab.sae import sae_steers
 from attnlab.models.config import ModelConfig
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
@@ -216,6 +218,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
     add_steer_flag(p)
+    add_sae_steer_flag(p)
     add_kv_cache_dtype_flag(p)
     add_speculative_flags(p)
     p.add_argument(
@@ -283,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     loaded = open_served(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    with steering(model, text_steers(model, tokenizer, args.steer)):  # every request, if any
+    steers = text_steers(model, tokenizer, args.steer) + sae_steers(model, args.sae_steer)
+    with steering(model, steers):  # every request, if any
         return serve(args, loaded, Engine, threads, device)
 
 

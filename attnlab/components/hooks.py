@@ -55,11 +55,15 @@ class HookPoint:
     Attributes:
         fns: the installed hooks; empty on the plain path.
         name: the point's path in the model the last `hook_points` call was made on.
+        attached: {full name: point} of a module a hook has put in this point's place while
+            it is active (lab/sae.py's `splice`: `blocks.3.hook_resid_post.hook_sae_acts_post`);
+            `hook_points` lists them after this point.
     """
 
     def __init__(self):
         self.fns: list[HookFn] = []
         self.name = ""
+        self.attached: dict[str, HookPoint] = {}  # points of a module spliced in here (an SAE)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.run(x) if self.fns else x  # a point without hooks: one list test
@@ -89,6 +93,7 @@ def hook_points(model: nn.Module) -> dict[str, HookPoint]:
         for attr, value in vars(module).items()
         if isinstance(value, HookPoint)
     }
+    points |= {n: p for point in list(points.values()) for n, p in point.attached.items()}
     for name, point in points.items():
         point.name = name
     return points
@@ -157,6 +162,12 @@ def _select(
         f"no hook point {which!r} in this model (e.g. {near or list(points)[:3]}); "
         "hook_points(model) lists attnlab's names, tl_points(model) TransformerLens'"
     )
+
+
+def point_named(model: nn.Module, name: str) -> tuple[HookPoint, Alias | None]:
+    """The point `name` (attnlab's or TransformerLens') names, and its alias (None: attnlab's
+    own name); a ValueError with near names when the model has no such point."""
+    return _select(model, hook_points(model), name, "attnlab", {})[0]
 
 
 @contextmanager

@@ -1,6 +1,8 @@
 """Steering: add a vector to the residual stream at chosen layers while the model runs.
 
     Steer(layer, vector, scale)          scale * vector added to blocks.<layer>.hook_resid_pre
+    Steer(0, vector, scale, point=NAME)  ... added at any hook point instead (an SAE feature's
+                                         decoder row at the SAE's point: lab/sae.py's sae_steers)
     difference_vector(model, a, b, layer)   mean activation of prompt a minus that of prompt b
     steering(model, steers)              a `with` block in which every forward is steered
     parse_steer(["6", " Love", " Hate", "4"])   the `attnlab generate --steer` flag
@@ -41,11 +43,14 @@ class Steer:
         layer: the block index (0 = the embeddings' stream); negative counts from the end.
         vector: (C,).
         scale: its multiplier.
+        point: a hook point's name (attnlab's or TransformerLens'): the vector is added there
+            instead, and `layer` is not read; its width is the caller's to check.
     """
 
     layer: int
     vector: Tensor
     scale: float = 1.0
+    point: str = ""
 
 
 def _block_index(model: nn.Module, layer: int) -> int:
@@ -78,6 +83,9 @@ def steering(model: nn.Module, steers: Sequence[Steer]) -> Iterator[None]:
     C = model.embed.weight.shape[1]  # d_model
     fwd = []
     for s in steers:
+        if s.point:
+            fwd.append((s.point, add_vector(s.scale * s.vector.detach().float())))
+            continue
         if tuple(s.vector.shape) != (C,):
             raise ValueError(f"a steering vector of shape {tuple(s.vector.shape)}; give ({C},)")
         point = POINT.format(_block_index(model, s.layer))
