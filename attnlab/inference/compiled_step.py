@@ -50,9 +50,10 @@ from attnlab.inference.steps import decode_step
 # one multiply-add per weight.
 REALIZE_OPCOUNT = 8
 # The generated code's wrapper (what calls each kernel and each int4/int8 matmul in turn) in C++
-# instead of Python: SmolLM2's step makes ~250 calls, and at the AVX2 level, one thread, its int8
-# step ran 97.8 tok/s against 85.6 with the Python wrapper. Its first compile takes longer (153
-# against 64 s for that step, the C++ compiler's 114 s of it), once: inductor caches it on disk.
+# instead of Python: SmolLM2's step makes over 300 calls (210 matmuls). At the AVX2 level, one
+# thread, its int8 step ran 97.8 tok/s against 85.6 with the Python wrapper (benchmarks/README.md
+# section 9a). Its first compile takes longer (153 against 64 s, the C++ compiler's 114 s of it),
+# once: inductor caches the library on disk.
 CPP_WRAPPER = {"cpp_wrapper": True}
 
 
