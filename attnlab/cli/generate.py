@@ -33,22 +33,21 @@ from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
     add_kv_cache_dtype_flag,
-    add_sae_steer_flag,
     add_sampling_flags,
     add_speculative_flags,
-    add_steer_flag,
+    add_steer_flags,
     device_from_args,
     kv_cache_dtype_from_args,
     sampling_from_args,
     speculative_from_args,
+    steers_from_args,
 )
 from attnlab.finetune.sequences import ChatFormat
 from attnlab.inference.config import GenerationConfig
 from attnlab.inference.constraints import Constraint
 from attnlab.inference.generate import generate_text
 from attnlab.inference.sampling import chat_sampling
-from attnlab.inference.steering import steering, text_steers
-from attnlab.lab.sae import sae_steers
+from attnlab.inference.steering import steering
 
 GENERATORS = ("decoder", "encoder_decoder")  # cli/kinds.py
 DEFAULTS = GenerationConfig()  # the defaults of the flags that are not SamplingConfig's
@@ -142,8 +141,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the generation's speed to stderr (with --speculative: its acceptance rate)",
     )
-    add_steer_flag(p)
-    add_sae_steer_flag(p)
+    add_steer_flags(p)
     add_kv_cache_dtype_flag(p)
     add_sampling_flags(p)
     add_speculative_flags(p)
@@ -192,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     speculative = speculative_from_args(args, device, tokenizer)
     step_fn = compiled_step(model, args, speculative)
     start = time.perf_counter()
-    steers = text_steers(model, tokenizer, args.steer) + sae_steers(model, args.sae_steer)
+    steers = steers_from_args(model, tokenizer, args)
     with steering(model, steers):  # no --steer / --sae-steer: no hooks
         text = generate_text(
             model,

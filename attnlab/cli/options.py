@@ -294,9 +294,9 @@ def sampling_from_args(args: argparse.Namespace, base=None):
     return configs[SAMPLING]
 
 
-def add_steer_flag(p: argparse.ArgumentParser) -> None:
-    """`--steer LAYER TEXT_A TEXT_B SCALE`, repeatable (`generate` and `serve` share it; the
-    values become steers through `inference.steering.text_steers`)."""
+def add_steer_flags(p: argparse.ArgumentParser) -> None:
+    """`--steer LAYER TEXT_A TEXT_B SCALE` and `--sae-steer SAE_DIR FEATURE SCALE`, each
+    repeatable (`generate` and `serve` share them; `steers_from_args` reads them)."""
     p.add_argument(
         "--steer",
         nargs=4,
@@ -307,11 +307,6 @@ def add_steer_flag(p: argparse.ArgumentParser) -> None:
         "entering block LAYER at every position (activation addition); repeatable, e.g. "
         "--steer 3 ' love' ' hate' 4",
     )
-
-
-def add_sae_steer_flag(p: argparse.ArgumentParser) -> None:
-    """`--sae-steer SAE_DIR FEATURE SCALE`, repeatable (`generate` and `serve` share it; the
-    values become steers through `lab.sae.sae_steers`)."""
     p.add_argument(
         "--sae-steer",
         nargs=3,
@@ -322,6 +317,15 @@ def add_sae_steer_flag(p: argparse.ArgumentParser) -> None:
         "e.g. from `attnlab lab sae`) at the SAE's hook point, every position; repeatable, "
         "e.g. --sae-steer runs/sae/sae 12 8",
     )
+
+
+def steers_from_args(model, tokenizer, args: argparse.Namespace) -> list:
+    """The Steers `add_steer_flags`' flags name (inference.steering.text_steers, then
+    lab.sae.sae_steers); empty without them."""
+    from attnlab.inference.steering import text_steers
+    from attnlab.lab.sae import sae_steers
+
+    return text_steers(model, tokenizer, args.steer) + sae_steers(model, args.sae_steer)
 
 
 def add_kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:

@@ -50,19 +50,18 @@ from attnlab.cli.kinds import require
 from attnlab.cli.options import (
     add_ckpt_flag,
     add_kv_cache_dtype_flag,
-    add_sae_steer_flag,
     add_speculative_flags,
-    add_steer_flag,
+    add_steer_flags,
     kv_cache_dtype_from_args,
     speculative_from_args,
+    steers_from_args,
 )
 from attnlab.configs import from_dict
 from attnlab.inference.sampling import CHAT_SAMPLING, chat_sampling, describe
-from attnlab.inference.steering import steering, text_steers
+from attnlab.inference.steering import steering
 from attnlab.inference.steps import decoder_of, prefix_length
 from attnlab.interop.peft import CONFIG as PEFT_CONFIG
 from attnlab.interop.peft import read_adapters
-from attnlab.lab.sae import sae_steers
 from attnlab.models.config import ModelConfig
 from attnlab.serve.app import bind, create_app, run_server
 from attnlab.serve.protocol import Settings
@@ -217,8 +216,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds running requests get to finish (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
-    add_steer_flag(p)
-    add_sae_steer_flag(p)
+    add_steer_flags(p)
     add_kv_cache_dtype_flag(p)
     add_speculative_flags(p)
     p.add_argument(
@@ -286,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     loaded = open_served(args.ckpt, device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    steers = text_steers(model, tokenizer, args.steer) + sae_steers(model, args.sae_steer)
+    steers = steers_from_args(model, tokenizer, args)
     with steering(model, steers):  # every request, if any
         return serve(args, loaded, Engine, threads, device)
 
